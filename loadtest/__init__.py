@@ -1,0 +1,1 @@
+"""Workloads, benchmark drivers, stand-in servers and the demo for Ferry."""

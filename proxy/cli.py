@@ -1,0 +1,113 @@
+"""The `ferry` command: the front door. Each subcommand imports what it needs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+from proxy.policy import POLICIES
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ferry", description="Llumnix-style LLM load balancer")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="YAML configuration file")
+    source.add_argument("--backend", action="append", metavar="URL",
+                        help="a vLLM base URL (repeat for more); quick start without YAML")
+    serve.add_argument("--policy", choices=sorted(POLICIES), help="dispatch policy (with --backend)")
+    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port (default 8000)")
+    serve.add_argument("--admin-token", help="bearer token for /admin (or FERRY_ADMIN_TOKEN)")
+    serve.add_argument("--log-level", default="INFO")
+
+    status = sub.add_parser("status", help="print the instances of a running ferry")
+    status.add_argument("--url", default="http://127.0.0.1:8000")
+    status.add_argument("--admin-token", help="bearer token (or FERRY_ADMIN_TOKEN)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _status(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import uvloop
+
+    from proxy.config import ConfigError, config_from_backends, load_config
+    from proxy.server import serve
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.config:
+            if args.policy:
+                raise ConfigError("--policy: set scheduler.policy in the YAML file instead")
+            config = load_config(args.config)
+        else:
+            config = config_from_backends(args.backend, policy=args.policy or "llumnix")
+    except ConfigError as exc:
+        print(f"ferry: configuration error: {exc}", file=sys.stderr)
+        return 2
+    server = config.server
+    if args.host or args.port is not None:
+        server = dataclasses.replace(
+            server, host=args.host or server.host,
+            port=server.port if args.port is None else args.port,
+        )
+    token = args.admin_token or config.admin_token
+    config = dataclasses.replace(config, server=server, admin_token=token)
+    uvloop.run(serve(config))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    token = args.admin_token or os.environ.get("FERRY_ADMIN_TOKEN", "")
+    request = urllib.request.Request(
+        args.url.rstrip("/") + "/admin/instances", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            rows = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        print(f"ferry status: HTTP {exc.code}: {detail}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"ferry status: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = ["NAME", "URL", "HEALTHY", "DRAINING", "MIGRATION", "INFLIGHT", "FREENESS",
+              "RUNNING", "WAITING", "KV%", "AGE_S"]
+    table = [header]
+    for r in rows:
+        snap = r.get("snapshot") or {}
+        free = r.get("freeness")
+        table.append([
+            r["name"], r["url"], "yes" if r["healthy"] else "NO", "yes" if r["draining"] else "no",
+            r.get("migration", "off"), str(r["inflight"]),
+            "-" if free is None else f"{free:.1f}",
+            str(snap.get("running", "-")), str(snap.get("waiting", "-")),
+            "-" if "kv_usage" not in snap else f"{100 * snap['kv_usage']:.1f}",
+            str(snap.get("age_s", "-")),
+        ])
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

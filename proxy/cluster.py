@@ -1,0 +1,140 @@
+"""Cluster state: each instance's last snapshot and health, joined with the ledger.
+
+The scheduler reads `view()`: an immutable `ClusterView` rebuilt lazily, one
+instance at a time, only for instances whose inputs changed (a scrape, a
+dispatch, a release, a request crossing a KV block boundary). A decision over N
+instances therefore costs one tuple lookup plus the policy's one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from adapters import EngineSnapshot
+from proxy.config import InstanceConfig
+from proxy.ledger import Ledger
+from proxy.policy import ClusterView, InstanceView, UsageSettings, instance_freeness, virtual_usage
+
+
+@dataclass(slots=True)
+class InstanceState:
+    config: InstanceConfig
+    snapshot: EngineSnapshot | None = None
+    snapshot_at: float | None = None  # monotonic seconds of the last good scrape
+    healthy: bool = False  # until the first good scrape
+    draining: bool = False
+    failures: int = 0  # consecutive failed scrapes
+    last_error: str | None = None
+    models: frozenset[str] = frozenset()
+    model_cards: tuple[dict[str, Any], ...] = ()
+    # Load the engine reports beyond Ferry's ledger (traffic bypassing the proxy),
+    # measured at the last scrape and carried until the next one.
+    external_blocks: float = 0.0
+    external_requests: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def url(self) -> str:
+        return self.config.url.rstrip("/")
+
+
+class Cluster:
+    def __init__(
+        self,
+        instances: tuple[InstanceConfig, ...],
+        usage: UsageSettings,
+        unhealthy_after_failures: int,
+    ) -> None:
+        self.instances = {c.name: InstanceState(c) for c in instances}
+        self.ledger = Ledger(on_change=self._invalidate)
+        self.usage = usage
+        self.unhealthy_after_failures = unhealthy_after_failures
+        self.dispatch_seq = 0
+        self._views: dict[str, InstanceView] = {}
+        self._all: tuple[InstanceView, ...] | None = None
+
+    def view(self) -> ClusterView:
+        if self._all is None:
+            for name, state in self.instances.items():
+                if name not in self._views:
+                    self._views[name] = self._build(state)
+            self._all = tuple(self._views[name] for name in self.instances)
+        return ClusterView(self._all, self.dispatch_seq)
+
+    def instance_view(self, name: str) -> InstanceView:
+        self.view()
+        return self._views[name]
+
+    def record_scrape(self, name: str, snapshot: EngineSnapshot, now: float) -> None:
+        state = self.instances[name]
+        state.snapshot, state.snapshot_at = snapshot, now
+        state.failures, state.last_error, state.healthy = 0, None, True
+        self.ledger.set_block_size(name, snapshot.block_size)
+        ledger_blocks = sum(e.blocks for e in self.ledger.entries(name))
+        state.external_blocks = max(0.0, snapshot.kv_blocks_used - ledger_blocks)
+        state.external_requests = max(
+            0, snapshot.running + snapshot.waiting - self.ledger.count(name)
+        )
+        self._invalidate(name)
+
+    def record_scrape_failure(self, name: str, error: str) -> None:
+        state = self.instances[name]
+        state.failures += 1
+        state.last_error = error
+        if state.failures >= self.unhealthy_after_failures and state.healthy:
+            state.healthy = False
+            self._invalidate(name)
+
+    def record_models(self, name: str, cards: list[dict[str, Any]]) -> None:
+        state = self.instances[name]
+        state.model_cards = tuple(cards)
+        state.models = frozenset(str(c.get("id")) for c in cards)
+        self._invalidate(name)
+
+    def mark_unreachable(self, name: str, error: str) -> None:
+        """A connection to the instance failed: no traffic until a scrape succeeds."""
+        state = self.instances[name]
+        state.last_error = error
+        if state.healthy:
+            state.healthy = False
+            self._invalidate(name)
+
+    def set_draining(self, name: str, draining: bool) -> None:
+        self.instances[name].draining = draining
+        self._invalidate(name)
+
+    def note_dispatch(self) -> None:
+        self.dispatch_seq += 1
+
+    def _invalidate(self, name: str) -> None:
+        self._views.pop(name, None)
+        self._all = None
+
+    def _build(self, state: InstanceState) -> InstanceView:
+        snap = state.snapshot
+        block_size = snap.block_size if snap and snap.block_size else 16
+        entries = list(self.ledger.entries(state.name))
+        virtual = state.external_blocks + sum(
+            virtual_usage(e.prompt_tokens, e.generated_tokens, e.priority, block_size, self.usage)
+            for e in entries
+        )
+        batch = len(entries) + state.external_requests
+        capacity = snap.kv_blocks_total if snap else 0
+        return InstanceView(
+            name=state.name,
+            freeness=instance_freeness(capacity, virtual, batch, draining=state.draining),
+            inflight=len(entries),
+            capacity_blocks=capacity,
+            virtual_blocks=virtual,
+            batch=batch,
+            kv_usage=snap.kv_usage if snap else 0.0,
+            engine_running=snap.running if snap else 0,
+            engine_waiting=snap.waiting if snap else 0,
+            healthy=state.healthy,
+            draining=state.draining,
+            models=state.models,
+        )

@@ -1,0 +1,224 @@
+"""Ferry's configuration: YAML -> frozen dataclasses, validated in one place.
+
+Unknown keys are errors, and every error names the YAML path and what is
+allowed, e.g. `instances[1].migration: must be one of off, lite, full (got 'on')`.
+Loading has no side effects; reload is all-or-nothing (load, then swap).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from proxy.policy import POLICIES
+
+ENGINES = ("vllm",)
+MIGRATION_MODES = ("off", "lite", "full")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the YAML path."""
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceConfig:
+    name: str
+    url: str
+    engine: str = "vllm"
+    labels: dict[str, str] = field(default_factory=dict)
+    migration: str = "off"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: str = "llumnix"
+    scrape_interval_s: float = 0.25
+    scrape_timeout_s: float = 1.0
+    unhealthy_after_failures: int = 3  # consecutive failed scrapes
+    models_refresh_s: float = 10.0
+    topk: int = 1  # llumnix: random among the k freest
+    high_priority_headroom_blocks: float = 0.0  # virtual usage a high request reserves
+    seed: int | None = None  # dispatch randomness; None seeds from the OS
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    upstream_connect_timeout_s: float = 3.0
+    upstream_read_timeout_s: float = 600.0  # between two chunks of one response
+    retry_after_s: int = 1  # told to clients with 503
+
+
+@dataclass(frozen=True, slots=True)
+class FerryConfig:
+    instances: tuple[InstanceConfig, ...]
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    admin_token: str | None = None
+
+
+def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryConfig:
+    """Read and validate a YAML file. `FERRY_ADMIN_TOKEN` fills a missing admin_token."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_config(raw, env=env)
+
+
+def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
+    env = dict(os.environ) if env is None else env
+    top = _mapping(raw, "(top level)")
+    _reject_unknown(top, {"instances", "scheduler", "server", "admin_token"}, "")
+    instances = _instances(top.get("instances"))
+    scheduler = _section(SchedulerConfig, top.get("scheduler", {}), "scheduler")
+    server = _section(ServerConfig, top.get("server", {}), "server")
+    _check_scheduler(scheduler)
+    _check_server(server)
+    token = top.get("admin_token")
+    if token is not None and not isinstance(token, str):
+        raise ConfigError("admin_token: must be a string")
+    return FerryConfig(
+        instances=instances,
+        scheduler=scheduler,
+        server=server,
+        admin_token=token or env.get("FERRY_ADMIN_TOKEN") or None,
+    )
+
+
+def config_from_backends(
+    urls: list[str], *, policy: str = "llumnix", port: int = 8000, host: str = "127.0.0.1",
+    migration: str = "off",
+) -> FerryConfig:
+    """The quick start: `ferry serve --backend URL ...`; names come from host:port."""
+    raw = {
+        "instances": [
+            {"name": _name_from_url(u), "url": u, "migration": migration} for u in urls
+        ],
+        "scheduler": {"policy": policy},
+        "server": {"host": host, "port": port},
+    }
+    return parse_config(raw)
+
+
+def _instances(raw: Any) -> tuple[InstanceConfig, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("instances: must be a non-empty list of {name, url, engine}")
+    result: list[InstanceConfig] = []
+    names: set[str] = set()
+    for i, item in enumerate(raw):
+        where = f"instances[{i}]"
+        entry = dict(_mapping(item, where))
+        # YAML 1.1 reads a bare `off` as false.
+        if entry.get("migration") is False:
+            entry["migration"] = "off"
+        inst = _section(InstanceConfig, entry, where, required=("name", "url"))
+        if not inst.name or "/" in inst.name:
+            raise ConfigError(f"{where}.name: must be non-empty and contain no '/'")
+        if inst.name in names:
+            raise ConfigError(f"{where}.name: duplicate instance name {inst.name!r}")
+        names.add(inst.name)
+        parts = urlsplit(inst.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{where}.url: must be an http(s) base URL (got {inst.url!r})")
+        if inst.engine not in ENGINES:
+            raise ConfigError(f"{where}.engine: must be one of {', '.join(ENGINES)}")
+        if inst.migration not in MIGRATION_MODES:
+            raise ConfigError(
+                f"{where}.migration: must be one of {', '.join(MIGRATION_MODES)} "
+                f"(got {inst.migration!r})"
+            )
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.labels.items()):
+            raise ConfigError(f"{where}.labels: must map strings to strings")
+        result.append(inst)
+    return tuple(result)
+
+
+def _check_scheduler(s: SchedulerConfig) -> None:
+    if s.policy not in POLICIES:
+        raise ConfigError(
+            f"scheduler.policy: must be one of {', '.join(sorted(POLICIES))} (got {s.policy!r})"
+        )
+    if not 0.01 <= s.scrape_interval_s <= 60:
+        raise ConfigError("scheduler.scrape_interval_s: must be between 0.01 and 60 seconds")
+    if s.scrape_timeout_s <= 0:
+        raise ConfigError("scheduler.scrape_timeout_s: must be positive")
+    if s.unhealthy_after_failures < 1:
+        raise ConfigError("scheduler.unhealthy_after_failures: must be at least 1")
+    if s.topk < 1:
+        raise ConfigError("scheduler.topk: must be at least 1")
+    if s.high_priority_headroom_blocks < 0:
+        raise ConfigError("scheduler.high_priority_headroom_blocks: must not be negative")
+
+
+def _check_server(s: ServerConfig) -> None:
+    if not 0 <= s.port <= 65535:
+        raise ConfigError("server.port: must be between 0 and 65535")
+    if s.max_body_bytes < 1024:
+        raise ConfigError("server.max_body_bytes: must be at least 1024")
+    if s.upstream_connect_timeout_s <= 0 or s.upstream_read_timeout_s <= 0:
+        raise ConfigError("server.upstream_*_timeout_s: must be positive")
+
+
+def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> Any:
+    """Build dataclass `cls` from mapping `raw`, checking keys and scalar types."""
+    data = _mapping(raw, where)
+    known = {f.name: f for f in fields(cls)}
+    _reject_unknown(data, set(known), where)
+    for key in required:
+        if key not in data:
+            raise ConfigError(f"{where}.{key}: is required")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        type_name = str(known[key].type)
+        expected = _SCALAR_TYPES[type_name]
+        # bool is an int to isinstance, but `port: true` is a mistake, not 1.
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {value!r})")
+        values[key] = float(value) if type_name == "float" else value
+    return cls(**values)
+
+
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "int | None": (int, type(None)),
+    "dict[str, str]": (dict,),
+}
+
+
+def _mapping(raw: Any, where: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a mapping (got {type(raw).__name__})")
+    return raw
+
+
+def _reject_unknown(data: dict[str, Any], known: set[str], where: str) -> None:
+    for key in data:
+        if key not in known:
+            raise ConfigError(
+                f"{_join(where, str(key))}: unknown key; allowed: {', '.join(sorted(known))}"
+            )
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _name_from_url(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.netloc or url

@@ -1,0 +1,62 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, object]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=json.dumps(error_body(status, message, code=code, param=param)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+    """Turn aiohttp's own HTTP errors (404 route, 405, 413) into the OpenAI shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason, headers=_keep_headers(exc))
+
+
+def _keep_headers(exc: web.HTTPException) -> dict[str, str]:
+    return {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}

@@ -1,0 +1,92 @@
+"""The ledger: every request Ferry has in flight, by instance.
+
+A request is recorded the moment it is dispatched (prompt tokens estimated),
+corrected when the engine reports its prompt ids, credited per generated token
+from the stream, and released on finish, error or client disconnect. The
+scheduler reads it between scrapes, so a burst never piles onto an instance
+whose last scrape looked idle.
+
+`on_change(instance)` fires when something a view depends on changed: a
+request came or went, or one crossed a KV block boundary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from proxy.policy import Priority
+from proxy.policy.virtual_usage import request_blocks
+
+
+@dataclass(slots=True)
+class LedgerEntry:
+    id: int
+    instance: str
+    model: str
+    priority: Priority
+    arrival: float  # monotonic seconds
+    prompt_tokens: int
+    prompt_exact: bool = False  # True once the engine reported prompt ids
+    generated_tokens: int = 0
+    blocks: int = 0  # KV blocks at the instance's block size, kept to detect crossings
+
+
+class Ledger:
+    def __init__(self, on_change: Callable[[str], None] = lambda _: None) -> None:
+        self._by_instance: dict[str, dict[int, LedgerEntry]] = {}
+        self._ids = itertools.count(1)
+        self._on_change = on_change
+        self._block_size: dict[str, int] = {}
+
+    def set_block_size(self, instance: str, block_size: int) -> None:
+        if block_size > 0 and self._block_size.get(instance) != block_size:
+            self._block_size[instance] = block_size
+            for entry in self.entries(instance):
+                entry.blocks = self._blocks(entry)
+            self._on_change(instance)
+
+    def add(
+        self, instance: str, model: str, priority: Priority, prompt_tokens: int, now: float
+    ) -> LedgerEntry:
+        entry = LedgerEntry(next(self._ids), instance, model, priority, now, prompt_tokens)
+        entry.blocks = self._blocks(entry)
+        self._by_instance.setdefault(instance, {})[entry.id] = entry
+        self._on_change(instance)
+        return entry
+
+    def set_prompt_tokens(self, entry: LedgerEntry, tokens: int) -> None:
+        entry.prompt_tokens = tokens
+        entry.prompt_exact = True
+        self._rebill(entry)
+
+    def add_generated(self, entry: LedgerEntry, tokens: int) -> None:
+        entry.generated_tokens += tokens
+        self._rebill(entry)
+
+    def release(self, entry: LedgerEntry) -> None:
+        requests = self._by_instance.get(entry.instance)
+        if requests is not None and requests.pop(entry.id, None) is not None:
+            self._on_change(entry.instance)
+
+    def entries(self, instance: str) -> Iterator[LedgerEntry]:
+        return iter(list(self._by_instance.get(instance, {}).values()))
+
+    def count(self, instance: str) -> int:
+        return len(self._by_instance.get(instance, ()))
+
+    def total(self) -> int:
+        return sum(len(r) for r in self._by_instance.values())
+
+    def _blocks(self, entry: LedgerEntry) -> int:
+        # 16 tokens is vLLM's GPU default, used until the first scrape says otherwise.
+        size = self._block_size.get(entry.instance, 16)
+        return request_blocks(entry.prompt_tokens + entry.generated_tokens, size)
+
+    def _rebill(self, entry: LedgerEntry) -> None:
+        blocks = self._blocks(entry)
+        if blocks != entry.blocks:
+            entry.blocks = blocks
+            if entry.id in self._by_instance.get(entry.instance, {}):
+                self._on_change(entry.instance)

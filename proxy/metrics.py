@@ -1,0 +1,71 @@
+"""Ferry's own Prometheus metrics (`ferry_` prefix), on a registry of its own.
+
+Latencies are as the client sees them: time to first token from the moment the
+request reached Ferry, inter-token latency between two relayed token chunks.
+Per-instance gauges are refreshed from the cluster view at each `/metrics` read.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from proxy.cluster import Cluster
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+)
+_DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
+
+
+class FerryMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "ferry_requests", "Requests relayed, by instance and outcome.",
+            ["instance", "outcome"], registry=r,
+        )
+        self.ttft = Histogram(
+            "ferry_time_to_first_token_seconds", "Time to first token as the client sees it.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "ferry_inter_token_latency_seconds", "Gap between two token chunks relayed.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.decision = Histogram(
+            "ferry_dispatch_decision_seconds", "Time to choose an instance for one request.",
+            buckets=_DECISION_BUCKETS, registry=r,
+        )
+        self.scrape_errors = Counter(
+            "ferry_scrape_errors", "Failed metric scrapes by instance.", ["instance"], registry=r,
+        )
+        self.inflight = Gauge(
+            "ferry_inflight_requests", "Requests in flight by instance.", ["instance"], registry=r,
+        )
+        self.freeness = Gauge(
+            "ferry_instance_freeness", "Llumnix freeness (KV blocks per request).",
+            ["instance"], registry=r,
+        )
+        self.healthy = Gauge(
+            "ferry_instance_healthy", "1 if the instance takes traffic.", ["instance"], registry=r,
+        )
+        self.draining = Gauge(
+            "ferry_instance_draining", "1 if the instance is draining.", ["instance"], registry=r,
+        )
+        self.scrape_age = Gauge(
+            "ferry_scrape_age_seconds", "Age of the last good scrape.", ["instance"], registry=r,
+        )
+
+    def render(self, cluster: Cluster, now: float | None = None) -> bytes:
+        now = time.monotonic() if now is None else now
+        for view in cluster.view().instances:
+            state = cluster.instances[view.name]
+            self.inflight.labels(view.name).set(view.inflight)
+            self.freeness.labels(view.name).set(view.freeness)
+            self.healthy.labels(view.name).set(1 if view.healthy else 0)
+            self.draining.labels(view.name).set(1 if view.draining else 0)
+            age = now - state.snapshot_at if state.snapshot_at is not None else float("inf")
+            self.scrape_age.labels(view.name).set(age)
+        return generate_latest(self.registry)

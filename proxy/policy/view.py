@@ -1,0 +1,68 @@
+"""Frozen inputs of the policy core: what a decision may look at."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Priority(enum.IntEnum):
+    """Request priority, from the `x-ferry-priority` header. Higher is more urgent."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+
+    @classmethod
+    def parse(cls, text: str) -> Priority:
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"priority must be one of high, normal, low (got {text!r})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchRequest:
+    """The request being placed. `prompt_tokens` is an estimate before dispatch."""
+
+    model: str | None  # None: any instance (a pass-through call that names no model)
+    prompt_tokens: int = 0
+    priority: Priority = Priority.NORMAL
+    exclude: frozenset[str] = frozenset()  # instances already tried for this request
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One instance as the scheduler sees it at one decision.
+
+    `freeness` is Llumnix's F = (M - sum of virtual usage) / B in KV blocks per
+    request, computed by `virtual_usage.instance_freeness` when the view is built
+    (so a dispatch over N instances is one pass of comparisons). Fields read from
+    the engine's last scrape are `engine_*` and `kv_usage`.
+    """
+
+    name: str
+    freeness: float
+    inflight: int = 0  # requests this proxy has in flight on the instance
+    capacity_blocks: int = 0  # M; 0 when the engine does not say
+    virtual_blocks: float = 0.0
+    batch: int = 0  # B: ledger requests plus ones that bypassed the proxy
+    kv_usage: float = 0.0  # scraped, 0..1
+    engine_running: int = 0
+    engine_waiting: int = 0
+    healthy: bool = True
+    draining: bool = False
+    models: frozenset[str] = frozenset()
+
+    @property
+    def dispatchable(self) -> bool:
+        return self.healthy and not self.draining
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """All instances at one decision, plus the count of decisions made so far
+    (round-robin's cursor, kept outside the policy so the policy stays pure)."""
+
+    instances: tuple[InstanceView, ...]
+    dispatch_seq: int = 0

@@ -1,0 +1,293 @@
+"""Forwarding one OpenAI request: dispatch, call the instance, relay the answer.
+
+The ledger records the request before the upstream call starts and releases it
+in `finally`, whatever happens: finish, upstream error, or client disconnect
+(aiohttp cancels the handler; closing the upstream connection makes vLLM abort
+the request). A connection failure before the first byte is retried once on
+another instance; the failed one is marked unhealthy until a scrape succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy import token_ids
+from proxy.cluster import Cluster
+from proxy.config import ServerConfig
+from proxy.errors import error_body, error_response
+from proxy.ledger import LedgerEntry
+from proxy.metrics import FerryMetrics
+from proxy.policy import DispatchRequest, InstanceView, NoCandidate, Priority, dispatch
+from proxy.policy.policies import DispatchPolicy
+
+# Failures that happen before the instance produced anything: safe to retry.
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# Failures of a stream already under way.
+_STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+_FORWARD_HEADERS = ("authorization", "x-request-id", "openai-organization", "openai-project")
+_ATTEMPTS = 2  # the first try and one retry on another instance
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, as vLLM writes it, so relayed bodies keep their shape."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Relay:
+    def __init__(
+        self,
+        cluster: Cluster,
+        policy: DispatchPolicy,
+        metrics: FerryMetrics,
+        session: aiohttp.ClientSession,
+        server: ServerConfig,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.metrics = metrics
+        self.session = session
+        self.rng = rng
+        self.clock = clock
+        self.retry_after = str(server.retry_after_s)
+        self.timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=server.upstream_connect_timeout_s,
+            sock_read=server.upstream_read_timeout_s,
+        )
+
+    def choose(self, request: DispatchRequest) -> InstanceView:
+        started = time.perf_counter()
+        view = self.cluster.view()
+        chosen = dispatch(self.policy, request, view, self.rng)
+        self.cluster.note_dispatch()
+        self.metrics.decision.observe(time.perf_counter() - started)
+        return chosen
+
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any] | None,
+        raw: bytes,
+        *,
+        model: str | None,
+        priority: Priority,
+        prompt_estimate: int,
+        arrived: float,
+    ) -> web.StreamResponse:
+        """Relay a request to the instance the policy picks. `body` is None for a
+        pass-through call whose body Ferry does not read."""
+        send, wants_ids = (raw, True) if body is None else _prepare(body)
+        stream = bool(body and body.get("stream"))
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        if request.content_type:
+            headers["Content-Type"] = request.content_type
+        tried: set[str] = set()
+        for _ in range(_ATTEMPTS):
+            try:
+                chosen = self.choose(
+                    DispatchRequest(model, prompt_estimate, priority, frozenset(tried))
+                )
+            except NoCandidate as exc:
+                if exc.model_unknown:
+                    return error_response(404, exc.reason, code="model_not_found", param="model")
+                return error_response(
+                    503, exc.reason, code="no_instance", headers={"Retry-After": self.retry_after}
+                )
+            name = chosen.name
+            entry = self.cluster.ledger.add(name, model or "", priority, prompt_estimate, arrived)
+            try:
+                upstream = await self.session.request(
+                    request.method,
+                    self.cluster.instances[name].url + path,
+                    data=send,
+                    headers=headers,
+                    params=request.query,
+                    timeout=self.timeout,
+                )
+            except _CONNECT_ERRORS as exc:
+                self.cluster.ledger.release(entry)
+                self.cluster.mark_unreachable(name, f"{type(exc).__name__}: {exc}")
+                self.metrics.requests.labels(name, "connect_error").inc()
+                tried.add(name)
+                continue
+            except BaseException:
+                self.cluster.ledger.release(entry)
+                raise
+            outcome = "error"
+            try:
+                if stream and upstream.status == 200:
+                    response, outcome = await self._stream(request, upstream, entry, wants_ids, arrived)
+                else:
+                    response, outcome = await self._whole(upstream, entry, wants_ids, body is None)
+                upstream.release()
+                return response
+            except asyncio.CancelledError:
+                outcome = "client_disconnect"
+                raise
+            finally:
+                upstream.close()  # a no-op after release(); aborts the upstream otherwise
+                self.cluster.ledger.release(entry)
+                self.metrics.requests.labels(name, outcome).inc()
+        return error_response(
+            503,
+            f"could not connect to any instance (tried {', '.join(sorted(tried))})",
+            code="no_instance",
+            headers={"Retry-After": self.retry_after},
+        )
+
+    async def _whole(
+        self,
+        upstream: aiohttp.ClientResponse,
+        entry: LedgerEntry,
+        wants_ids: bool,
+        passthrough: bool,
+    ) -> tuple[web.StreamResponse, str]:
+        try:
+            raw = await upstream.read()
+        except _STREAM_ERRORS as exc:
+            return _upstream_failed(entry.instance, exc), "upstream_error"
+        status = upstream.status
+        if status >= 500:
+            message = f"instance {entry.instance} answered HTTP {status}: {_message_of(raw)}"
+            return error_response(502, message, code="upstream_error"), "upstream_5xx"
+        outcome = "ok" if status < 400 else "upstream_4xx"
+        if status == 200 and not passthrough:
+            raw = self._account_whole(raw, entry, wants_ids)
+        response = web.Response(
+            status=status,
+            body=raw,
+            headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"),
+                     "x-ferry-instance": entry.instance},
+        )
+        return response, outcome
+
+    def _account_whole(self, raw: bytes, entry: LedgerEntry, wants_ids: bool) -> bytes:
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return raw
+        if not isinstance(obj, dict):
+            return raw
+        prompt, generated = token_ids.count(obj)
+        if prompt is not None:
+            self.cluster.ledger.set_prompt_tokens(entry, prompt)
+        self.cluster.ledger.add_generated(entry, generated)
+        if wants_ids:
+            return raw
+        token_ids.hide(obj)
+        return dumps(obj)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        entry: LedgerEntry,
+        wants_ids: bool,
+        arrived: float,
+    ) -> tuple[web.StreamResponse, str]:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "x-ferry-instance": entry.instance,
+            }
+        )
+        await response.prepare(request)
+        timing = _TokenTiming(self.metrics, self.clock, arrived)
+        pending = b""
+        try:
+            async for data in upstream.content.iter_any():
+                pending += data
+                out: list[bytes] = []
+                while (cut := pending.find(b"\n\n")) >= 0:
+                    event, pending = pending[:cut], pending[cut + 2 :]
+                    out.append(self._relay_event(event, entry, wants_ids, timing))
+                if out:
+                    await response.write(b"".join(out))
+        except _STREAM_ERRORS as exc:
+            error = error_body(502, f"instance {entry.instance} broke the stream: {exc}")
+            await _write_quietly(response, b"data: " + dumps(error) + b"\n\n")
+            return response, "stream_broken"
+        except ConnectionResetError:
+            return response, "client_disconnect"
+        await _write_quietly(response, None)
+        return response, "ok"
+
+    def _relay_event(
+        self, event: bytes, entry: LedgerEntry, wants_ids: bool, timing: _TokenTiming
+    ) -> bytes:
+        if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+            return event + b"\n\n"
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(chunk, dict):
+            return event + b"\n\n"
+        prompt, generated = token_ids.count(chunk)
+        if prompt is not None:
+            self.cluster.ledger.set_prompt_tokens(entry, prompt)
+        if generated:
+            self.cluster.ledger.add_generated(entry, generated)
+            timing.token()
+        elif token_ids.has_text(chunk):
+            timing.token()  # an engine that does not report ids
+        if wants_ids:
+            return event + b"\n\n"
+        token_ids.hide(chunk)
+        return b"data: " + dumps(chunk) + b"\n\n"
+
+
+class _TokenTiming:
+    """Records TTFT on the first token chunk and inter-token gaps after it."""
+
+    __slots__ = ("metrics", "clock", "arrived", "last")
+
+    def __init__(self, metrics: FerryMetrics, clock: Callable[[], float], arrived: float) -> None:
+        self.metrics, self.clock, self.arrived = metrics, clock, arrived
+        self.last: float | None = None
+
+    def token(self) -> None:
+        now = self.clock()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.arrived)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+
+def _prepare(body: dict[str, Any]) -> tuple[bytes, bool]:
+    send, wants = token_ids.upstream_body(body)
+    return dumps(send), wants
+
+
+def _upstream_failed(instance: str, exc: BaseException) -> web.Response:
+    return error_response(502, f"instance {instance} failed: {type(exc).__name__}: {exc}", code="upstream_error")
+
+
+def _message_of(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace")
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes | None) -> None:
+    """Finish a stream whose client may already be gone."""
+    try:
+        if data:
+            await response.write(data)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass

@@ -1,0 +1,95 @@
+"""Background scrape loop: one task per instance, polling `/metrics` and `/v1/models`.
+
+Contract: `start()` launches the tasks and returns at once; `stop()` cancels and
+awaits them. The HTTP session, the clock and all intervals are passed in, so
+tests control time. Parsing runs on the event loop but on a pre-filtered text
+of a few lines (see `adapters.vllm`), a few hundred microseconds per scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from adapters import MetricsParseError
+from adapters.vllm import METRICS_PATH, parse_metrics
+from proxy.cluster import Cluster
+from proxy.metrics import FerryMetrics
+
+
+class Scraper:
+    def __init__(
+        self,
+        cluster: Cluster,
+        session: aiohttp.ClientSession,
+        metrics: FerryMetrics,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        models_refresh_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cluster = cluster
+        self.session = session
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.models_refresh_s = models_refresh_s
+        self.clock = clock
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for name in self.cluster.instances:
+            self._tasks.append(asyncio.create_task(self._run(name), name=f"scrape-{name}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def scrape_once(self, name: str) -> None:
+        state = self.cluster.instances[name]
+        try:
+            async with self.session.get(state.url + METRICS_PATH, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    raise MetricsParseError(f"GET {METRICS_PATH} returned HTTP {resp.status}")
+                text = await resp.text()
+            snapshot = parse_metrics(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError, MetricsParseError) as exc:
+            self.metrics.scrape_errors.labels(name).inc()
+            self.cluster.record_scrape_failure(name, _describe(exc))
+            return
+        self.cluster.record_scrape(name, snapshot, self.clock())
+
+    async def refresh_models(self, name: str) -> bool:
+        state = self.cluster.instances[name]
+        try:
+            async with self.session.get(state.url + "/v1/models", timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return False
+                body = await resp.json()
+            cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return False
+        self.cluster.record_models(name, cards)
+        return True
+
+    async def _run(self, name: str) -> None:
+        next_models = 0.0
+        while True:
+            started = self.clock()
+            if started >= next_models and await self.refresh_models(name):
+                next_models = started + self.models_refresh_s
+            await self.scrape_once(name)
+            elapsed = self.clock() - started
+            await asyncio.sleep(max(0.0, self.interval_s - elapsed))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "scrape timed out"
+    return f"{type(exc).__name__}: {exc}"

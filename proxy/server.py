@@ -1,0 +1,167 @@
+"""The Ferry HTTP service: built in one place, opened and closed with the app.
+
+Routes: the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+other `/v1/*` passed through), `/health`, `/metrics` and `/admin/*`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy import admin, openai_request
+from proxy.cluster import Cluster
+from proxy.config import FerryConfig
+from proxy.errors import error_response, openai_errors
+from proxy.metrics import FerryMetrics
+from proxy.policy import Priority, UsageSettings, make_policy
+from proxy.relay import Relay
+from proxy.scraper import Scraper
+
+log = logging.getLogger("ferry")
+
+CLUSTER = web.AppKey("cluster", Cluster)
+METRICS = web.AppKey("metrics", FerryMetrics)
+RELAY = web.AppKey("relay", Relay)
+SCRAPER = web.AppKey("scraper", Scraper)
+
+
+def build_app(config: FerryConfig) -> web.Application:
+    app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[openai_errors])
+    sched = config.scheduler
+    cluster = Cluster(
+        config.instances,
+        UsageSettings(high_priority_headroom_blocks=sched.high_priority_headroom_blocks),
+        sched.unhealthy_after_failures,
+    )
+    metrics = FerryMetrics()
+    app[CLUSTER] = cluster
+    app[METRICS] = metrics
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        # No pool cap: every client stream holds one upstream connection.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+            policy_options = {"topk": sched.topk} if sched.policy == "llumnix" else {}
+            app[RELAY] = Relay(
+                cluster, make_policy(sched.policy, **policy_options), metrics, session,
+                config.server, random.Random(sched.seed),
+            )
+            scraper = Scraper(
+                cluster, session, metrics,
+                interval_s=sched.scrape_interval_s,
+                timeout_s=sched.scrape_timeout_s,
+                models_refresh_s=sched.models_refresh_s,
+            )
+            app[SCRAPER] = scraper
+            # One round before serving, so the first requests find healthy instances.
+            await asyncio.gather(*(_first_look(scraper, n) for n in cluster.instances))
+            scraper.start()
+            yield
+            await scraper.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", _openai_handler("completions"))
+    app.router.add_post("/v1/chat/completions", _openai_handler("chat"))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    admin.add_routes(app, cluster, config.admin_token)
+    return app
+
+
+async def _first_look(scraper: Scraper, name: str) -> None:
+    await scraper.refresh_models(name)
+    await scraper.scrape_once(name)
+
+
+def _openai_handler(endpoint: str) -> Any:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        raw = await request.read()
+        try:
+            parsed = openai_request.parse(
+                raw, endpoint, request.headers.get(openai_request.PRIORITY_HEADER)
+            )
+        except openai_request.BadRequest as exc:
+            return error_response(exc.status, exc.message, param=exc.param)
+        return await request.app[RELAY].forward(
+            request, request.path, parsed.body, raw,
+            model=parsed.model, priority=parsed.priority,
+            prompt_estimate=parsed.prompt_estimate, arrived=arrived,
+        )
+
+    return handler
+
+
+async def _passthrough(request: web.Request) -> web.StreamResponse:
+    """Any other `/v1/*` call goes to an instance serving its `model`, if it names one."""
+    arrived = time.monotonic()
+    raw = await request.read()
+    model = None
+    if raw and request.content_type == "application/json":
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return error_response(400, "request body is not valid JSON")
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            model = body["model"]
+    return await request.app[RELAY].forward(
+        request, request.path, None, raw,
+        model=model, priority=Priority.NORMAL, prompt_estimate=0, arrived=arrived,
+    )
+
+
+async def _models(request: web.Request) -> web.Response:
+    cards: dict[str, dict[str, Any]] = {}
+    for state in request.app[CLUSTER].instances.values():
+        if state.healthy:
+            for card in state.model_cards:
+                cards.setdefault(str(card["id"]), card)
+    return web.json_response({"object": "list", "data": list(cards.values())})
+
+
+async def _health(request: web.Request) -> web.Response:
+    views = request.app[CLUSTER].view().instances
+    ready = sum(1 for v in views if v.dispatchable)
+    body = {"status": "ok" if ready else "unavailable", "instances": len(views), "ready": ready}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    text = request.app[METRICS].render(request.app[CLUSTER])
+    return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def serve(config: FerryConfig) -> None:
+    """Run until SIGINT/SIGTERM (or cancellation)."""
+    app = build_app(config)
+    # handler_cancellation: a client that hangs up cancels its handler, which
+    # closes the upstream connection, which makes vLLM abort the request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=1024)
+    await site.start()
+    log.info("ferry listening on http://%s:%d (%d instances, policy %s)",
+             config.server.host, config.server.port, len(config.instances), config.scheduler.policy)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
