@@ -1,0 +1,153 @@
+"""A STAND-IN OpenAI/vLLM server: fast, fake, for benchmarks and integration tests.
+
+It is not vLLM. It streams `max_tokens` tokens of the word "tok" with a fixed
+gap and answers `/v1/models` and `/metrics` in vLLM 0.32's format (its running
+count is real: the requests it is serving right now), so the proxy's whole path
+(dispatch, ledger, SSE relay, scraping) runs against it. Use it where real vLLM
+cannot run or would be the bottleneck: measuring the proxy's own overhead, or
+many instances at once.
+
+    python -m loadtest.standin_server --port 9001 --itl-ms 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+class StandIn:
+    def __init__(
+        self, *, model: str = "standin", itl_s: float = 0.01, ttft_s: float = 0.0,
+        kv_blocks: int = 1000, block_size: int = 16,
+    ) -> None:
+        self.model, self.itl_s, self.ttft_s = model, itl_s, ttft_s
+        self.kv_blocks, self.block_size = kv_blocks, block_size
+        self.running = 0
+        self.served = 0
+        self.fail_status: int | None = None  # tests: answer every request with this status
+        self.seen_bodies: list[dict[str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model, "object": "model", "owned_by": "standin", "max_model_len": 4096}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        used = min(1.0, self.running * 4 / self.kv_blocks)
+        labels = f'engine="0",model_name="{self.model}"'
+        text = (
+            f"vllm:num_requests_running{{{labels}}} {self.running}.0\n"
+            f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {used}\n"
+            f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
+            f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0",'
+            f'num_gpu_blocks="{self.kv_blocks}"}} 1.0\n'
+        )
+        return web.Response(text=text)
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response(
+            {"object": "list", "model": body.get("model"),
+             "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}]}
+        )
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen_bodies.append(body)
+        if self.fail_status is not None:
+            error = {"error": {"message": "stand-in told to fail", "type": "x", "code": self.fail_status}}
+            return web.json_response(error, status=self.fail_status)
+        chat = request.path.endswith("/chat/completions")
+        n = int(body.get("max_tokens") or 16)
+        ids = bool(body.get("return_token_ids"))
+        self.running += 1
+        self.served += 1
+        try:
+            if body.get("stream"):
+                return await self._stream(request, chat, n, ids)
+            await asyncio.sleep(self.ttft_s + self.itl_s * n)
+            return web.json_response(self._whole(chat, n, ids))
+        finally:
+            self.running -= 1
+
+    async def _stream(self, request: web.Request, chat: bool, n: int, ids: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-standin-{self.served}"
+        await asyncio.sleep(self.ttft_s)
+        for i in range(n):
+            if i:
+                await asyncio.sleep(self.itl_s)
+            last = i == n - 1
+            choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                      "finish_reason": "length" if last else None}
+            chunk: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": self.model}
+            if chat:
+                chunk["object"] = "chat.completion.chunk"
+                choice["delta"] = {"content": " tok"}
+                if i == 0:
+                    chunk["prompt_token_ids"] = [1, 2, 3] if ids else None
+            else:
+                chunk["object"] = "text_completion"
+                choice["text"] = " tok"
+                choice["prompt_token_ids"] = [1, 2, 3] if ids and i == 0 else None
+            choice["token_ids"] = [7] if ids else None
+            chunk["choices"] = [choice]
+            await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _whole(self, chat: bool, n: int, ids: bool) -> dict[str, Any]:
+        text = " tok" * n
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "token_ids": [7] * n if ids else None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+            choice["prompt_token_ids"] = [1, 2, 3] if ids else None
+        out: dict[str, Any] = {
+            "id": f"standin-{self.served}", "object": "chat.completion" if chat else "text_completion",
+            "model": self.model, "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
+        }
+        if chat:
+            out["prompt_token_ids"] = [1, 2, 3] if ids else None
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="stand-in OpenAI server (not vLLM)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9001)
+    parser.add_argument("--model", default="standin")
+    parser.add_argument("--itl-ms", type=float, default=10.0)
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    args = parser.parse_args()
+    import uvloop
+
+    standin = StandIn(model=args.model, itl_s=args.itl_ms / 1000, ttft_s=args.ttft_ms / 1000)
+    web.run_app(standin.app(), host=args.host, port=args.port, access_log=None,
+                print=None, loop=uvloop.new_event_loop())
+
+
+if __name__ == "__main__":
+    main()

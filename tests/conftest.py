@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from loadtest.standin_server import StandIn
+from tests.helpers import Ferry, LoopThread, Site, ferry_config, start_site
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def standins(loop_thread: LoopThread) -> Iterator[Callable[..., list[tuple[StandIn, Site]]]]:
+    """Factory: start n stand-in servers (not vLLM) on the loop thread."""
+    started: list[Site] = []
+
+    def make(n: int, **options: Any) -> list[tuple[StandIn, Site]]:
+        result = []
+        for _ in range(n):
+            standin = StandIn(**options)
+            site = loop_thread.run(start_site(standin.app()))
+            started.append(site)
+            result.append((standin, site))
+        return result
+
+    yield make
+    for site in started:
+        loop_thread.run(site.runner.cleanup())
+
+
+@pytest.fixture
+def ferry(loop_thread: LoopThread) -> Iterator[Callable[..., Ferry]]:
+    """Factory: start Ferry in front of the given base URLs."""
+    started: list[Ferry] = []
+
+    def make(urls: list[str], **sections: Any) -> Ferry:
+        proxy = Ferry(loop_thread, ferry_config(urls, **sections))
+        started.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in started:
+        proxy.close()

@@ -1,0 +1,93 @@
+"""Shared test machinery: an event loop on a thread, and servers started on it.
+
+Tests stay synchronous (the official `openai` client is used as users use it)
+while the proxy and stand-in servers run on one background loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from proxy.config import FerryConfig, parse_config
+from proxy.server import CLUSTER, build_app
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        async def wrapper() -> Any:
+            return fn(*args)
+
+        return self.run(wrapper())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@dataclass
+class Site:
+    runner: web.AppRunner
+    port: int
+    app: web.Application
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+async def start_site(app: web.Application, *, handler_cancellation: bool = False) -> Site:
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return Site(runner, port, app)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ferry_config(urls: list[str], **sections: Any) -> FerryConfig:
+    raw: dict[str, Any] = {
+        "instances": [{"name": f"i{n}", "url": u} for n, u in enumerate(urls)],
+        "scheduler": {"scrape_interval_s": 0.05, "seed": 1, **sections.pop("scheduler", {})},
+        **sections,
+    }
+    return parse_config(raw, env={})
+
+
+class Ferry:
+    """A Ferry app on the loop thread, as `ferry serve` would run it."""
+
+    def __init__(self, loop: LoopThread, config: FerryConfig) -> None:
+        self.loop = loop
+        self.site = loop.run(start_site(build_app(config), handler_cancellation=True))
+        self.url = self.site.url
+        self.cluster = self.site.app[CLUSTER]
+
+    def view(self, name: str) -> Any:
+        return self.loop.call(self.cluster.instance_view, name)
+
+    def close(self) -> None:
+        self.loop.run(self.site.runner.cleanup())

@@ -1,0 +1,233 @@
+"""The proxy against in-process stand-in servers (loadtest/standin_server.py, not vLLM)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+
+from loadtest.standin_server import StandIn
+from tests.helpers import Ferry
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    return _send(request)
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    return _send(urllib.request.Request(url, headers=headers or {}))
+
+
+def _send(request: urllib.request.Request) -> tuple[int, Any, dict[str, str]]:
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            raw = resp.read()
+            status, headers = resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        raw, status, headers = exc.read(), exc.code, dict(exc.headers)
+    try:
+        return status, json.loads(raw), headers
+    except ValueError:
+        return status, {"raw": raw.decode()}, headers
+
+
+def client(proxy: Ferry) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def test_openai_client_streams_and_non_streams(standins: Any, ferry: Any) -> None:
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    api = client(proxy)
+    chunks = list(api.completions.create(model="standin", prompt="hi", max_tokens=5, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == " tok" * 5
+    # The proxy asked for token ids for its ledger; the client did not, so it sees none.
+    assert all(getattr(c.choices[0], "token_ids", None) is None for c in chunks)
+    assert standin.seen_bodies[-1]["return_token_ids"] is True
+    whole = api.chat.completions.create(model="standin", messages=[{"role": "user", "content": "x"}],
+                                        max_tokens=3)
+    assert whole.choices[0].message.content == " tok" * 3
+    assert getattr(whole, "prompt_token_ids", None) is None
+    stream = api.chat.completions.create(model="standin", messages=[{"role": "user", "content": "x"}],
+                                         max_tokens=4, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == " tok" * 4
+
+
+def test_a_client_that_asks_for_token_ids_gets_them(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    status, body, _ = post(proxy.url + "/v1/completions",
+                           b'{"model":"standin","prompt":"x","max_tokens":2,"return_token_ids":true}')
+    assert status == 200 and body["choices"][0]["token_ids"] == [7, 7]
+
+
+def test_ledger_counts_tokens_and_releases(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1, itl_s=0.05)
+    proxy = ferry([site.url], scheduler={"scrape_interval_s": 60})
+    stream = client(proxy).completions.create(model="standin", prompt="x", max_tokens=40, stream=True)
+    next(iter(stream))
+    assert proxy.view("i0").inflight == 1
+    entries = proxy.loop.call(lambda: list(proxy.cluster.ledger.entries("i0")))
+    assert entries[0].prompt_tokens == 3 and entries[0].prompt_exact  # corrected from the engine
+    list(stream)
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
+def test_burst_spreads_by_ledger_between_scrapes(standins: Any, ferry: Any) -> None:
+    sites = standins(2, itl_s=0.02)
+    # Scrapes far apart: only Ferry's own ledger can tell the instances apart.
+    proxy = ferry([s.url for _, s in sites], scheduler={"scrape_interval_s": 60})
+    api = client(proxy)
+    streams = [api.completions.create(model="standin", prompt="x" * 300, max_tokens=30, stream=True)
+               for _ in range(10)]
+    for s in streams:
+        next(iter(s))
+    assert [proxy.view(n).inflight for n in ("i0", "i1")] == [5, 5]
+    for s in streams:
+        list(s)
+
+
+def test_client_disconnect_aborts_upstream(standins: Any, ferry: Any) -> None:
+    [(standin, site)] = standins(1, itl_s=0.05)
+    proxy = ferry([site.url])
+    stream = client(proxy).completions.create(model="standin", prompt="x", max_tokens=1000, stream=True)
+    next(iter(stream))
+    assert standin.running == 1
+    stream.close()
+    wait_until(lambda: standin.running == 0)
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "param"),
+    [
+        ("/v1/completions", b"{bad json", {}, 400, None),
+        ("/v1/completions", b'{"prompt": "x"}', {}, 400, "model"),
+        ("/v1/chat/completions", b'{"model": "standin"}', {}, 400, "messages"),
+        ("/v1/completions", b'{"model": "nope", "prompt": "x"}', {}, 404, "model"),
+        ("/v1/completions", b'{"model": "standin", "prompt": "x"}', {"x-ferry-priority": "now"}, 400, None),
+        ("/v1/completions", b'{"model": "standin", "prompt": "' + b"x" * 5_000_000 + b'"}', {}, 413, None),
+    ],
+)
+def test_bad_input_gets_openai_errors(
+    standins: Any, ferry: Any, path: str, body: bytes, headers: dict[str, str], status: int, param: str | None
+) -> None:
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url])
+    got, payload, _ = post(proxy.url + path, body, headers)
+    assert got == status
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["param"] == param
+
+
+def test_openai_client_sees_typed_errors(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1)
+    api = client(ferry([site.url]))
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        api.completions.create(model="nope", prompt="x")
+
+
+def test_unknown_route_and_method(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url])
+    status, payload, _ = get(proxy.url + "/nothing")
+    assert status == 404 and payload["error"]["type"] == "not_found_error"
+    status, payload, headers = post(proxy.url + "/health", b"")
+    assert status == 405 and "error" in payload and "GET" in headers["Allow"]
+
+
+def test_upstream_errors_pass_through_or_become_502(standins: Any, ferry: Any) -> None:
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url])
+    standin.fail_status = 400
+    status, payload, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+    assert status == 400 and payload["error"]["message"] == "stand-in told to fail"
+    standin.fail_status = 500
+    status, payload, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+    assert status == 502 and "HTTP 500" in payload["error"]["message"]
+
+
+def test_no_healthy_instance_gives_503_with_retry_after(standins: Any, ferry: Any, loop_thread: Any) -> None:
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url], scheduler={"unhealthy_after_failures": 1})
+    loop_thread.run(site.runner.cleanup())
+    wait_until(lambda: not proxy.view("i0").healthy)
+    status, payload, headers = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+    assert status == 503 and headers["Retry-After"] == "1"
+    assert payload["error"]["type"] == "service_unavailable"
+    assert get(proxy.url + "/health")[0] == 503
+
+
+def test_connection_failure_is_retried_on_another_instance(standins: Any, ferry: Any, loop_thread: Any) -> None:
+    (_, dead), (alive_standin, alive) = standins(2, itl_s=0.001)
+    # Scrapes far apart: the proxy still believes the dead instance is healthy.
+    proxy = ferry([dead.url, alive.url], scheduler={"scrape_interval_s": 60, "policy": "round_robin"})
+    loop_thread.run(dead.runner.cleanup())
+    api = client(proxy)
+    for _ in range(4):
+        out = api.completions.create(model="standin", prompt="x", max_tokens=2)
+        assert out.choices[0].text == " tok" * 2
+    assert alive_standin.served == 4
+    assert not proxy.view("i0").healthy  # marked on the failed connection
+
+
+def test_admin_requires_the_token_and_drains(standins: Any, ferry: Any) -> None:
+    sites = standins(2, itl_s=0.001)
+    proxy = ferry([s.url for _, s in sites], admin_token="sekret")
+    assert get(proxy.url + "/admin/instances")[0] == 401
+    assert get(proxy.url + "/admin/instances", {"Authorization": "Bearer wrong"})[0] == 401
+    auth = {"Authorization": "Bearer sekret"}
+    status, rows, _ = get(proxy.url + "/admin/instances", auth)
+    assert status == 200
+    assert {r["name"] for r in rows} == {"i0", "i1"}
+    assert {"name", "url", "healthy", "draining", "freeness", "inflight"} <= set(rows[0])
+    status, row, _ = post(proxy.url + "/admin/instances/i0/drain", b"", auth)
+    assert status == 200 and row["draining"] is True
+    api = client(proxy)
+    for _ in range(6):
+        api.completions.create(model="standin", prompt="x", max_tokens=1)
+    assert sites[0][0].served == 0 and sites[1][0].served == 6
+    post(proxy.url + "/admin/instances/i0/undrain", b"", auth)
+    assert post(proxy.url + "/admin/instances/zz/drain", b"", auth)[0] == 404
+
+
+def test_admin_is_off_without_a_token(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1)
+    status, payload, _ = get(ferry([site.url]).url + "/admin/instances")
+    assert status == 403 and payload["error"]["code"] == "admin_disabled"
+
+
+def test_models_health_metrics_and_passthrough(standins: Any, ferry: Any) -> None:
+    (_, a), (_, b) = standins(1, model="alpha")[0], standins(1, model="beta")[0]
+    proxy = ferry([a.url, b.url])
+    assert sorted(m.id for m in client(proxy).models.list()) == ["alpha", "beta"]
+    out = client(proxy).completions.create(model="beta", prompt="x", max_tokens=1)
+    assert out.model == "beta"  # routed by model
+    emb = client(proxy).embeddings.create(model="alpha", input="x")
+    assert emb.data[0].embedding == [0.0, 1.0]
+    assert get(proxy.url + "/health")[0] == 200
+    request = urllib.request.Request(proxy.url + "/metrics")
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        text = resp.read().decode()
+    for name in ("ferry_requests_total", "ferry_time_to_first_token_seconds",
+                 "ferry_inter_token_latency_seconds", "ferry_inflight_requests",
+                 "ferry_instance_freeness", "ferry_scrape_age_seconds",
+                 "ferry_dispatch_decision_seconds", "ferry_scrape_errors_total"):
+        assert name in text, name
+    assert 'ferry_requests_total{instance="i1",outcome="ok"} 1.0' in text

@@ -1,0 +1,87 @@
+"""The cluster view: the ledger credits dispatches between scrapes."""
+
+from __future__ import annotations
+
+import random
+
+from adapters import EngineSnapshot
+from proxy.cluster import Cluster
+from proxy.config import InstanceConfig
+from proxy.policy import DispatchRequest, Priority, UsageSettings, dispatch, make_policy
+
+
+def snapshot(running: int = 0, waiting: int = 0, kv_usage: float = 0.0) -> EngineSnapshot:
+    return EngineSnapshot(running, waiting, kv_usage, kv_blocks_total=100, block_size=16,
+                          preemptions_total=0)
+
+
+def make_cluster(*names: str, headroom: float = 0.0) -> Cluster:
+    cluster = Cluster(
+        tuple(InstanceConfig(n, f"http://{n}") for n in names),
+        UsageSettings(high_priority_headroom_blocks=headroom),
+        unhealthy_after_failures=3,
+    )
+    for n in names:
+        cluster.record_models(n, [{"id": "m"}])
+        cluster.record_scrape(n, snapshot(), now=0.0)
+    return cluster
+
+
+def test_a_burst_between_scrapes_spreads_evenly() -> None:
+    cluster = make_cluster("a", "b", "c", "d")
+    policy, rng = make_policy("llumnix"), random.Random(0)
+    placed = []
+    for _ in range(12):  # no scrape in between: only the ledger knows
+        chosen = dispatch(policy, DispatchRequest("m", prompt_tokens=64), cluster.view(), rng)
+        cluster.ledger.add(chosen.name, "m", Priority.NORMAL, 64, now=0.0)
+        placed.append(chosen.name)
+    assert sorted(placed.count(n) for n in "abcd") == [3, 3, 3, 3]
+
+
+def test_engine_load_that_bypassed_the_proxy_counts() -> None:
+    cluster = make_cluster("a", "b")
+    cluster.record_scrape("a", snapshot(running=4, kv_usage=0.6), now=1.0)
+    view = cluster.instance_view("a")
+    assert view.virtual_blocks == 60 and view.batch == 4
+    assert view.freeness == (100 - 60) / 4
+    chosen = dispatch(make_policy("llumnix"), DispatchRequest("m"), cluster.view(), random.Random(0))
+    assert chosen.name == "b"
+
+
+def test_ledger_tokens_move_freeness_at_block_boundaries() -> None:
+    cluster = make_cluster("a")
+    entry = cluster.ledger.add("a", "m", Priority.NORMAL, 10, now=0.0)
+    assert cluster.instance_view("a").virtual_blocks == 1
+    cluster.ledger.set_prompt_tokens(entry, 16)
+    cluster.ledger.add_generated(entry, 1)  # 17 tokens -> 2 blocks
+    assert cluster.instance_view("a").virtual_blocks == 2
+    cluster.ledger.release(entry)
+    assert cluster.instance_view("a").inflight == 0
+
+
+def test_high_priority_reserves_headroom() -> None:
+    cluster = make_cluster("a", "b", headroom=20)
+    cluster.ledger.add("a", "m", Priority.HIGH, 16, now=0.0)
+    cluster.ledger.add("b", "m", Priority.NORMAL, 16, now=0.0)
+    assert cluster.instance_view("a").virtual_blocks == 21
+    chosen = dispatch(make_policy("llumnix"), DispatchRequest("m"), cluster.view(), random.Random(0))
+    assert chosen.name == "b"
+
+
+def test_repeated_scrape_failures_make_an_instance_unhealthy_until_it_recovers() -> None:
+    cluster = make_cluster("a")
+    for _ in range(2):
+        cluster.record_scrape_failure("a", "refused")
+    assert cluster.instance_view("a").healthy
+    cluster.record_scrape_failure("a", "refused")
+    assert not cluster.instance_view("a").healthy
+    cluster.record_scrape("a", snapshot(), now=2.0)
+    assert cluster.instance_view("a").healthy
+
+
+def test_draining_instance_is_never_chosen() -> None:
+    cluster = make_cluster("a", "b")
+    cluster.set_draining("a", True)
+    policy = make_policy("llumnix")
+    assert {dispatch(policy, DispatchRequest("m"), cluster.view(), random.Random(s)).name
+            for s in range(20)} == {"b"}

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import ConfigError, config_from_backends, load_config, parse_config
+
+ROOT = Path(__file__).parent.parent.parent
+
+
+def base(**overrides: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {"instances": [{"name": "a", "url": "http://127.0.0.1:8001"}]}
+    raw.update(overrides)
+    return raw
+
+
+def test_shipped_configs_load() -> None:
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        config = load_config(path, env={})
+        assert config.instances, path
+
+
+def test_defaults_and_yaml_off() -> None:
+    raw = base(instances=[{"name": "a", "url": "http://h:1", "migration": False}])
+    config = parse_config(raw, env={})
+    assert config.instances[0].migration == "off"  # YAML 1.1 reads `off` as false
+    assert config.scheduler.policy == "llumnix"
+    assert config.scheduler.scrape_interval_s <= 0.25
+    assert config.admin_token is None
+
+
+def test_admin_token_from_environment() -> None:
+    assert parse_config(base(), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token == "s3"
+    assert parse_config(base(admin_token="yaml"), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token == "yaml"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({}, r"^instances: must be a non-empty list"),
+        (base(instances=[{"url": "http://h:1"}]), r"^instances\[0\]\.name: is required"),
+        (base(instances=[{"name": "a", "url": "h:1"}]), r"^instances\[0\]\.url: must be an http"),
+        (base(instances=[{"name": "a", "url": "http://h:1", "engine": "tgi"}]),
+         r"^instances\[0\]\.engine: must be one of vllm"),
+        (base(instances=[{"name": "a", "url": "http://h:1", "migration": "on"}]),
+         r"^instances\[0\]\.migration: must be one of off, lite, full \(got 'on'\)"),
+        (base(instances=[{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]),
+         r"^instances\[1\]\.name: duplicate"),
+        (base(instances=[{"name": "a", "url": "http://h:1", "weight": 2}]),
+         r"^instances\[0\]\.weight: unknown key; allowed: engine, labels, migration, name, url"),
+        (base(scheduler={"policy": "fastest"}),
+         r"^scheduler\.policy: must be one of least_kv, least_requests, llumnix"),
+        (base(scheduler={"scrape_interval_s": "fast"}), r"^scheduler\.scrape_interval_s: must be float"),
+        (base(scheduler={"scrape_interval_s": 0}), r"^scheduler\.scrape_interval_s: must be between"),
+        (base(scheduler={"topk": 0}), r"^scheduler\.topk: must be at least 1"),
+        (base(server={"port": True}), r"^server\.port: must be int"),
+        (base(server={"port": 70000}), r"^server\.port: must be between"),
+        (base(serverr={}), r"^serverr: unknown key"),
+        (base(scheduler=[1]), r"^scheduler: must be a mapping"),
+    ],
+)
+def test_errors_name_the_yaml_path(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw, env={})
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("instances: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_quick_start_names_backends_by_host_port() -> None:
+    config = config_from_backends(["http://127.0.0.1:8001", "http://10.0.0.2:9000/"], policy="least_kv")
+    assert [i.name for i in config.instances] == ["127.0.0.1:8001", "10.0.0.2:9000"]
+    assert config.scheduler.policy == "least_kv"

@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from proxy.policy import (
+    POLICIES,
+    ClusterView,
+    DispatchRequest,
+    InstanceView,
+    NoCandidate,
+    Priority,
+    UsageSettings,
+    dispatch,
+    instance_freeness,
+    make_policy,
+    virtual_usage,
+)
+
+M = "m"
+
+
+def inst(name: str, **fields: object) -> InstanceView:
+    fields.setdefault("freeness", 10.0)
+    fields.setdefault("models", frozenset({M}))
+    return InstanceView(name=name, **fields)  # type: ignore[arg-type]
+
+
+def pick(policy: str, *instances: InstanceView, seq: int = 0, seed: int = 0, **req: object) -> str:
+    request = DispatchRequest(model=M, **req)  # type: ignore[arg-type]
+    view = ClusterView(tuple(instances), seq)
+    return dispatch(make_policy(policy), request, view, random.Random(seed)).name
+
+
+def test_llumnix_picks_the_freest() -> None:
+    assert pick("llumnix", inst("a", freeness=3.0), inst("b", freeness=7.5), inst("c", freeness=5.0)) == "b"
+
+
+def test_freeness_is_free_blocks_per_request() -> None:
+    # M=100 blocks, 40 used by 4 requests -> 15 blocks per request.
+    assert instance_freeness(100, 40.0, 4) == 15.0
+    # An idle instance counts as one request so bigger idle instances rank first.
+    assert instance_freeness(100, 0.0, 0) == 100.0
+    assert instance_freeness(100, 0.0, 0, draining=True) == float("-inf")
+    # Unknown capacity: fewest requests first.
+    assert instance_freeness(0, 0.0, 3) == -3.0
+
+
+def test_virtual_usage_counts_blocks_and_priority_headroom() -> None:
+    settings = UsageSettings(high_priority_headroom_blocks=4)
+    assert virtual_usage(100, 29, Priority.NORMAL, 128, settings) == 2  # 129 tokens -> 2 blocks
+    assert virtual_usage(100, 28, Priority.LOW, 128, settings) == 1
+    assert virtual_usage(100, 28, Priority.HIGH, 128, settings) == 5
+
+
+def test_long_request_moves_new_work_away_though_request_counts_are_equal() -> None:
+    # Both run one request; a's is long (40 of 50 blocks). least_requests cannot tell.
+    a = inst("a", inflight=1, freeness=instance_freeness(50, 40, 1))
+    b = inst("b", inflight=1, freeness=instance_freeness(50, 2, 1))
+    assert {pick("llumnix", a, b, seed=s) for s in range(20)} == {"b"}
+    assert {pick("least_requests", a, b, seed=s) for s in range(20)} == {"a", "b"}
+
+
+def test_ties_are_broken_at_random_not_by_order() -> None:
+    views = [inst(n, freeness=5.0) for n in "abcd"]
+    for policy in ("llumnix", "least_requests", "least_kv", "queue_kv_scorer", "power_of_two"):
+        chosen = Counter(pick(policy, *views, seed=s) for s in range(200))
+        assert set(chosen) == set("abcd"), policy
+
+
+def test_unhealthy_and_draining_instances_get_nothing() -> None:
+    views = [
+        inst("sick", healthy=False, freeness=99.0, kv_usage=0.0),
+        inst("leaving", draining=True, freeness=99.0, kv_usage=0.0),
+        inst("ok", freeness=1.0, kv_usage=0.9, inflight=9, engine_waiting=9),
+    ]
+    for policy in POLICIES:
+        assert {pick(policy, *views, seq=s, seed=s) for s in range(10)} == {"ok"}, policy
+
+
+def test_no_candidate_says_why() -> None:
+    with pytest.raises(NoCandidate, match="not served here") as unknown:
+        pick("llumnix", inst("a", models=frozenset({"other"})))
+    assert unknown.value.model_unknown
+    with pytest.raises(NoCandidate, match="no healthy instance") as sick:
+        pick("llumnix", inst("a", healthy=False))
+    assert not sick.value.model_unknown
+    with pytest.raises(NoCandidate, match="draining"):
+        pick("round_robin", inst("a", draining=True), inst("b", healthy=False))
+    with pytest.raises(NoCandidate, match="tried"):
+        pick("random", inst("a"), exclude=frozenset({"a"}))
+
+
+def test_excluded_instances_are_skipped() -> None:
+    assert pick("llumnix", inst("a", freeness=9.0), inst("b", freeness=1.0), exclude=frozenset({"a"})) == "b"
+
+
+def test_round_robin_cycles_by_decision_count() -> None:
+    views = [inst(n) for n in "abc"]
+    assert [pick("round_robin", *views, seq=s) for s in range(6)] == list("abcabc")
+
+
+def test_least_kv_and_queue_kv_scorer_read_the_scrape() -> None:
+    a = inst("a", kv_usage=0.8, engine_waiting=0)
+    b = inst("b", kv_usage=0.3, engine_waiting=0)
+    assert pick("least_kv", a, b) == "b"
+    # Queue dominates when the KV terms are close: 2*(1-0)+2*(0.5) vs 2*(0)+2*(0.6).
+    c = inst("c", kv_usage=0.5, engine_waiting=0)
+    d = inst("d", kv_usage=0.4, engine_waiting=8)
+    assert pick("queue_kv_scorer", c, d) == "c"
+
+
+def test_power_of_two_takes_the_lighter_of_its_two_samples() -> None:
+    heavy = [inst(f"h{i}", inflight=10) for i in range(3)]
+    light = inst("light", inflight=0)
+    picks = Counter(pick("power_of_two", *heavy, light, seed=s) for s in range(400))
+    # light is in the sample half the time and then always wins.
+    assert 150 < picks["light"] < 260
+
+
+def test_llumnix_topk_spreads_over_the_k_freest() -> None:
+    views = [inst("a", freeness=9.0), inst("b", freeness=8.0), inst("c", freeness=1.0)]
+    policy = make_policy("llumnix", topk=2)
+    chosen = {
+        dispatch(policy, DispatchRequest(M), ClusterView(tuple(views)), random.Random(s)).name
+        for s in range(50)
+    }
+    assert chosen == {"a", "b"}
+
+
+def test_unknown_policy_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="choose one of .*llumnix.*round_robin"):
+        make_policy("fastest")
+
+
+def test_pass_through_without_model_may_use_any_instance() -> None:
+    request = DispatchRequest(model=None)
+    view = ClusterView((inst("a", models=frozenset()),))
+    assert dispatch(make_policy("llumnix"), request, view, random.Random(0)).name == "a"
