@@ -95,7 +95,11 @@ def _cache_info(line: str) -> tuple[str, int, int]:
     """
     (family,) = text_string_to_metric_families(line + "\n")
     labels = family.samples[0].labels
-    return labels.get("engine", "0"), int(float(labels.get("block_size") or 0)), _block_count(labels)
+    return (
+        labels.get("engine", "0"),
+        int(float(labels.get("block_size") or 0)),
+        _block_count(labels),
+    )
 
 
 def _block_count(labels: dict[str, str]) -> int:

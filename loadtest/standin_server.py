@@ -20,10 +20,16 @@ from typing import Any
 
 from aiohttp import web
 
+
 class StandIn:
     def __init__(
-        self, *, model: str = "standin", itl_s: float = 0.01, ttft_s: float = 0.0,
-        kv_blocks: int = 1000, block_size: int = 16,
+        self,
+        *,
+        model: str = "standin",
+        itl_s: float = 0.01,
+        ttft_s: float = 0.0,
+        kv_blocks: int = 1000,
+        block_size: int = 16,
     ) -> None:
         self.model, self.itl_s, self.ttft_s = model, itl_s, ttft_s
         self.kv_blocks, self.block_size = kv_blocks, block_size
@@ -65,15 +71,20 @@ class StandIn:
     async def _embeddings(self, request: web.Request) -> web.Response:
         body = await request.json()
         return web.json_response(
-            {"object": "list", "model": body.get("model"),
-             "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}]}
+            {
+                "object": "list",
+                "model": body.get("model"),
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}],
+            }
         )
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen_bodies.append(body)
         if self.fail_status is not None:
-            error = {"error": {"message": "stand-in told to fail", "type": "x", "code": self.fail_status}}
+            error = {
+                "error": {"message": "stand-in told to fail", "type": "x", "code": self.fail_status}
+            }
             return web.json_response(error, status=self.fail_status)
         chat = request.path.endswith("/chat/completions")
         n = int(body.get("max_tokens") or 16)
@@ -88,7 +99,9 @@ class StandIn:
         finally:
             self.running -= 1
 
-    async def _stream(self, request: web.Request, chat: bool, n: int, ids: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, chat: bool, n: int, ids: bool
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-standin-{self.served}"
@@ -97,8 +110,11 @@ class StandIn:
             if i:
                 await asyncio.sleep(self.itl_s)
             last = i == n - 1
-            choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                      "finish_reason": "length" if last else None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": "length" if last else None,
+            }
             chunk: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": self.model}
             if chat:
                 chunk["object"] = "chat.completion.chunk"
@@ -111,22 +127,30 @@ class StandIn:
                 choice["prompt_token_ids"] = [1, 2, 3] if ids and i == 0 else None
             choice["token_ids"] = [7] if ids else None
             chunk["choices"] = [choice]
-            await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+            await resp.write(
+                b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+            )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
     def _whole(self, chat: bool, n: int, ids: bool) -> dict[str, Any]:
         text = " tok" * n
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "token_ids": [7] * n if ids else None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": "length",
+            "token_ids": [7] * n if ids else None,
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
             choice["prompt_token_ids"] = [1, 2, 3] if ids else None
         out: dict[str, Any] = {
-            "id": f"standin-{self.served}", "object": "chat.completion" if chat else "text_completion",
-            "model": self.model, "choices": [choice],
+            "id": f"standin-{self.served}",
+            "object": "chat.completion" if chat else "text_completion",
+            "model": self.model,
+            "choices": [choice],
             "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
         }
         if chat:
@@ -145,8 +169,14 @@ def main() -> None:
     import uvloop
 
     standin = StandIn(model=args.model, itl_s=args.itl_ms / 1000, ttft_s=args.ttft_ms / 1000)
-    web.run_app(standin.app(), host=args.host, port=args.port, access_log=None,
-                print=None, loop=uvloop.new_event_loop())
+    web.run_app(
+        standin.app(),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=None,
+        loop=uvloop.new_event_loop(),
+    )
 
 
 if __name__ == "__main__":

@@ -19,12 +19,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-_CORPUS = """
+_CORPUS = (
+    """
 Operators run several inference servers and put a load balancer in front of them.
 Requests arrive in bursts, some are long and some are short, and the cache fills.
 The quick brown fox jumps over the lazy dog while the scheduler moves work around.
 Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in prompts, as do questions?
-""" * 50
+"""
+    * 50
+)
 
 
 def build(out: Path, *, hidden: int = 256, layers: int = 2, max_positions: int = 2048) -> Path:

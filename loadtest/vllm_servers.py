@@ -76,12 +76,24 @@ def start_vllm(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", served_name,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", dtype, "--max-model-len", str(max_model_len),
-        "--kv-cache-memory-bytes", str(kv_cache_bytes),
-        "--disable-log-stats", *extra_args,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        *extra_args,
     ]
     if cpus and shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
         cmd = ["taskset", "-c", cpus, *cmd]
@@ -108,6 +120,8 @@ def wait_ready(servers: list[VLLMServer], timeout_s: float = 600) -> None:
             except OSError:
                 pass
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"vLLM servers not ready after {timeout_s}s: {[s.port for s in pending]}")
+            raise TimeoutError(
+                f"vLLM servers not ready after {timeout_s}s: {[s.port for s in pending]}"
+            )
         if pending:
             time.sleep(1)

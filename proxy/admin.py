@@ -35,14 +35,18 @@ def instances_json(cluster: Cluster, now: float) -> list[dict[str, Any]]:
                 "virtual_blocks": round(view.virtual_blocks, 2),
                 "batch": view.batch,
                 "models": sorted(view.models),
-                "snapshot": None if snap is None else {
+                "snapshot": None
+                if snap is None
+                else {
                     "running": snap.running,
                     "waiting": snap.waiting,
                     "kv_usage": snap.kv_usage,
                     "kv_blocks_total": snap.kv_blocks_total,
                     "block_size": snap.block_size,
                     "preemptions_total": snap.preemptions_total,
-                    "age_s": None if state.snapshot_at is None else round(now - state.snapshot_at, 3),
+                    "age_s": None
+                    if state.snapshot_at is None
+                    else round(now - state.snapshot_at, 3),
                 },
                 "last_error": state.last_error,
             }
@@ -54,7 +58,8 @@ def add_routes(app: web.Application, cluster: Cluster, token: str | None) -> Non
     def authorized(request: web.Request) -> web.Response | None:
         if token is None:
             return error_response(
-                403, "admin API is disabled: set admin_token in the config or FERRY_ADMIN_TOKEN",
+                403,
+                "admin API is disabled: set admin_token in the config or FERRY_ADMIN_TOKEN",
                 code="admin_disabled",
             )
         given = request.headers.get("Authorization", "")

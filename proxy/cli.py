@@ -21,9 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the proxy")
     source = serve.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="YAML configuration file")
-    source.add_argument("--backend", action="append", metavar="URL",
-                        help="a vLLM base URL (repeat for more); quick start without YAML")
-    serve.add_argument("--policy", choices=sorted(POLICIES), help="dispatch policy (with --backend)")
+    source.add_argument(
+        "--backend",
+        action="append",
+        metavar="URL",
+        help="a vLLM base URL (repeat for more); quick start without YAML",
+    )
+    serve.add_argument(
+        "--policy", choices=sorted(POLICIES), help="dispatch policy (with --backend)"
+    )
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 8000)")
     serve.add_argument("--admin-token", help="bearer token for /admin (or FERRY_ADMIN_TOKEN)")
@@ -48,7 +54,9 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.config import ConfigError, config_from_backends, load_config
     from proxy.server import serve
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         if args.config:
             if args.policy:
@@ -62,7 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
     server = config.server
     if args.host or args.port is not None:
         server = dataclasses.replace(
-            server, host=args.host or server.host,
+            server,
+            host=args.host or server.host,
             port=server.port if args.port is None else args.port,
         )
     token = args.admin_token or config.admin_token
@@ -91,22 +100,42 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ["NAME", "URL", "HEALTHY", "DRAINING", "MIGRATION", "INFLIGHT", "FREENESS",
-              "RUNNING", "WAITING", "KV%", "AGE_S"]
+    header = [
+        "NAME",
+        "URL",
+        "HEALTHY",
+        "DRAINING",
+        "MIGRATION",
+        "INFLIGHT",
+        "FREENESS",
+        "RUNNING",
+        "WAITING",
+        "KV%",
+        "AGE_S",
+    ]
     table = [header]
     for r in rows:
         snap = r.get("snapshot") or {}
         free = r.get("freeness")
-        table.append([
-            r["name"], r["url"], "yes" if r["healthy"] else "NO", "yes" if r["draining"] else "no",
-            r.get("migration", "off"), str(r["inflight"]),
-            "-" if free is None else f"{free:.1f}",
-            str(snap.get("running", "-")), str(snap.get("waiting", "-")),
-            "-" if "kv_usage" not in snap else f"{100 * snap['kv_usage']:.1f}",
-            str(snap.get("age_s", "-")),
-        ])
+        table.append(
+            [
+                r["name"],
+                r["url"],
+                "yes" if r["healthy"] else "NO",
+                "yes" if r["draining"] else "no",
+                r.get("migration", "off"),
+                str(r["inflight"]),
+                "-" if free is None else f"{free:.1f}",
+                str(snap.get("running", "-")),
+                str(snap.get("waiting", "-")),
+                "-" if "kv_usage" not in snap else f"{100 * snap['kv_usage']:.1f}",
+                str(snap.get("age_s", "-")),
+            ]
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table
+    )
 
 
 if __name__ == "__main__":

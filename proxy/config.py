@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import yaml
@@ -98,14 +98,16 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
 
 
 def config_from_backends(
-    urls: list[str], *, policy: str = "llumnix", port: int = 8000, host: str = "127.0.0.1",
+    urls: list[str],
+    *,
+    policy: str = "llumnix",
+    port: int = 8000,
+    host: str = "127.0.0.1",
     migration: str = "off",
 ) -> FerryConfig:
     """The quick start: `ferry serve --backend URL ...`; names come from host:port."""
     raw = {
-        "instances": [
-            {"name": _name_from_url(u), "url": u, "migration": migration} for u in urls
-        ],
+        "instances": [{"name": _name_from_url(u), "url": u, "migration": migration} for u in urls],
         "scheduler": {"policy": policy},
         "server": {"host": host, "port": port},
     }
@@ -186,7 +188,7 @@ def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> 
         # bool is an int to isinstance, but `port: true` is a mistake, not 1.
         if isinstance(value, bool) or not isinstance(value, expected):
             raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {value!r})")
-        values[key] = float(value) if type_name == "float" else value
+        values[key] = float(cast(float, value)) if type_name == "float" else value
     return cls(**values)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 _TYPES = {
     400: "invalid_request_error",
@@ -20,7 +21,9 @@ _TYPES = {
 }
 
 
-def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, object]:
+def error_body(
+    status: int, message: str, *, code: str | None = None, param: str | None = None
+) -> dict[str, object]:
     return {
         "error": {
             "message": message,
@@ -48,7 +51,7 @@ def error_response(
 
 
 @web.middleware
-async def openai_errors(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn aiohttp's own HTTP errors (404 route, 405, 413) into the OpenAI shape."""
     try:
         return await handler(request)

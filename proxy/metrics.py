@@ -14,7 +14,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from proxy.cluster import Cluster
 
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
 )
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
 
@@ -23,39 +37,64 @@ class FerryMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "ferry_requests", "Requests relayed, by instance and outcome.",
-            ["instance", "outcome"], registry=r,
+            "ferry_requests",
+            "Requests relayed, by instance and outcome.",
+            ["instance", "outcome"],
+            registry=r,
         )
         self.ttft = Histogram(
-            "ferry_time_to_first_token_seconds", "Time to first token as the client sees it.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "ferry_time_to_first_token_seconds",
+            "Time to first token as the client sees it.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "ferry_inter_token_latency_seconds", "Gap between two token chunks relayed.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "ferry_inter_token_latency_seconds",
+            "Gap between two token chunks relayed.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.decision = Histogram(
-            "ferry_dispatch_decision_seconds", "Time to choose an instance for one request.",
-            buckets=_DECISION_BUCKETS, registry=r,
+            "ferry_dispatch_decision_seconds",
+            "Time to choose an instance for one request.",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
         )
         self.scrape_errors = Counter(
-            "ferry_scrape_errors", "Failed metric scrapes by instance.", ["instance"], registry=r,
+            "ferry_scrape_errors",
+            "Failed metric scrapes by instance.",
+            ["instance"],
+            registry=r,
         )
         self.inflight = Gauge(
-            "ferry_inflight_requests", "Requests in flight by instance.", ["instance"], registry=r,
+            "ferry_inflight_requests",
+            "Requests in flight by instance.",
+            ["instance"],
+            registry=r,
         )
         self.freeness = Gauge(
-            "ferry_instance_freeness", "Llumnix freeness (KV blocks per request).",
-            ["instance"], registry=r,
+            "ferry_instance_freeness",
+            "Llumnix freeness (KV blocks per request).",
+            ["instance"],
+            registry=r,
         )
         self.healthy = Gauge(
-            "ferry_instance_healthy", "1 if the instance takes traffic.", ["instance"], registry=r,
+            "ferry_instance_healthy",
+            "1 if the instance takes traffic.",
+            ["instance"],
+            registry=r,
         )
         self.draining = Gauge(
-            "ferry_instance_draining", "1 if the instance is draining.", ["instance"], registry=r,
+            "ferry_instance_draining",
+            "1 if the instance is draining.",
+            ["instance"],
+            registry=r,
         )
         self.scrape_age = Gauge(
-            "ferry_scrape_age_seconds", "Age of the last good scrape.", ["instance"], registry=r,
+            "ferry_scrape_age_seconds",
+            "Age of the last good scrape.",
+            ["instance"],
+            registry=r,
         )
 
     def render(self, cluster: Cluster, now: float | None = None) -> bytes:

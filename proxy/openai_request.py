@@ -56,7 +56,9 @@ def parse(raw: bytes, endpoint: str, priority_header: str | None) -> OpenAIReque
     if endpoint == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' is required and must be a non-empty list", param="messages")
+            raise BadRequest(
+                "'messages' is required and must be a non-empty list", param="messages"
+            )
         estimate = sum(_text_tokens(m.get("content")) for m in messages if isinstance(m, dict))
     else:
         if "prompt" not in body:

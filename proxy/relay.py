@@ -29,7 +29,11 @@ from proxy.policy import DispatchRequest, InstanceView, NoCandidate, Priority, d
 from proxy.policy.policies import DispatchPolicy
 
 # Failures that happen before the instance produced anything: safe to retry.
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_CONNECT_ERRORS = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+)
 # Failures of a stream already under way.
 _STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
 _FORWARD_HEADERS = ("authorization", "x-request-id", "openai-organization", "openai-project")
@@ -127,7 +131,9 @@ class Relay:
             outcome = "error"
             try:
                 if stream and upstream.status == 200:
-                    response, outcome = await self._stream(request, upstream, entry, wants_ids, arrived)
+                    response, outcome = await self._stream(
+                        request, upstream, entry, wants_ids, arrived
+                    )
                 else:
                     response, outcome = await self._whole(upstream, entry, wants_ids, body is None)
                 upstream.release()
@@ -167,8 +173,10 @@ class Relay:
         response = web.Response(
             status=status,
             body=raw,
-            headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                     "x-ferry-instance": entry.instance},
+            headers={
+                "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+                "x-ferry-instance": entry.instance,
+            },
         )
         return response, outcome
 
@@ -273,7 +281,9 @@ def _prepare(body: dict[str, Any]) -> tuple[bytes, bool]:
 
 
 def _upstream_failed(instance: str, exc: BaseException) -> web.Response:
-    return error_response(502, f"instance {instance} failed: {type(exc).__name__}: {exc}", code="upstream_error")
+    return error_response(
+        502, f"instance {instance} failed: {type(exc).__name__}: {exc}", code="upstream_error"
+    )
 
 
 def _message_of(raw: bytes) -> str:

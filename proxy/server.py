@@ -53,11 +53,17 @@ def build_app(config: FerryConfig) -> web.Application:
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             policy_options = {"topk": sched.topk} if sched.policy == "llumnix" else {}
             app[RELAY] = Relay(
-                cluster, make_policy(sched.policy, **policy_options), metrics, session,
-                config.server, random.Random(sched.seed),
+                cluster,
+                make_policy(sched.policy, **policy_options),
+                metrics,
+                session,
+                config.server,
+                random.Random(sched.seed),
             )
             scraper = Scraper(
-                cluster, session, metrics,
+                cluster,
+                session,
+                metrics,
                 interval_s=sched.scrape_interval_s,
                 timeout_s=sched.scrape_timeout_s,
                 models_refresh_s=sched.models_refresh_s,
@@ -96,9 +102,14 @@ def _openai_handler(endpoint: str) -> Any:
         except openai_request.BadRequest as exc:
             return error_response(exc.status, exc.message, param=exc.param)
         return await request.app[RELAY].forward(
-            request, request.path, parsed.body, raw,
-            model=parsed.model, priority=parsed.priority,
-            prompt_estimate=parsed.prompt_estimate, arrived=arrived,
+            request,
+            request.path,
+            parsed.body,
+            raw,
+            model=parsed.model,
+            priority=parsed.priority,
+            prompt_estimate=parsed.prompt_estimate,
+            arrived=arrived,
         )
 
     return handler
@@ -117,8 +128,14 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             model = body["model"]
     return await request.app[RELAY].forward(
-        request, request.path, None, raw,
-        model=model, priority=Priority.NORMAL, prompt_estimate=0, arrived=arrived,
+        request,
+        request.path,
+        None,
+        raw,
+        model=model,
+        priority=Priority.NORMAL,
+        prompt_estimate=0,
+        arrived=arrived,
     )
 
 
@@ -152,8 +169,13 @@ async def serve(config: FerryConfig) -> None:
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, backlog=1024)
     await site.start()
-    log.info("ferry listening on http://%s:%d (%d instances, policy %s)",
-             config.server.host, config.server.port, len(config.instances), config.scheduler.policy)
+    log.info(
+        "ferry listening on http://%s:%d (%d instances, policy %s)",
+        config.server.host,
+        config.server.port,
+        len(config.instances),
+        config.scheduler.policy,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,13 +12,18 @@ from typing import Any
 import openai
 import pytest
 
-from loadtest.standin_server import StandIn
 from tests.helpers import Ferry
 
 
-def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+def post(
+    url: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    request = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     return _send(request)
 
 
@@ -60,27 +65,33 @@ def test_openai_client_streams_and_non_streams(standins: Any, ferry: Any) -> Non
     # The proxy asked for token ids for its ledger; the client did not, so it sees none.
     assert all(getattr(c.choices[0], "token_ids", None) is None for c in chunks)
     assert standin.seen_bodies[-1]["return_token_ids"] is True
-    whole = api.chat.completions.create(model="standin", messages=[{"role": "user", "content": "x"}],
-                                        max_tokens=3)
+    whole = api.chat.completions.create(
+        model="standin", messages=[{"role": "user", "content": "x"}], max_tokens=3
+    )
     assert whole.choices[0].message.content == " tok" * 3
     assert getattr(whole, "prompt_token_ids", None) is None
-    stream = api.chat.completions.create(model="standin", messages=[{"role": "user", "content": "x"}],
-                                         max_tokens=4, stream=True)
+    stream = api.chat.completions.create(
+        model="standin", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == " tok" * 4
 
 
 def test_a_client_that_asks_for_token_ids_gets_them(standins: Any, ferry: Any) -> None:
     [(_, site)] = standins(1, itl_s=0.001)
     proxy = ferry([site.url])
-    status, body, _ = post(proxy.url + "/v1/completions",
-                           b'{"model":"standin","prompt":"x","max_tokens":2,"return_token_ids":true}')
+    status, body, _ = post(
+        proxy.url + "/v1/completions",
+        b'{"model":"standin","prompt":"x","max_tokens":2,"return_token_ids":true}',
+    )
     assert status == 200 and body["choices"][0]["token_ids"] == [7, 7]
 
 
 def test_ledger_counts_tokens_and_releases(standins: Any, ferry: Any) -> None:
     [(_, site)] = standins(1, itl_s=0.05)
     proxy = ferry([site.url], scheduler={"scrape_interval_s": 60})
-    stream = client(proxy).completions.create(model="standin", prompt="x", max_tokens=40, stream=True)
+    stream = client(proxy).completions.create(
+        model="standin", prompt="x", max_tokens=40, stream=True
+    )
     next(iter(stream))
     assert proxy.view("i0").inflight == 1
     entries = proxy.loop.call(lambda: list(proxy.cluster.ledger.entries("i0")))
@@ -94,8 +105,10 @@ def test_burst_spreads_by_ledger_between_scrapes(standins: Any, ferry: Any) -> N
     # Scrapes far apart: only Ferry's own ledger can tell the instances apart.
     proxy = ferry([s.url for _, s in sites], scheduler={"scrape_interval_s": 60})
     api = client(proxy)
-    streams = [api.completions.create(model="standin", prompt="x" * 300, max_tokens=30, stream=True)
-               for _ in range(10)]
+    streams = [
+        api.completions.create(model="standin", prompt="x" * 300, max_tokens=30, stream=True)
+        for _ in range(10)
+    ]
     for s in streams:
         next(iter(s))
     assert [proxy.view(n).inflight for n in ("i0", "i1")] == [5, 5]
@@ -106,7 +119,9 @@ def test_burst_spreads_by_ledger_between_scrapes(standins: Any, ferry: Any) -> N
 def test_client_disconnect_aborts_upstream(standins: Any, ferry: Any) -> None:
     [(standin, site)] = standins(1, itl_s=0.05)
     proxy = ferry([site.url])
-    stream = client(proxy).completions.create(model="standin", prompt="x", max_tokens=1000, stream=True)
+    stream = client(proxy).completions.create(
+        model="standin", prompt="x", max_tokens=1000, stream=True
+    )
     next(iter(stream))
     assert standin.running == 1
     stream.close()
@@ -121,12 +136,30 @@ def test_client_disconnect_aborts_upstream(standins: Any, ferry: Any) -> None:
         ("/v1/completions", b'{"prompt": "x"}', {}, 400, "model"),
         ("/v1/chat/completions", b'{"model": "standin"}', {}, 400, "messages"),
         ("/v1/completions", b'{"model": "nope", "prompt": "x"}', {}, 404, "model"),
-        ("/v1/completions", b'{"model": "standin", "prompt": "x"}', {"x-ferry-priority": "now"}, 400, None),
-        ("/v1/completions", b'{"model": "standin", "prompt": "' + b"x" * 5_000_000 + b'"}', {}, 413, None),
+        (
+            "/v1/completions",
+            b'{"model": "standin", "prompt": "x"}',
+            {"x-ferry-priority": "now"},
+            400,
+            None,
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "standin", "prompt": "' + b"x" * 5_000_000 + b'"}',
+            {},
+            413,
+            None,
+        ),
     ],
 )
 def test_bad_input_gets_openai_errors(
-    standins: Any, ferry: Any, path: str, body: bytes, headers: dict[str, str], status: int, param: str | None
+    standins: Any,
+    ferry: Any,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+    param: str | None,
 ) -> None:
     [(_, site)] = standins(1)
     proxy = ferry([site.url])
@@ -163,21 +196,29 @@ def test_upstream_errors_pass_through_or_become_502(standins: Any, ferry: Any) -
     assert status == 502 and "HTTP 500" in payload["error"]["message"]
 
 
-def test_no_healthy_instance_gives_503_with_retry_after(standins: Any, ferry: Any, loop_thread: Any) -> None:
+def test_no_healthy_instance_gives_503_with_retry_after(
+    standins: Any, ferry: Any, loop_thread: Any
+) -> None:
     [(_, site)] = standins(1)
     proxy = ferry([site.url], scheduler={"unhealthy_after_failures": 1})
     loop_thread.run(site.runner.cleanup())
     wait_until(lambda: not proxy.view("i0").healthy)
-    status, payload, headers = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+    status, payload, headers = post(
+        proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}'
+    )
     assert status == 503 and headers["Retry-After"] == "1"
     assert payload["error"]["type"] == "service_unavailable"
     assert get(proxy.url + "/health")[0] == 503
 
 
-def test_connection_failure_is_retried_on_another_instance(standins: Any, ferry: Any, loop_thread: Any) -> None:
+def test_connection_failure_is_retried_on_another_instance(
+    standins: Any, ferry: Any, loop_thread: Any
+) -> None:
     (_, dead), (alive_standin, alive) = standins(2, itl_s=0.001)
     # Scrapes far apart: the proxy still believes the dead instance is healthy.
-    proxy = ferry([dead.url, alive.url], scheduler={"scrape_interval_s": 60, "policy": "round_robin"})
+    proxy = ferry(
+        [dead.url, alive.url], scheduler={"scrape_interval_s": 60, "policy": "round_robin"}
+    )
     loop_thread.run(dead.runner.cleanup())
     api = client(proxy)
     for _ in range(4):
@@ -225,9 +266,15 @@ def test_models_health_metrics_and_passthrough(standins: Any, ferry: Any) -> Non
     request = urllib.request.Request(proxy.url + "/metrics")
     with urllib.request.urlopen(request, timeout=5) as resp:
         text = resp.read().decode()
-    for name in ("ferry_requests_total", "ferry_time_to_first_token_seconds",
-                 "ferry_inter_token_latency_seconds", "ferry_inflight_requests",
-                 "ferry_instance_freeness", "ferry_scrape_age_seconds",
-                 "ferry_dispatch_decision_seconds", "ferry_scrape_errors_total"):
+    for name in (
+        "ferry_requests_total",
+        "ferry_time_to_first_token_seconds",
+        "ferry_inter_token_latency_seconds",
+        "ferry_inflight_requests",
+        "ferry_instance_freeness",
+        "ferry_scrape_age_seconds",
+        "ferry_dispatch_decision_seconds",
+        "ferry_scrape_errors_total",
+    ):
         assert name in text, name
     assert 'ferry_requests_total{instance="i1",outcome="ok"} 1.0' in text

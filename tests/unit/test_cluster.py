@@ -11,8 +11,9 @@ from proxy.policy import DispatchRequest, Priority, UsageSettings, dispatch, mak
 
 
 def snapshot(running: int = 0, waiting: int = 0, kv_usage: float = 0.0) -> EngineSnapshot:
-    return EngineSnapshot(running, waiting, kv_usage, kv_blocks_total=100, block_size=16,
-                          preemptions_total=0)
+    return EngineSnapshot(
+        running, waiting, kv_usage, kv_blocks_total=100, block_size=16, preemptions_total=0
+    )
 
 
 def make_cluster(*names: str, headroom: float = 0.0) -> Cluster:
@@ -44,7 +45,9 @@ def test_engine_load_that_bypassed_the_proxy_counts() -> None:
     view = cluster.instance_view("a")
     assert view.virtual_blocks == 60 and view.batch == 4
     assert view.freeness == (100 - 60) / 4
-    chosen = dispatch(make_policy("llumnix"), DispatchRequest("m"), cluster.view(), random.Random(0))
+    chosen = dispatch(
+        make_policy("llumnix"), DispatchRequest("m"), cluster.view(), random.Random(0)
+    )
     assert chosen.name == "b"
 
 
@@ -64,7 +67,9 @@ def test_high_priority_reserves_headroom() -> None:
     cluster.ledger.add("a", "m", Priority.HIGH, 16, now=0.0)
     cluster.ledger.add("b", "m", Priority.NORMAL, 16, now=0.0)
     assert cluster.instance_view("a").virtual_blocks == 21
-    chosen = dispatch(make_policy("llumnix"), DispatchRequest("m"), cluster.view(), random.Random(0))
+    chosen = dispatch(
+        make_policy("llumnix"), DispatchRequest("m"), cluster.view(), random.Random(0)
+    )
     assert chosen.name == "b"
 
 
@@ -83,5 +88,7 @@ def test_draining_instance_is_never_chosen() -> None:
     cluster = make_cluster("a", "b")
     cluster.set_draining("a", True)
     policy = make_policy("llumnix")
-    assert {dispatch(policy, DispatchRequest("m"), cluster.view(), random.Random(s)).name
-            for s in range(20)} == {"b"}
+    assert {
+        dispatch(policy, DispatchRequest("m"), cluster.view(), random.Random(s)).name
+        for s in range(20)
+    } == {"b"}

@@ -33,7 +33,10 @@ def test_defaults_and_yaml_off() -> None:
 
 def test_admin_token_from_environment() -> None:
     assert parse_config(base(), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token == "s3"
-    assert parse_config(base(admin_token="yaml"), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token == "yaml"
+    assert (
+        parse_config(base(admin_token="yaml"), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token
+        == "yaml"
+    )
 
 
 @pytest.mark.parametrize(
@@ -42,18 +45,36 @@ def test_admin_token_from_environment() -> None:
         ({}, r"^instances: must be a non-empty list"),
         (base(instances=[{"url": "http://h:1"}]), r"^instances\[0\]\.name: is required"),
         (base(instances=[{"name": "a", "url": "h:1"}]), r"^instances\[0\]\.url: must be an http"),
-        (base(instances=[{"name": "a", "url": "http://h:1", "engine": "tgi"}]),
-         r"^instances\[0\]\.engine: must be one of vllm"),
-        (base(instances=[{"name": "a", "url": "http://h:1", "migration": "on"}]),
-         r"^instances\[0\]\.migration: must be one of off, lite, full \(got 'on'\)"),
-        (base(instances=[{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]),
-         r"^instances\[1\]\.name: duplicate"),
-        (base(instances=[{"name": "a", "url": "http://h:1", "weight": 2}]),
-         r"^instances\[0\]\.weight: unknown key; allowed: engine, labels, migration, name, url"),
-        (base(scheduler={"policy": "fastest"}),
-         r"^scheduler\.policy: must be one of least_kv, least_requests, llumnix"),
-        (base(scheduler={"scrape_interval_s": "fast"}), r"^scheduler\.scrape_interval_s: must be float"),
-        (base(scheduler={"scrape_interval_s": 0}), r"^scheduler\.scrape_interval_s: must be between"),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "engine": "tgi"}]),
+            r"^instances\[0\]\.engine: must be one of vllm",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "migration": "on"}]),
+            r"^instances\[0\]\.migration: must be one of off, lite, full \(got 'on'\)",
+        ),
+        (
+            base(
+                instances=[{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]
+            ),
+            r"^instances\[1\]\.name: duplicate",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "weight": 2}]),
+            r"^instances\[0\]\.weight: unknown key; allowed: engine, labels, migration, name, url",
+        ),
+        (
+            base(scheduler={"policy": "fastest"}),
+            r"^scheduler\.policy: must be one of least_kv, least_requests, llumnix",
+        ),
+        (
+            base(scheduler={"scrape_interval_s": "fast"}),
+            r"^scheduler\.scrape_interval_s: must be float",
+        ),
+        (
+            base(scheduler={"scrape_interval_s": 0}),
+            r"^scheduler\.scrape_interval_s: must be between",
+        ),
         (base(scheduler={"topk": 0}), r"^scheduler\.topk: must be at least 1"),
         (base(server={"port": True}), r"^server\.port: must be int"),
         (base(server={"port": 70000}), r"^server\.port: must be between"),
@@ -76,6 +97,8 @@ def test_file_errors(tmp_path: Path) -> None:
 
 
 def test_quick_start_names_backends_by_host_port() -> None:
-    config = config_from_backends(["http://127.0.0.1:8001", "http://10.0.0.2:9000/"], policy="least_kv")
+    config = config_from_backends(
+        ["http://127.0.0.1:8001", "http://10.0.0.2:9000/"], policy="least_kv"
+    )
     assert [i.name for i in config.instances] == ["127.0.0.1:8001", "10.0.0.2:9000"]
     assert config.scheduler.policy == "least_kv"

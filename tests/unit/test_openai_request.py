@@ -30,7 +30,9 @@ def test_parses_completions_and_chat() -> None:
         (b'{"model": "m", "prompt": "x"}', "completions", "urgent", "x-ferry-priority"),
     ],
 )
-def test_bad_requests_are_explained(raw: bytes, endpoint: str, header: str | None, message: str) -> None:
+def test_bad_requests_are_explained(
+    raw: bytes, endpoint: str, header: str | None, message: str
+) -> None:
     with pytest.raises(BadRequest, match=message):
         parse(raw, endpoint, header)
 

@@ -35,7 +35,10 @@ def pick(policy: str, *instances: InstanceView, seq: int = 0, seed: int = 0, **r
 
 
 def test_llumnix_picks_the_freest() -> None:
-    assert pick("llumnix", inst("a", freeness=3.0), inst("b", freeness=7.5), inst("c", freeness=5.0)) == "b"
+    assert (
+        pick("llumnix", inst("a", freeness=3.0), inst("b", freeness=7.5), inst("c", freeness=5.0))
+        == "b"
+    )
 
 
 def test_freeness_is_free_blocks_per_request() -> None:
@@ -94,7 +97,10 @@ def test_no_candidate_says_why() -> None:
 
 
 def test_excluded_instances_are_skipped() -> None:
-    assert pick("llumnix", inst("a", freeness=9.0), inst("b", freeness=1.0), exclude=frozenset({"a"})) == "b"
+    assert (
+        pick("llumnix", inst("a", freeness=9.0), inst("b", freeness=1.0), exclude=frozenset({"a"}))
+        == "b"
+    )
 
 
 def test_round_robin_cycles_by_decision_count() -> None:

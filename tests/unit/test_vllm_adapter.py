@@ -23,12 +23,18 @@ def test_parses_a_real_vllm_0_32_scrape() -> None:
 def test_reads_a_busy_scrape() -> None:
     text = (FIXTURES / "vllm-0.32-metrics.txt").read_text()
     busy = (
-        text.replace('vllm:num_requests_running{engine="0",model_name="tiny"} 0.0',
-                     'vllm:num_requests_running{engine="0",model_name="tiny"} 5.0')
-        .replace('vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0',
-                 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25')
-        .replace('vllm:num_preemptions_total{engine="0",model_name="tiny"} 0.0',
-                 'vllm:num_preemptions_total{engine="0",model_name="tiny"} 7.0')
+        text.replace(
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0',
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 5.0',
+        )
+        .replace(
+            'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25',
+        )
+        .replace(
+            'vllm:num_preemptions_total{engine="0",model_name="tiny"} 0.0',
+            'vllm:num_preemptions_total{engine="0",model_name="tiny"} 7.0',
+        )
     )
     snap = parse_metrics(busy)
     assert (snap.running, snap.kv_usage, snap.preemptions_total) == (5, 0.25, 7)

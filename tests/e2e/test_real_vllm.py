@@ -1,0 +1,179 @@
+"""Ferry in front of two real vLLM CPU servers, driven by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from adapters.vllm import parse_metrics
+from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
+from tests.helpers import free_port
+
+PROMPT = "The quick brown fox jumps over the lazy dog while the scheduler"
+# The random model answers some chat prompts with special tokens only (empty text).
+CHAT_PROMPT = "The quick brown fox"
+LONG = {"max_tokens": 900, "extra_body": {"ignore_eos": True}}
+
+
+def api(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def running(server: VLLMServer) -> int:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+        return parse_metrics(resp.read().decode()).running
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def proxy(ferry: Any, vllm_pair: list[VLLMServer]) -> Any:
+    return ferry([s.url for s in vllm_pair])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_match_a_direct_call(proxy: Any, vllm_pair: list[VLLMServer], stream: bool) -> None:
+    args: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+    args["extra_body"] = {"ignore_eos": True}
+    direct = api(vllm_pair[0].url).completions.create(**args)
+    if stream:
+        chunks = list(api(proxy.url).completions.create(stream=True, **args))
+        text = "".join(c.choices[0].text for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        text = api(proxy.url).completions.create(**args).choices[0].text
+    assert text == direct.choices[0].text
+    assert len(text) > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_matches_a_direct_call(proxy: Any, vllm_pair: list[VLLMServer], stream: bool) -> None:
+    args: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": CHAT_PROMPT}],
+        "max_tokens": 32,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},  # the random model may pick EOS first
+    }
+    direct = api(vllm_pair[1].url).chat.completions.create(**args).choices[0].message.content
+    if stream:
+        chunks = api(proxy.url).chat.completions.create(stream=True, **args)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = api(proxy.url).chat.completions.create(**args).choices[0].message.content
+    assert text == direct and text
+
+
+def test_new_requests_go_to_the_freer_instance(proxy: Any, vllm_pair: list[VLLMServer]) -> None:
+    loaded, free = vllm_pair
+    # Pre-load one instance directly (bypassing Ferry): only its scrape shows the load.
+    threads = [
+        threading.Thread(
+            target=lambda: api(loaded.url).completions.create(model="tiny", prompt=PROMPT, **LONG)
+        )
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: proxy.view("i0").engine_running + proxy.view("i0").engine_waiting >= 3)
+        chosen = []
+        for _ in range(3):
+            raw = api(proxy.url).completions.with_raw_response.create(
+                model="tiny", prompt="hi", max_tokens=4
+            )
+            chosen.append(raw.headers["x-ferry-instance"])
+        assert chosen == ["i1", "i1", "i1"]
+    finally:
+        for t in threads:
+            t.join(120)
+
+
+def test_client_disconnect_leaves_nothing_running(proxy: Any, vllm_pair: list[VLLMServer]) -> None:
+    stream = api(proxy.url).completions.create(model="tiny", prompt=PROMPT, stream=True, **LONG)
+    chunks = iter(stream)
+    for _ in range(5):
+        next(chunks)
+    assert sum(running(s) for s in vllm_pair) == 1
+    stream.close()
+    wait_until(lambda: sum(running(s) for s in vllm_pair) == 0, timeout=10)
+    wait_until(lambda: proxy.view("i0").inflight + proxy.view("i1").inflight == 0)
+
+
+@pytest.fixture
+def doomed(tiny_model: Path, tmp_path: Path) -> Iterator[VLLMServer]:
+    server = start_vllm(tiny_model, free_port(), tmp_path)
+    try:
+        wait_ready([server])
+        yield server
+    finally:
+        server.stop()
+
+
+def test_killed_instance_goes_unhealthy_and_traffic_moves(
+    ferry: Any, doomed: VLLMServer, vllm_pair: list[VLLMServer]
+) -> None:
+    survivor = vllm_pair[1]
+    proxy = ferry([doomed.url, survivor.url], scheduler={"policy": "round_robin"})
+    client = api(proxy.url)
+    for _ in range(2):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=4)
+    doomed.kill()
+    for _ in range(6):  # round-robin would send half of these to the dead instance
+        out = client.completions.create(model="tiny", prompt="hi", max_tokens=4)
+        assert out.choices[0].finish_reason == "length"
+    wait_until(lambda: not proxy.view("i0").healthy)
+
+
+def test_cli_serve_and_status_with_admin_token(vllm_pair: list[VLLMServer], tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "ferry.yaml"
+    config.write_text(
+        "instances:\n"
+        + "".join(f"  - name: v{i}\n    url: {s.url}\n" for i, s in enumerate(vllm_pair))
+        + f"server:\n  port: {port}\nadmin_token: tok3n\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FERRY_ADMIN_TOKEN"}
+    ferry_cmd = [sys.executable, "-m", "proxy.cli"]
+    server = subprocess.Popen([*ferry_cmd, "serve", "--config", str(config)], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _health(url), timeout=30)
+        out = api(url).completions.create(model="tiny", prompt="hi", max_tokens=3)
+        assert out.usage is not None and out.usage.completion_tokens == 3
+        denied = subprocess.run([*ferry_cmd, "status", "--url", url], env=env, capture_output=True, text=True)
+        assert denied.returncode == 1 and "401" in denied.stderr
+        shown = subprocess.run(
+            [*ferry_cmd, "status", "--url", url, "--admin-token", "tok3n"],
+            env=env, capture_output=True, text=True,
+        )
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        assert lines[0].startswith("NAME") and {ln.split()[0] for ln in lines[1:]} == {"v0", "v1"}
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
