@@ -14,7 +14,13 @@ from typing import Any
 from adapters import EngineSnapshot
 from proxy.config import InstanceConfig
 from proxy.ledger import Ledger
-from proxy.policy import ClusterView, InstanceView, UsageSettings, instance_freeness, virtual_usage
+from proxy.policy import (
+    ClusterView,
+    InstanceView,
+    UsageSettings,
+    instance_freeness,
+    instance_virtual_usage,
+)
 
 
 @dataclass(slots=True)
@@ -54,28 +60,28 @@ class Cluster:
         self.usage = usage
         self.unhealthy_after_failures = unhealthy_after_failures
         self.dispatch_seq = 0
-        self._views: dict[str, InstanceView] = {}
-        self._all: tuple[InstanceView, ...] | None = None
+        self._index = {name: i for i, name in enumerate(self.instances)}
+        self._views = [self._build(state) for state in self.instances.values()]
+        self._stale: set[str] = set()
+        self._all = tuple(self._views)
 
     def view(self) -> ClusterView:
-        if self._all is None:
-            for name, state in self.instances.items():
-                if name not in self._views:
-                    self._views[name] = self._build(state)
-            self._all = tuple(self._views[name] for name in self.instances)
+        if self._stale:
+            for name in self._stale:
+                self._views[self._index[name]] = self._build(self.instances[name])
+            self._stale.clear()
+            self._all = tuple(self._views)
         return ClusterView(self._all, self.dispatch_seq)
 
     def instance_view(self, name: str) -> InstanceView:
-        self.view()
-        return self._views[name]
+        return self.view().instances[self._index[name]]
 
     def record_scrape(self, name: str, snapshot: EngineSnapshot, now: float) -> None:
         state = self.instances[name]
         state.snapshot, state.snapshot_at = snapshot, now
         state.failures, state.last_error, state.healthy = 0, None, True
         self.ledger.set_block_size(name, snapshot.block_size)
-        ledger_blocks = sum(e.blocks for e in self.ledger.entries(name))
-        state.external_blocks = max(0.0, snapshot.kv_blocks_used - ledger_blocks)
+        state.external_blocks = max(0.0, snapshot.kv_blocks_used - self.ledger.blocks(name))
         state.external_requests = max(
             0, snapshot.running + snapshot.waiting - self.ledger.count(name)
         )
@@ -111,23 +117,21 @@ class Cluster:
         self.dispatch_seq += 1
 
     def _invalidate(self, name: str) -> None:
-        self._views.pop(name, None)
-        self._all = None
+        self._stale.add(name)
 
     def _build(self, state: InstanceState) -> InstanceView:
         snap = state.snapshot
-        block_size = snap.block_size if snap and snap.block_size else 16
-        entries = list(self.ledger.entries(state.name))
-        virtual = state.external_blocks + sum(
-            virtual_usage(e.prompt_tokens, e.generated_tokens, e.priority, block_size, self.usage)
-            for e in entries
+        name = state.name
+        inflight = self.ledger.count(name)
+        virtual = state.external_blocks + instance_virtual_usage(
+            self.ledger.blocks(name), self.ledger.high_priority(name), self.usage
         )
-        batch = len(entries) + state.external_requests
+        batch = inflight + state.external_requests
         capacity = snap.kv_blocks_total if snap else 0
         return InstanceView(
-            name=state.name,
+            name=name,
             freeness=instance_freeness(capacity, virtual, batch, draining=state.draining),
-            inflight=len(entries),
+            inflight=inflight,
             capacity_blocks=capacity,
             virtual_blocks=virtual,
             batch=batch,

@@ -39,20 +39,25 @@ class Ledger:
         self._ids = itertools.count(1)
         self._on_change = on_change
         self._block_size: dict[str, int] = {}
+        # Running totals per instance, so a view is built in O(1), not O(requests).
+        self._blocks_total: dict[str, int] = {}
+        self._high: dict[str, int] = {}
 
     def set_block_size(self, instance: str, block_size: int) -> None:
         if block_size > 0 and self._block_size.get(instance) != block_size:
             self._block_size[instance] = block_size
             for entry in self.entries(instance):
-                entry.blocks = self._blocks(entry)
+                self._set_blocks(entry, self._blocks(entry))
             self._on_change(instance)
 
     def add(
         self, instance: str, model: str, priority: Priority, prompt_tokens: int, now: float
     ) -> LedgerEntry:
         entry = LedgerEntry(next(self._ids), instance, model, priority, now, prompt_tokens)
-        entry.blocks = self._blocks(entry)
         self._by_instance.setdefault(instance, {})[entry.id] = entry
+        self._set_blocks(entry, self._blocks(entry))
+        if priority is Priority.HIGH:
+            self._high[instance] = self._high.get(instance, 0) + 1
         self._on_change(instance)
         return entry
 
@@ -68,6 +73,9 @@ class Ledger:
     def release(self, entry: LedgerEntry) -> None:
         requests = self._by_instance.get(entry.instance)
         if requests is not None and requests.pop(entry.id, None) is not None:
+            self._blocks_total[entry.instance] -= entry.blocks
+            if entry.priority is Priority.HIGH:
+                self._high[entry.instance] -= 1
             self._on_change(entry.instance)
 
     def entries(self, instance: str) -> Iterator[LedgerEntry]:
@@ -79,14 +87,29 @@ class Ledger:
     def total(self) -> int:
         return sum(len(r) for r in self._by_instance.values())
 
+    def blocks(self, instance: str) -> int:
+        """KV blocks held by the instance's in-flight requests (real usage)."""
+        return self._blocks_total.get(instance, 0)
+
+    def high_priority(self, instance: str) -> int:
+        return self._high.get(instance, 0)
+
     def _blocks(self, entry: LedgerEntry) -> int:
         # 16 tokens is vLLM's GPU default, used until the first scrape says otherwise.
         size = self._block_size.get(entry.instance, 16)
         return request_blocks(entry.prompt_tokens + entry.generated_tokens, size)
 
+    def _set_blocks(self, entry: LedgerEntry, blocks: int) -> None:
+        """Change an entry's blocks, keeping the instance total in step (live entries only)."""
+        if entry.id in self._by_instance.get(entry.instance, {}):
+            total = self._blocks_total.get(entry.instance, 0)
+            self._blocks_total[entry.instance] = total + blocks - entry.blocks
+        entry.blocks = blocks
+
     def _rebill(self, entry: LedgerEntry) -> None:
         blocks = self._blocks(entry)
         if blocks != entry.blocks:
-            entry.blocks = blocks
-            if entry.id in self._by_instance.get(entry.instance, {}):
+            live = entry.id in self._by_instance.get(entry.instance, {})
+            self._set_blocks(entry, blocks)
+            if live:
                 self._on_change(entry.instance)

@@ -41,8 +41,7 @@ _ATTEMPTS = 2  # the first try and one retry on another instance
 
 
 def dumps(obj: Any) -> bytes:
-    """Compact JSON, as vLLM writes it, so relayed bodies keep their shape."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 class Relay:
@@ -181,20 +180,11 @@ class Relay:
         return response, outcome
 
     def _account_whole(self, raw: bytes, entry: LedgerEntry, wants_ids: bool) -> bytes:
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            return raw
-        if not isinstance(obj, dict):
-            return raw
-        prompt, generated = token_ids.count(obj)
+        prompt, generated, _ = token_ids.scan(raw)
         if prompt is not None:
             self.cluster.ledger.set_prompt_tokens(entry, prompt)
         self.cluster.ledger.add_generated(entry, generated)
-        if wants_ids:
-            return raw
-        token_ids.hide(obj)
-        return dumps(obj)
+        return raw if wants_ids else token_ids.hide(raw)
 
     async def _stream(
         self,
@@ -235,26 +225,19 @@ class Relay:
     def _relay_event(
         self, event: bytes, entry: LedgerEntry, wants_ids: bool, timing: _TokenTiming
     ) -> bytes:
-        if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+        if not event.startswith(b"data: {"):  # [DONE], comments, other fields
             return event + b"\n\n"
-        try:
-            chunk = json.loads(event[6:])
-        except ValueError:
-            return event + b"\n\n"
-        if not isinstance(chunk, dict):
-            return event + b"\n\n"
-        prompt, generated = token_ids.count(chunk)
+        prompt, generated, seen = token_ids.scan(event)
         if prompt is not None:
             self.cluster.ledger.set_prompt_tokens(entry, prompt)
         if generated:
             self.cluster.ledger.add_generated(entry, generated)
             timing.token()
-        elif token_ids.has_text(chunk):
-            timing.token()  # an engine that does not report ids
-        if wants_ids:
+        elif not seen and token_ids.has_text(event[6:]):
+            timing.token()  # an engine that does not report token ids
+        if wants_ids or not seen:
             return event + b"\n\n"
-        token_ids.hide(chunk)
-        return b"data: " + dumps(chunk) + b"\n\n"
+        return token_ids.hide(event) + b"\n\n"
 
 
 class _TokenTiming:

@@ -7,7 +7,12 @@ This subpackage imports nothing from the rest of `proxy/`.
 
 from proxy.policy.dispatch import POLICIES, NoCandidate, dispatch, make_policy
 from proxy.policy.view import ClusterView, DispatchRequest, InstanceView, Priority
-from proxy.policy.virtual_usage import UsageSettings, instance_freeness, virtual_usage
+from proxy.policy.virtual_usage import (
+    UsageSettings,
+    instance_freeness,
+    instance_virtual_usage,
+    virtual_usage,
+)
 
 __all__ = [
     "POLICIES",
@@ -19,6 +24,7 @@ __all__ = [
     "UsageSettings",
     "dispatch",
     "instance_freeness",
+    "instance_virtual_usage",
     "make_policy",
     "virtual_usage",
 ]

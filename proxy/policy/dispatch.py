@@ -59,16 +59,16 @@ def dispatch(
     policy: DispatchPolicy, request: DispatchRequest, view: ClusterView, rng: random.Random
 ) -> InstanceView:
     """Choose the instance for `request`. Raises NoCandidate when none can take it."""
-    model = request.model
-    exclude = request.exclude
-    candidates = [
-        v
-        for v in view.instances
-        if v.healthy
-        and not v.draining
-        and (model is None or model in v.models)
-        and v.name not in exclude
-    ]
+    model, exclude = request.model, request.exclude
+    # The common case (a model, nothing excluded) gets the tightest comprehension.
+    if model is not None and not exclude:
+        candidates = [v for v in view.instances if v.dispatchable and model in v.models]
+    else:
+        candidates = [
+            v
+            for v in view.instances
+            if v.dispatchable and (model is None or model in v.models) and v.name not in exclude
+        ]
     if not candidates:
         reason, model_unknown = _why_none(request, view)
         raise NoCandidate(reason, model_unknown=model_unknown)

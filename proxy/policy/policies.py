@@ -8,8 +8,9 @@ best, so a burst between two scrapes does not pile onto the first name.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from proxy.policy.view import DispatchRequest, InstanceView
@@ -28,20 +29,18 @@ class DispatchPolicy(Protocol):
 
 
 def best(
-    candidates: Sequence[InstanceView], score: Callable[[InstanceView], float], rng: random.Random
+    candidates: Sequence[InstanceView], scores: list[float], rng: random.Random
 ) -> InstanceView:
-    """The candidate with the highest score; ties at random. One pass."""
-    top: list[InstanceView] = []
-    top_score = -float("inf")
-    for view in candidates:
-        s = score(view)
-        if s > top_score:
-            top_score, top = s, [view]
-        elif s == top_score:
-            top.append(view)
-    if not top:  # every score was -inf (e.g. all draining): still answer
-        top = list(candidates)
-    return top[0] if len(top) == 1 else rng.choice(top)
+    """The candidate with the highest score; ties at random.
+
+    Scores come in as a list built by the caller's comprehension: at 256
+    instances that is about twice as fast as calling a key function per item.
+    """
+    top = max(scores)
+    if top == -math.inf:  # every candidate is draining-infinite: still answer
+        return rng.choice(candidates)
+    ties = [v for v, s in zip(candidates, scores, strict=True) if s == top]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
 class Llumnix:
@@ -65,8 +64,8 @@ class Llumnix:
         seq: int,
     ) -> InstanceView:
         if self.topk <= 1 or len(candidates) <= 1:
-            return best(candidates, _freeness, rng)
-        ranked = sorted(candidates, key=_freeness, reverse=True)
+            return best(candidates, [v.freeness for v in candidates], rng)
+        ranked = sorted(candidates, key=lambda v: v.freeness, reverse=True)
         return rng.choice(ranked[: self.topk])
 
 
@@ -112,7 +111,7 @@ class LeastRequests:
         rng: random.Random,
         seq: int,
     ) -> InstanceView:
-        return best(candidates, _neg_inflight, rng)
+        return best(candidates, [-v.inflight for v in candidates], rng)
 
 
 class LeastKV:
@@ -130,7 +129,7 @@ class LeastKV:
         rng: random.Random,
         seq: int,
     ) -> InstanceView:
-        return best(candidates, _neg_kv_usage, rng)
+        return best(candidates, [-v.kv_usage for v in candidates], rng)
 
 
 class PowerOfTwo:
@@ -145,9 +144,8 @@ class PowerOfTwo:
         rng: random.Random,
         seq: int,
     ) -> InstanceView:
-        if len(candidates) <= 2:
-            return best(candidates, _neg_inflight, rng)
-        return best(rng.sample(list(candidates), 2), _neg_inflight, rng)
+        sample = candidates if len(candidates) <= 2 else rng.sample(candidates, 2)
+        return best(sample, [-v.inflight for v in sample], rng)
 
 
 class QueueKVScorer:
@@ -168,23 +166,12 @@ class QueueKVScorer:
         rng: random.Random,
         seq: int,
     ) -> InstanceView:
-        q_min = min(v.engine_waiting for v in candidates)
-        q_span = max(v.engine_waiting for v in candidates) - q_min
-
-        def score(v: InstanceView) -> float:
-            queue = 1.0 if q_span == 0 else 1.0 - (v.engine_waiting - q_min) / q_span
-            return self.queue_weight * queue + self.kv_weight * (1.0 - v.kv_usage)
-
-        return best(candidates, score, rng)
-
-
-def _freeness(v: InstanceView) -> float:
-    return v.freeness
-
-
-def _neg_inflight(v: InstanceView) -> float:
-    return -v.inflight
-
-
-def _neg_kv_usage(v: InstanceView) -> float:
-    return -v.kv_usage
+        waiting = [v.engine_waiting for v in candidates]
+        q_min = min(waiting)
+        q_span = max(waiting) - q_min or 1  # all equal: every queue term is 1
+        wq, wkv = self.queue_weight, self.kv_weight
+        scores = [
+            wq * (1.0 - (q - q_min) / q_span) + wkv * (1.0 - v.kv_usage)
+            for q, v in zip(waiting, candidates, strict=True)
+        ]
+        return best(candidates, scores, rng)

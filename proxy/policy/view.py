@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Priority(enum.IntEnum):
@@ -53,10 +53,10 @@ class InstanceView:
     healthy: bool = True
     draining: bool = False
     models: frozenset[str] = frozenset()
+    dispatchable: bool = field(init=False)  # healthy and not draining; one load per decision
 
-    @property
-    def dispatchable(self) -> bool:
-        return self.healthy and not self.draining
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dispatchable", self.healthy and not self.draining)
 
 
 @dataclass(frozen=True, slots=True)

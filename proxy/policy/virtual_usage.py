@@ -46,6 +46,14 @@ def virtual_usage(
     return float(real)
 
 
+def instance_virtual_usage(
+    real_blocks: float, high_priority_requests: int, settings: UsageSettings
+) -> float:
+    """Sum of `virtual_usage` over an instance's requests, from running totals:
+    the sum of their real blocks plus the headroom of each high-priority one."""
+    return real_blocks + high_priority_requests * settings.high_priority_headroom_blocks
+
+
 def instance_freeness(
     capacity_blocks: int, virtual_blocks: float, batch: int, *, draining: bool = False
 ) -> float:

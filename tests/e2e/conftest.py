@@ -30,7 +30,9 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
+def vllm_pair(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[VLLMServer]]:
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [start_vllm(tiny_model, free_port(), logs) for _ in range(2)]
     try:

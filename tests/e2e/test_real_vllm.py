@@ -48,7 +48,9 @@ def proxy(ferry: Any, vllm_pair: list[VLLMServer]) -> Any:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_completions_match_a_direct_call(proxy: Any, vllm_pair: list[VLLMServer], stream: bool) -> None:
+def test_completions_match_a_direct_call(
+    proxy: Any, vllm_pair: list[VLLMServer], stream: bool
+) -> None:
     args: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
     args["extra_body"] = {"ignore_eos": True}
     direct = api(vllm_pair[0].url).completions.create(**args)
@@ -157,11 +159,15 @@ def test_cli_serve_and_status_with_admin_token(vllm_pair: list[VLLMServer], tmp_
         wait_until(lambda: _health(url), timeout=30)
         out = api(url).completions.create(model="tiny", prompt="hi", max_tokens=3)
         assert out.usage is not None and out.usage.completion_tokens == 3
-        denied = subprocess.run([*ferry_cmd, "status", "--url", url], env=env, capture_output=True, text=True)
+        denied = subprocess.run(
+            [*ferry_cmd, "status", "--url", url], env=env, capture_output=True, text=True
+        )
         assert denied.returncode == 1 and "401" in denied.stderr
         shown = subprocess.run(
             [*ferry_cmd, "status", "--url", url, "--admin-token", "tok3n"],
-            env=env, capture_output=True, text=True,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         assert shown.returncode == 0, shown.stderr
         lines = shown.stdout.splitlines()

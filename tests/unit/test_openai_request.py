@@ -38,14 +38,26 @@ def test_bad_requests_are_explained(
 
 
 def test_token_ids_are_counted_and_hidden() -> None:
-    chunk = {"choices": [{"text": "", "token_ids": [5], "prompt_token_ids": [1, 2, 3]}]}
-    assert token_ids.count(chunk) == (3, 1)
-    token_ids.hide(chunk)
-    assert chunk == {"choices": [{"text": "", "token_ids": None, "prompt_token_ids": None}]}
-    chat_first = {"prompt_token_ids": [1, 2], "choices": [{"delta": {"role": "assistant"}}]}
-    assert token_ids.count(chat_first) == (2, 0)
-    token_ids.hide(chat_first)
-    assert chat_first["prompt_token_ids"] is None
+    # Shapes captured from vLLM 0.32 with return_token_ids.
+    completion = (
+        b'{"id":"cmpl-1","choices":[{"index":0,"text":"e","prompt_token_ids":[45,74,81],'
+        b'"token_ids":[74]}]}'
+    )
+    assert token_ids.scan(completion) == (3, 1, True)
+    assert token_ids.hide(completion) == (
+        b'{"id":"cmpl-1","choices":[{"index":0,"text":"e","prompt_token_ids":null,'
+        b'"token_ids":null}]}'
+    )
+    chat_first = (
+        b'{"choices":[{"delta":{"role":"assistant","content":""}}],"prompt_token_ids":[3,4]}'
+    )
+    assert token_ids.scan(chat_first) == (2, 0, True)
+    # Text that merely mentions the key is escaped inside JSON and never matches.
+    tricky = b'{"choices":[{"text":"\\"token_ids\\":[1,2]","token_ids":[]}]}'
+    assert token_ids.scan(tricky) == (None, 0, True)
+    assert token_ids.scan(b'{"choices":[{"text":"hi","token_ids":null}]}') == (None, 0, False)
+    assert token_ids.has_text(b'{"choices":[{"text":"hi"}]}')
+    assert not token_ids.has_text(b'{"choices":[{"delta":{"content":""}}]}')
     body, wants = token_ids.upstream_body({"model": "m"})
     assert body["return_token_ids"] is True and not wants
     assert token_ids.upstream_body({"return_token_ids": True})[1]

