@@ -40,9 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--admin-token", help="bearer token (or FERRY_ADMIN_TOKEN)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
 
+    # Simulation and workload tools live in loadtest/; imported only when used.
+    from loadtest import trace
+    from loadtest.sim import run as sim
+
+    trace.add_arguments(sub.add_parser("trace", help="write a request trace (JSONL)"))
+    sim.add_arguments(sub.add_parser("sim", help="simulate a trace on N instances"))
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "trace":
+        return trace.run(args)
+    if args.command == "sim":
+        return sim.run(args)
     return _status(args)
 
 

@@ -1,0 +1,229 @@
+"""One simulated vLLM instance: continuous batching over paged KV.
+
+Each engine step: running requests that need a new KV block for their next token
+get one, preempting (by recompute, vLLM's default) the most recently admitted
+request when none is free; then queued requests are admitted first come first
+served while their blocks and the step's token budget allow (a head that does
+not fit blocks the queue, as in vLLM); the step takes `profile.step_time` of
+its tokens; at its end every request in it has one more token.
+
+Invariant: a running request holds blocks for tokens + 1 (its next token).
+The instance also keeps the totals the proxy's ledger would: requests assigned
+and their blocks (prompt + generated), so views are built in O(1).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from loadtest.sim.profile import Profile
+from proxy.policy import Priority
+
+
+class SimRequest:
+    __slots__ = (
+        "id",
+        "arrival",
+        "prompt",
+        "output",
+        "priority",
+        "generated",
+        "instance",
+        "blocks",
+        "running",
+        "first_token",
+        "finish",
+        "preemptions",
+        "preempted_at",
+        "preempt_loss",
+        "stall_until",
+        "cut_to",
+        "migrations",
+        "demand",
+        "klass",
+    )
+
+    def __init__(
+        self,
+        id: int,
+        arrival: float,
+        prompt: int,
+        output: int,
+        priority: Priority,
+        klass: Priority | None = None,
+    ) -> None:
+        self.id, self.arrival, self.prompt, self.output = id, arrival, prompt, output
+        self.priority = priority  # what the scheduler sees
+        self.klass = priority if klass is None else klass  # the trace's class, for reports
+        self.generated = 0
+        self.instance: Instance | None = None
+        self.blocks = 0  # KV blocks allocated on its instance
+        self.running = False
+        self.first_token: float | None = None
+        self.finish: float | None = None
+        self.preemptions = 0
+        self.preempted_at: float | None = None
+        self.preempt_loss = 0.0  # seconds between a preemption and re-admission
+        self.stall_until = 0.0  # full-mode migration downtime
+        # (mode, destination, tokens already copied): cut over at the next step end
+        self.cut_to: tuple[str, Instance, int] | None = None
+        self.migrations = 0
+        self.demand = 0  # blocks counted in its instance's ledger total
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.generated
+
+
+class Instance:
+    def __init__(self, name: str, profile: Profile) -> None:
+        self.name = name
+        self.profile = profile
+        self.bs = profile.block_size
+        self.capacity = profile.kv_blocks
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.used = 0  # blocks allocated or reserved
+        self.reserved: dict[int, int] = {}  # request id -> blocks held for an incoming copy
+        self.busy = False
+        self.batch: list[SimRequest] = []
+        self.preemptions = 0
+        # ledger totals
+        self.count = 0
+        self.demand = 0
+        self.high = 0
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    # ledger ---------------------------------------------------------------
+    def assign(self, r: SimRequest) -> None:
+        r.instance = self
+        r.demand = self.blocks_for(r.tokens)
+        self.count += 1
+        self.demand += r.demand
+        if r.priority is Priority.HIGH:
+            self.high += 1
+
+    def unassign(self, r: SimRequest) -> None:
+        self.count -= 1
+        self.demand -= r.demand
+        if r.priority is Priority.HIGH:
+            self.high -= 1
+        r.instance = None
+
+    # queue and batch --------------------------------------------------------
+    def enqueue(self, r: SimRequest) -> None:
+        self.assign(r)
+        self.waiting.append(r)
+
+    def attach_running(self, r: SimRequest, stall_until: float) -> bool:
+        """Full-mode arrival: the KV came along, no prefill. False if no room."""
+        need = self.blocks_for(r.tokens + 1)
+        if self.capacity - self.used < need:
+            return False
+        self.assign(r)
+        self.used += need
+        r.blocks, r.running, r.stall_until = need, True, stall_until
+        self.running.append(r)
+        return True
+
+    def detach(self, r: SimRequest) -> None:
+        """Take a request off this instance (finished, or moved), freeing its blocks."""
+        if r.running:
+            self.running.remove(r)
+            r.running = False
+        else:
+            self.waiting.remove(r)
+        self.used -= r.blocks
+        r.blocks = 0
+        self.unassign(r)
+
+    def reserve(self, request_id: int, blocks: int) -> bool:
+        if self.capacity - self.used < blocks:
+            return False
+        self.used += blocks
+        self.reserved[request_id] = blocks
+        return True
+
+    def release(self, request_id: int) -> None:
+        self.used -= self.reserved.pop(request_id, 0)
+
+    def _preempt(self, victim: SimRequest, now: float) -> None:
+        self.running.remove(victim)
+        victim.running = False
+        self.used -= victim.blocks
+        victim.blocks = 0
+        victim.preemptions += 1
+        victim.preempted_at = now
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def start_step(self, now: float) -> float | None:
+        """Form the next batch; return its duration, or None when idle."""
+        free = self.capacity - self.used
+        # 1. Room for every running request's next token; preempt the newest if needed.
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            need = self.blocks_for(r.tokens + 1) - r.blocks
+            while need > free and self.running:
+                victim = self.running[-1]
+                self._preempt(victim, now)
+                free = self.capacity - self.used
+                if victim is r:
+                    break
+            if r.running and need > 0:
+                r.blocks += need
+                self.used += need
+                free -= need
+            if r.running:
+                i += 1
+        # 2. Admit queued requests, first come first served.
+        tokens = sum(1 for r in self.running if r.stall_until <= now)
+        budget = self.profile.max_batched_tokens
+        admitted = []
+        while self.waiting and len(self.running) < self.profile.max_num_seqs:
+            r = self.waiting[0]
+            need = self.blocks_for(r.tokens + 1)
+            if need > free or (admitted and tokens + r.tokens > budget):
+                break
+            self.waiting.popleft()
+            r.blocks, r.running = need, True
+            self.used += need
+            free -= need
+            tokens += r.tokens
+            if r.preempted_at is not None:
+                r.preempt_loss += now - r.preempted_at
+                r.preempted_at = None
+            self.running.append(r)
+            admitted.append(r)
+        self.batch = [r for r in self.running if r.stall_until <= now]
+        if not self.batch:
+            return None
+        self.busy = True
+        return self.profile.step_time(tokens)
+
+    def finish_step(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
+        """Credit one token to each request of the batch.
+        Returns (finished requests, requests to cut over for migration)."""
+        self.busy = False
+        finished, cut = [], []
+        for r in self.batch:
+            if not r.running or r.instance is not self:
+                continue
+            r.generated += 1
+            if r.first_token is None:
+                r.first_token = now
+            demand = self.blocks_for(r.tokens)
+            if demand != r.demand:
+                self.demand += demand - r.demand
+                r.demand = demand
+            if r.generated >= r.output:
+                r.finish = now
+                self.detach(r)
+                finished.append(r)
+            elif r.cut_to is not None:
+                cut.append(r)
+        self.batch = []
+        return finished, cut

@@ -1,0 +1,59 @@
+"""An instance's performance profile: step time, KV capacity, migration cost.
+
+Step time is linear in the tokens a step processes (prefill tokens plus one per
+decoding request): t = base + per_token * tokens. The shipped `llama7b-a10`
+profile is fitted to the Llumnix paper's LLaMA-7B numbers (decode step about
+8 ms at 64 batch tokens, 21 ms at 1024): per_token = 13 ms / 960 tokens,
+base = 8 ms - 64 * per_token. Its KV capacity (1,000 blocks of 16 tokens) is our
+assumption for a 24 GB A10, not a number from the paper.
+`python -m loadtest.measure_profile --url URL` measures a real server's profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    step_base_s: float
+    step_per_token_s: float
+    kv_blocks: int  # capacity M
+    block_size: int
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    kv_bytes_per_token: int = 524_288  # LLaMA-7B fp16: 2 x 32 layers x 4096 x 2 bytes
+    migration_bandwidth_bps: float = 10e9  # full mode: bytes/s between instances
+
+    def step_time(self, tokens: int) -> float:
+        return self.step_base_s + self.step_per_token_s * tokens
+
+    def copy_time(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.migration_bandwidth_bps
+
+
+_PER_TOKEN = 0.013 / 960
+LLAMA7B_A10 = Profile(
+    name="llama7b-a10",
+    step_base_s=0.008 - 64 * _PER_TOKEN,
+    step_per_token_s=_PER_TOKEN,
+    kv_blocks=1000,
+    block_size=16,
+)
+
+
+def load(path: Path | None) -> Profile:
+    if path is None:
+        return LLAMA7B_A10
+    data = json.loads(Path(path).read_text())
+    try:
+        return Profile(**data)
+    except TypeError as exc:
+        raise ValueError(f"{path}: not a profile: {exc}") from None
+
+
+def save(profile: Profile, path: Path) -> None:
+    Path(path).write_text(json.dumps(asdict(profile), indent=2) + "\n")

@@ -1,0 +1,245 @@
+"""The event loop: arrivals, engine steps, scrapes, rescheduling, KV copies.
+
+Events sit in a heap ordered by (time, kind, sequence). At one timestamp a step
+end goes first (it frees blocks), then a finished KV copy, then arrivals, then
+the scrape and the rescheduler, so a decision sees the freshest state; the
+sequence number, owned by the simulator, keeps the order deterministic.
+
+Dispatch and rescheduling call the proxy's policy core on views built exactly
+as the proxy builds them (ledger totals, plus scraped fields refreshed every
+`scrape_interval_s`).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loadtest.sim.instance import Instance, SimRequest
+from loadtest.sim.profile import Profile
+from loadtest.trace import TraceRequest
+from proxy.policy import (
+    ClusterView,
+    DispatchRequest,
+    InstanceView,
+    Priority,
+    UsageSettings,
+    dispatch,
+    instance_freeness,
+    instance_virtual_usage,
+    make_policy,
+)
+from proxy.policy.migration import MigrationSettings, RequestLoad, plan_migrations, sources
+
+MODES = ("off", "lite", "full")
+MODEL = "m"
+
+
+class Kind(enum.IntEnum):
+    STEP_END = 0
+    COPY_DONE = 1
+    ARRIVAL = 2
+    WAKE = 3  # a migrated request's downtime ended on an idle instance
+    SCRAPE = 4
+    RESCHEDULE = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SimSettings:
+    instances: int
+    policy: str = "llumnix"
+    migration: str = "off"  # off | lite | full
+    priorities: bool = True  # False: every request counts as normal
+    high_priority_headroom_blocks: float = 0.0
+    scrape_interval_s: float = 0.05
+    reschedule_interval_s: float = 0.05
+    migration_settings: MigrationSettings = MigrationSettings()
+    seed: int = 0
+
+
+class Simulator:
+    def __init__(
+        self, trace: Sequence[TraceRequest], profile: Profile, settings: SimSettings
+    ) -> None:
+        if settings.migration not in MODES:
+            raise ValueError(f"migration must be one of {', '.join(MODES)}")
+        self.profile, self.settings = profile, settings
+        self.instances = [Instance(f"i{n}", profile) for n in range(settings.instances)]
+        self.by_name = {i.name: i for i in self.instances}
+        self.policy = make_policy(settings.policy)
+        self.usage = UsageSettings(settings.high_priority_headroom_blocks)
+        self.rng = random.Random(settings.seed)
+        self.requests = []
+        for t in trace:
+            klass = Priority.parse(t.priority)
+            seen = klass if settings.priorities else Priority.NORMAL
+            self.requests.append(
+                SimRequest(t.id, t.arrival_s, t.prompt_tokens, t.output_tokens, seen, klass)
+            )
+        self.by_id = {r.id: r for r in self.requests}
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.dispatches = 0
+        self.migrations: dict[str, int] = {"started": 0, "done": 0, "aborted": 0}
+        self.scraped = {i.name: (0.0, 0, 0) for i in self.instances}  # kv_usage, running, waiting
+        self.done = 0
+        self.now = 0.0
+
+    def push(self, time: float, kind: Kind, payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (time, kind, self.seq, payload))
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> list[SimRequest]:
+        for r in self.requests:
+            self.push(r.arrival, Kind.ARRIVAL, r)
+        self.push(0.0, Kind.SCRAPE, None)
+        if self.settings.migration != "off":
+            self.push(0.0, Kind.RESCHEDULE, None)
+        total = len(self.requests)
+        handlers = {
+            Kind.STEP_END: self._step_end,
+            Kind.COPY_DONE: self._copy_done,
+            Kind.ARRIVAL: self._arrival,
+            Kind.WAKE: self._kick,
+            Kind.SCRAPE: self._scrape,
+            Kind.RESCHEDULE: self._reschedule,
+        }
+        reported = 0
+        while self.heap and self.done < total:
+            self.now, kind, _, payload = heapq.heappop(self.heap)
+            handlers[kind](payload)
+            if progress and self.done >= reported + 1000:
+                reported = self.done - self.done % 1000
+                progress(reported, total)
+        return self.requests
+
+    # views ------------------------------------------------------------------
+    def view(self) -> ClusterView:
+        return ClusterView(tuple(self._instance_view(i) for i in self.instances), self.dispatches)
+
+    def _instance_view(self, inst: Instance) -> InstanceView:
+        kv, running, waiting = self.scraped[inst.name]
+        reserved = sum(inst.reserved.values())
+        virtual = reserved + instance_virtual_usage(inst.demand, inst.high, self.usage)
+        return InstanceView(
+            name=inst.name,
+            freeness=instance_freeness(inst.capacity, virtual, inst.count),
+            inflight=inst.count,
+            capacity_blocks=inst.capacity,
+            virtual_blocks=virtual,
+            batch=inst.count,
+            kv_usage=kv,
+            engine_running=running,
+            engine_waiting=waiting,
+            models=frozenset({MODEL}),
+        )
+
+    # events -----------------------------------------------------------------
+    def _arrival(self, r: SimRequest) -> None:
+        request = DispatchRequest(MODEL, r.prompt, r.priority)
+        chosen = dispatch(self.policy, request, self.view(), self.rng)
+        self.dispatches += 1
+        inst = self.by_name[chosen.name]
+        inst.enqueue(r)
+        self._kick(inst)
+
+    def _kick(self, inst: Instance) -> None:
+        if not inst.busy:
+            dt = inst.start_step(self.now)
+            if dt is not None:
+                self.push(self.now + dt, Kind.STEP_END, inst)
+
+    def _step_end(self, inst: Instance) -> None:
+        finished, cut = inst.finish_step(self.now)
+        self.done += len(finished)
+        for r in cut:
+            self._cut_over(inst, r)
+        self._kick(inst)
+
+    def _scrape(self, _: None) -> None:
+        for inst in self.instances:
+            self.scraped[inst.name] = (
+                inst.used / inst.capacity,
+                len(inst.running),
+                len(inst.waiting),
+            )
+        self.push(self.now + self.settings.scrape_interval_s, Kind.SCRAPE, None)
+
+    def _reschedule(self, _: None) -> None:
+        self.push(self.now + self.settings.reschedule_interval_s, Kind.RESCHEDULE, None)
+        view = self.view()
+        ms = self.settings.migration_settings
+        names = sources(view, ms)
+        if not names:
+            return
+        candidates = {n: [_load(r) for r in self._movable(self.by_name[n])] for n in names}
+        block_size = {n: self.profile.block_size for n in names}
+        for move in plan_migrations(view, candidates, block_size, ms):
+            self._start_migration(move.request_id, move.source, move.destination)
+
+    def _movable(self, inst: Instance) -> list[SimRequest]:
+        return [r for r in (*inst.waiting, *inst.running) if r.cut_to is None]
+
+    # migration ----------------------------------------------------------------
+    def _start_migration(self, request_id: int, source: str, destination: str) -> None:
+        r = self.by_id[request_id]
+        src, dst = self.by_name[source], self.by_name[destination]
+        if r.instance is not src or r.finish is not None:
+            return
+        self.migrations["started"] += 1
+        if not r.running:  # queued: nothing computed yet, the move is free
+            src.detach(r)
+            dst.enqueue(r)
+            r.migrations += 1
+            self.migrations["done"] += 1
+            self._kick(dst)
+            return
+        if self.settings.migration == "lite":
+            r.cut_to = ("lite", dst, 0)
+            if not src.busy:
+                self._cut_over(src, r)
+            return
+        blocks = src.blocks_for(r.tokens + 1)
+        if not dst.reserve(r.id, blocks):
+            self.migrations["aborted"] += 1
+            return
+        # Pre-copy in stages while the source keeps decoding; done when the bulk is across.
+        self.push(self.now + self.profile.copy_time(r.tokens), Kind.COPY_DONE, (r, dst, r.tokens))
+
+    def _copy_done(self, payload: tuple[SimRequest, Instance, int]) -> None:
+        r, dst, copied = payload
+        if r.finish is not None or r.instance is None:
+            dst.release(r.id)
+            self.migrations["aborted"] += 1
+            return
+        r.cut_to = ("full", dst, copied)
+        if not r.instance.busy:
+            self._cut_over(r.instance, r)
+
+    def _cut_over(self, src: Instance, r: SimRequest) -> None:
+        """Between two of the source's steps: stop r there and continue it on the destination."""
+        assert r.cut_to is not None
+        mode, dst, copied = r.cut_to
+        r.cut_to = None
+        src.detach(r)
+        r.migrations += 1
+        self.migrations["done"] += 1
+        if mode == "full":
+            dst.release(r.id)
+            # Stop-and-copy of the tokens generated during the pre-copy, then resume.
+            downtime = self.profile.copy_time(max(1, r.tokens - copied))
+            if dst.attach_running(r, self.now + downtime):
+                self._kick(dst)
+                self.push(self.now + downtime, Kind.WAKE, dst)
+                return
+        # lite (or full without room left): the destination recomputes prompt + generated.
+        dst.enqueue(r)
+        self._kick(dst)
+
+
+def _load(r: SimRequest) -> RequestLoad:
+    return RequestLoad(r.id, r.tokens, r.priority, r.running)
