@@ -12,7 +12,7 @@ from typing import Any
 from loadtest import trace
 from loadtest.sim import profile as profiles
 from loadtest.sim.simulator import MODES, SimSettings, Simulator
-from loadtest.sim.stats import SLO_DECODE_S, SLO_TTFT_S, Slo, summarize
+from loadtest.sim.stats import DEFAULT_SLO, SLO_DECODE_S, SLO_TTFT_S, Slo, summarize
 from proxy.policy import POLICIES
 
 
@@ -41,7 +41,7 @@ def simulate(
     requests: list[trace.TraceRequest],
     profile: profiles.Profile,
     settings: SimSettings,
-    slo: Slo = Slo(),
+    slo: Slo = DEFAULT_SLO,
     show_progress: bool = False,
 ) -> dict[str, Any]:
     started = time.perf_counter()

@@ -13,7 +13,6 @@ from typing import Any
 from loadtest.sim.instance import SimRequest
 from proxy.policy import Priority
 
-
 SLO_TTFT_S = 1.0
 SLO_DECODE_S = 0.05
 
@@ -22,6 +21,9 @@ SLO_DECODE_S = 0.05
 class Slo:
     ttft_s: float = SLO_TTFT_S
     decode_s: float = SLO_DECODE_S
+
+
+DEFAULT_SLO = Slo()
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -60,7 +62,7 @@ def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, float]:
 
 
 def summarize(
-    requests: Sequence[SimRequest], migrations: dict[str, int], slo: Slo = Slo()
+    requests: Sequence[SimRequest], migrations: dict[str, int], slo: Slo = DEFAULT_SLO
 ) -> dict[str, Any]:
     out: dict[str, Any] = latencies(requests, slo)
     out["preemptions"] = sum(r.preemptions for r in requests)
