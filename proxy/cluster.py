@@ -123,14 +123,17 @@ class Cluster:
         snap = state.snapshot
         name = state.name
         inflight = self.ledger.count(name)
-        virtual = state.external_blocks + instance_virtual_usage(
-            self.ledger.blocks(name), self.ledger.high_priority(name), self.usage
-        )
+        real = state.external_blocks + self.ledger.blocks(name)
+        high = self.ledger.high_priority(name)
+        virtual = instance_virtual_usage(real, high, self.usage, for_high=False)
+        virtual_high = instance_virtual_usage(real, high, self.usage, for_high=True)
         batch = inflight + state.external_requests
         capacity = snap.kv_blocks_total if snap else 0
+        draining = state.draining
         return InstanceView(
             name=name,
-            freeness=instance_freeness(capacity, virtual, batch, draining=state.draining),
+            freeness=instance_freeness(capacity, virtual, batch, draining=draining),
+            freeness_high=instance_freeness(capacity, virtual_high, batch, draining=draining),
             inflight=inflight,
             capacity_blocks=capacity,
             virtual_blocks=virtual,

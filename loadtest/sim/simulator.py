@@ -123,11 +123,13 @@ class Simulator:
 
     def _instance_view(self, inst: Instance) -> InstanceView:
         kv, running, waiting = self.scraped[inst.name]
-        reserved = sum(inst.reserved.values())
-        virtual = reserved + instance_virtual_usage(inst.demand, inst.high, self.usage)
+        real = sum(inst.reserved.values()) + inst.demand
+        virtual = instance_virtual_usage(real, inst.high, self.usage, for_high=False)
+        virtual_high = instance_virtual_usage(real, inst.high, self.usage, for_high=True)
         return InstanceView(
             name=inst.name,
             freeness=instance_freeness(inst.capacity, virtual, inst.count),
+            freeness_high=instance_freeness(inst.capacity, virtual_high, inst.count),
             inflight=inst.count,
             capacity_blocks=inst.capacity,
             virtual_blocks=virtual,

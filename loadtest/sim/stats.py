@@ -34,7 +34,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))]
 
 
-def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, float]:
+def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, Any]:
     done = [r for r in requests if r.finish is not None and r.first_token is not None]
     ttft = [r.first_token - r.arrival for r in done]  # type: ignore[operator]
     decode = [
@@ -58,6 +58,8 @@ def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, float]:
         "decode_p99": percentile(decode, 99),
         "e2e_p99": percentile(e2e, 99),
         "slo_attainment": met / len(requests) if requests else float("nan"),
+        "preemptions": sum(r.preemptions for r in requests),
+        "migrations": sum(r.migrations for r in requests),
     }
 
 
@@ -65,9 +67,7 @@ def summarize(
     requests: Sequence[SimRequest], migrations: dict[str, int], slo: Slo = DEFAULT_SLO
 ) -> dict[str, Any]:
     out: dict[str, Any] = latencies(requests, slo)
-    out["preemptions"] = sum(r.preemptions for r in requests)
     out["preemption_loss_s"] = round(sum(r.preempt_loss for r in requests), 3)
-    out["migrations"] = migrations.get("done", 0)
     out["migrations_aborted"] = migrations.get("aborted", 0)
     out["by_priority"] = {
         p.name.lower(): latencies([r for r in requests if r.klass is p], slo)

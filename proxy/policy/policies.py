@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
-from proxy.policy.view import DispatchRequest, InstanceView
+from proxy.policy.view import DispatchRequest, InstanceView, Priority
 
 
 class DispatchPolicy(Protocol):
@@ -46,6 +46,9 @@ def best(
 class Llumnix:
     """Freest instance by virtual usage: argmax F = (M - sum V) / B.
 
+    High-priority requests rank instances by `freeness_high` (headroom reserved
+    for their class not counted); the rest by `freeness`.
+
     Use it when requests differ in length: it balances KV memory per request,
     not request counts. `topk` > 1 picks at random among the k freest, which
     spreads a burst that arrives faster than the ledger can tell instances apart.
@@ -63,10 +66,15 @@ class Llumnix:
         rng: random.Random,
         seq: int,
     ) -> InstanceView:
+        # A high-priority request does not count the headroom reserved for its class.
+        if request.priority is Priority.HIGH:
+            scores = [v.freeness_high for v in candidates]
+        else:
+            scores = [v.freeness for v in candidates]
         if self.topk <= 1 or len(candidates) <= 1:
-            return best(candidates, [v.freeness for v in candidates], rng)
-        ranked = sorted(candidates, key=lambda v: v.freeness, reverse=True)
-        return rng.choice(ranked[: self.topk])
+            return best(candidates, scores, rng)  # type: ignore[arg-type]
+        ranked = sorted(zip(scores, range(len(candidates))), reverse=True)
+        return candidates[rng.choice(ranked[: self.topk])[1]]
 
 
 class RoundRobin:

@@ -43,6 +43,7 @@ class InstanceView:
 
     name: str
     freeness: float
+    freeness_high: float | None = None  # as a high-priority request sees it; None: same
     inflight: int = 0  # requests this proxy has in flight on the instance
     capacity_blocks: int = 0  # M; 0 when the engine does not say
     virtual_blocks: float = 0.0
@@ -57,6 +58,8 @@ class InstanceView:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dispatchable", self.healthy and not self.draining)
+        if self.freeness_high is None:
+            object.__setattr__(self, "freeness_high", self.freeness)
 
 
 @dataclass(frozen=True, slots=True)

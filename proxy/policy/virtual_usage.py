@@ -6,8 +6,10 @@ Its virtual usage adds what the scheduling goal needs:
 - de-fragmentation: a request counts its whole prompt from the moment it is
   dispatched, even while it waits in the engine's queue, so a large queued
   request makes its instance look full and pushes new work elsewhere;
-- priority: a high-priority request reserves `high_priority_headroom_blocks` on its
-  instance, so normal and low requests see that instance as fuller and stay away;
+- priority: an instance running high-priority requests reserves
+  `high_priority_headroom_blocks` for them: normal and low requests see it that
+  much fuller and stay away (so its batch stays small and its queue short), while
+  high-priority requests see it without the reservation (it is theirs);
 - draining: every request counts as infinite (freeness -inf, never chosen).
 Freeness F = (M - sum of virtual usage) / B, M the instance's KV capacity in
 blocks and B its batch size; larger is freer. An idle instance has B = 0 and
@@ -18,8 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from proxy.policy.view import Priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,26 +32,20 @@ def request_blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size) if tokens > 0 else 0
 
 
-def virtual_usage(
-    prompt_tokens: int,
-    generated_tokens: int,
-    priority: Priority,
-    block_size: int,
-    settings: UsageSettings,
-) -> float:
-    """Virtual usage of one in-flight request, in KV blocks."""
-    real = request_blocks(prompt_tokens + generated_tokens, block_size)
-    if priority is Priority.HIGH:
-        return real + settings.high_priority_headroom_blocks
-    return float(real)
+def virtual_usage(prompt_tokens: int, generated_tokens: int, block_size: int) -> int:
+    """Usage of one in-flight request, in KV blocks (its real usage)."""
+    return request_blocks(prompt_tokens + generated_tokens, block_size)
 
 
 def instance_virtual_usage(
-    real_blocks: float, high_priority_requests: int, settings: UsageSettings
+    real_blocks: float, high_priority_requests: int, settings: UsageSettings, *, for_high: bool
 ) -> float:
-    """Sum of `virtual_usage` over an instance's requests, from running totals:
-    the sum of their real blocks plus the headroom of each high-priority one."""
-    return real_blocks + high_priority_requests * settings.high_priority_headroom_blocks
+    """Sum of virtual usage on an instance, as a request of the given class sees it:
+    the real blocks of its requests plus, for normal and low requests, the headroom
+    reserved where high-priority requests run."""
+    if high_priority_requests and not for_high:
+        return real_blocks + settings.high_priority_headroom_blocks
+    return real_blocks
 
 
 def instance_freeness(

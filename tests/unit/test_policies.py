@@ -15,6 +15,7 @@ from proxy.policy import (
     UsageSettings,
     dispatch,
     instance_freeness,
+    instance_virtual_usage,
     make_policy,
     virtual_usage,
 )
@@ -52,10 +53,21 @@ def test_freeness_is_free_blocks_per_request() -> None:
 
 
 def test_virtual_usage_counts_blocks_and_priority_headroom() -> None:
+    assert virtual_usage(100, 29, 128) == 2  # 129 tokens -> 2 blocks
+    assert virtual_usage(100, 28, 128) == 1
     settings = UsageSettings(high_priority_headroom_blocks=4)
-    assert virtual_usage(100, 29, Priority.NORMAL, 128, settings) == 2  # 129 tokens -> 2 blocks
-    assert virtual_usage(100, 28, Priority.LOW, 128, settings) == 1
-    assert virtual_usage(100, 28, Priority.HIGH, 128, settings) == 5
+    # Headroom once per instance running high-priority requests, for the others only.
+    assert instance_virtual_usage(10, 3, settings, for_high=False) == 14
+    assert instance_virtual_usage(10, 3, settings, for_high=True) == 10
+    assert instance_virtual_usage(10, 0, settings, for_high=False) == 10
+
+
+def test_high_priority_requests_see_their_headroom_as_free() -> None:
+    # a runs high-priority work and reserves headroom; b is busier in real terms.
+    a = inst("a", freeness=2.0, freeness_high=9.0)
+    b = inst("b", freeness=5.0)
+    assert pick("llumnix", a, b) == "b"
+    assert pick("llumnix", a, b, priority=Priority.HIGH) == "a"
 
 
 def test_long_request_moves_new_work_away_though_request_counts_are_equal() -> None:

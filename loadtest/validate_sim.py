@@ -1,0 +1,242 @@
+"""Validate the cluster simulator against reality: one trace, real and simulated.
+
+Starts two real vLLM CPU servers of the tiny model (both pinned to core 0, KV
+tight enough for queueing), measures one server's profile
+(`loadtest.measure_profile`), puts Ferry (`--policy llumnix`, core 1) in front,
+replays a seeded trace through it (`loadtest.replay`), simulates the same trace
+with the measured profile on two instances under the same policy, and prints
+both summaries side by side with the ratio sim/real. It is a report, not a
+test: it exits 0 whatever the numbers, and always stops what it started.
+
+    python -m loadtest.validate_sim [--requests 60] [--rate 3] [--seed 1]
+
+Prefix caching is off on the servers unless `--prefix-caching`: the simulator
+does not model it, and the replayed prompts all start with the same token ids,
+so with it on every prompt of 128+ tokens would hit a cached block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from adapters.vllm import parse_metrics
+from loadtest.measure_profile import format_report, measure
+from loadtest.replay import replay
+from loadtest.sim.simulator import SimSettings, Simulator
+from loadtest.sim.stats import summarize
+from loadtest.tiny_model import build
+from loadtest.trace import TraceRequest, TraceSpec, generate
+from loadtest.vllm_servers import DEFAULT_MODEL_NAME, VLLMServer, start_vllm, wait_ready
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".ferry"
+MAX_MODEL_LEN = 1024
+SERVER_CORE, CLIENT_CORE = 0, 1
+TOLERANCE = 0.25
+ROWS = (
+    ("TTFT p50", "ttft_p50", "s"),
+    ("TTFT p99", "ttft_p99", "s"),
+    ("decode p50", "decode_p50", "ms"),
+    ("decode p99", "decode_p99", "ms"),
+    ("e2e p99", "e2e_p99", "s"),
+)
+
+
+def make_trace(requests: int, rate: float, seed: int) -> list[TraceRequest]:
+    """The trace, with outputs clamped so that prompt + output fits max_model_len."""
+    spec = TraceSpec(
+        requests=requests, rate=rate, seed=seed, input_mean=200, output_mean=150, max_len=700
+    )
+    return [
+        dataclasses.replace(t, output_tokens=min(t.output_tokens, MAX_MODEL_LEN - t.prompt_tokens))
+        for t in generate(spec)
+    ]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def pinnable() -> bool:
+    return len(os.sched_getaffinity(0)) > 1
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ferry exited with {process.returncode}")
+        try:
+            get(url + "/health")
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"ferry at {url} did not become healthy in {timeout_s}s")
+
+
+def start_ferry(backends: list[str], port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "proxy.cli", "serve"]
+    for url in backends:
+        cmd += ["--backend", url]
+    cmd += ["--port", str(port), "--policy", "llumnix", "--log-level", "WARNING"]
+    if shutil.which("taskset") and pinnable():
+        cmd = ["taskset", "-c", str(CLIENT_CORE), *cmd]
+    return subprocess.Popen(cmd, cwd=ROOT)
+
+
+def preemptions(servers: list[VLLMServer]) -> int:
+    return sum(parse_metrics(get(s.url + "/metrics")).preemptions_total for s in servers)
+
+
+async def warm_up(servers: list[VLLMServer]) -> None:
+    """A few requests per server, so no first-request cost lands in the replay."""
+    warm = [TraceRequest(i, 0.05 * i, 64 + 200 * i, 16) for i in range(3)]
+    for s in servers:
+        await replay(s.url, warm, DEFAULT_MODEL_NAME)
+
+
+def _fmt(value: float, unit: str) -> str:
+    if math.isnan(value):
+        return "n/a"
+    return f"{1e3 * value:.1f} ms" if unit == "ms" else f"{value:.3f} s"
+
+
+def ratio(sim: float, real: float) -> float:
+    return sim / real if real and not math.isnan(real) else float("nan")
+
+
+def format_table(real: dict[str, Any], sim: dict[str, Any], real_preempt: int) -> str:
+    lines = [f"{'':<12}{'real':>12}{'simulated':>12}{'sim/real':>10}"]
+    for label, key, unit in ROWS:
+        lines.append(
+            f"{label:<12}{_fmt(real[key], unit):>12}{_fmt(sim[key], unit):>12}"
+            f"{ratio(sim[key], real[key]):>10.2f}"
+        )
+    lines.append(f"{'finished':<12}{real['finished']:>12}{sim['finished']:>12}")
+    lines.append(f"{'preemptions':<12}{real_preempt:>12}{sim['preemptions']:>12}")
+    lines.append(
+        f"{'SLO attained':<12}{real['slo_attainment']:>12.1%}{sim['slo_attainment']:>12.1%}"
+    )
+    return "\n".join(lines)
+
+
+def verdict(real: dict[str, Any], sim: dict[str, Any]) -> str:
+    out = []
+    for label, key in (("P50 TTFT", "ttft_p50"), ("P99 TTFT", "ttft_p99")):
+        r = ratio(sim[key], real[key])
+        ok = not math.isnan(r) and abs(r - 1) <= TOLERANCE
+        word = "within" if ok else "NOT within"
+        out.append(f"{label}: sim/real {r:.2f}, {word} {TOLERANCE:.0%}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> None:
+    trace = make_trace(args.requests, args.rate, args.seed)
+    span = trace[-1].arrival_s if trace else 0.0
+    print(
+        f"trace: {len(trace)} requests over {span:.1f}s (rate {args.rate}/s, seed {args.seed}), "
+        f"prompt mean {sum(t.prompt_tokens for t in trace) / max(1, len(trace)):.0f}, "
+        f"output mean {sum(t.output_tokens for t in trace) / max(1, len(trace)):.0f} tokens"
+    )
+    model = build(WORK / "tiny-llama")
+    extra = () if args.prefix_caching else ("--no-enable-prefix-caching",)
+    servers: list[VLLMServer] = []
+    ferry: subprocess.Popen[bytes] | None = None
+    try:
+        *vllm_ports, ferry_port = free_ports(3)
+        print(f"starting 2 vLLM CPU servers on core {SERVER_CORE} (about a minute)...", flush=True)
+        for port in vllm_ports:
+            servers.append(
+                start_vllm(
+                    model,
+                    port,
+                    WORK / "logs",
+                    kv_cache_bytes=args.kv_bytes,
+                    max_model_len=MAX_MODEL_LEN,
+                    cpus=str(SERVER_CORE),
+                    extra_args=extra,
+                )
+            )
+        wait_ready(servers)
+        if pinnable():  # after the servers started: start_vllm only pins from a multi-core set
+            os.sched_setaffinity(0, {CLIENT_CORE})
+
+        print(f"measuring the profile of {servers[0].url}...", flush=True)
+        profile, points, overhead = asyncio.run(measure(servers[0].url, DEFAULT_MODEL_NAME))
+        print(format_report(profile, points, overhead))
+        asyncio.run(warm_up(servers))
+
+        ferry = start_ferry([s.url for s in servers], ferry_port)
+        ferry_url = f"http://127.0.0.1:{ferry_port}"
+        wait_healthy(ferry_url, ferry)
+        before = preemptions(servers)
+        print(f"replaying through ferry at {ferry_url}...", flush=True)
+        started = time.perf_counter()
+        done = asyncio.run(replay(ferry_url, trace, DEFAULT_MODEL_NAME))
+        print(f"replayed in {time.perf_counter() - started:.1f}s")
+        real_preempt = preemptions(servers) - before
+    finally:
+        if ferry is not None:
+            ferry.terminate()
+            try:
+                ferry.wait(10)
+            except subprocess.TimeoutExpired:
+                ferry.kill()
+        for server in servers:
+            server.stop()
+
+    real = summarize(done, {})
+    simulated = Simulator(trace, profile, SimSettings(instances=2, policy="llumnix")).run()
+    sim = summarize(simulated, {})
+    print()
+    print(format_table(real, sim, real_preempt))
+    print(verdict(real, sim))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--rate", type=float, default=3.0, help="requests per second")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--kv-bytes", type=int, default=4_000_000, help="KV cache per server (4 MB: 15 blocks)"
+    )
+    parser.add_argument(
+        "--prefix-caching", action="store_true", help="keep vLLM's prefix caching on"
+    )
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except Exception:  # a report, not a test: say what went wrong, exit 0
+        traceback.print_exc()
+        print("validate_sim: failed (see above)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from loadtest.trace import TraceSpec, generate, read, write
+
+
+def test_deterministic_and_round_trips(tmp_path: Path) -> None:
+    spec = TraceSpec(requests=500, rate=10, seed=3, high_priority=0.1)
+    first, again = generate(spec), generate(spec)
+    assert first == again
+    assert generate(TraceSpec(requests=500, rate=10, seed=4)) != first
+    write(tmp_path / "t.jsonl", first)
+    assert read(tmp_path / "t.jsonl") == first
+
+
+def test_shape_of_the_workload() -> None:
+    reqs = generate(TraceSpec(requests=20000, rate=20, seed=1, high_priority=0.1))
+    prompts = [r.prompt_tokens for r in reqs]
+    # lognormal, sigma 1: mean near the target, heavy tail, median well below the mean
+    assert 220 < statistics.mean(prompts) < 280
+    assert statistics.median(prompts) < 0.75 * statistics.mean(prompts)
+    assert max(prompts) <= 2048 and min(prompts) >= 1
+    assert 0.08 < sum(r.priority == "high" for r in reqs) / len(reqs) < 0.12
+    span = reqs[-1].arrival_s
+    assert 900 < span < 1100  # 20000 requests at 20/s
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:], strict=False))
+
+
+def test_gamma_arrivals_have_the_requested_cv() -> None:
+    reqs = generate(TraceSpec(requests=20000, rate=10, seed=2, arrival="gamma", cv=3))
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:], strict=False)]
+    cv = statistics.pstdev(gaps) / statistics.mean(gaps)
+    assert 2.5 < cv < 3.5
+    assert 0.08 < statistics.mean(gaps) < 0.12
+
+
+def test_bursts_arrive_together() -> None:
+    reqs = generate(TraceSpec(requests=100, rate=10, seed=2, arrival="burst", burst_size=10))
+    assert len({r.arrival_s for r in reqs}) == 10
+
+
+def test_bad_specs_and_files(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="arrival"):
+        generate(TraceSpec(requests=1, rate=1, seed=1, arrival="uniform"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 0}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        read(bad)
