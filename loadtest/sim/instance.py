@@ -182,7 +182,7 @@ class Instance:
         # 2. Admit queued requests, first come first served.
         tokens = sum(1 for r in self.running if r.stall_until <= now)
         budget = self.profile.max_batched_tokens
-        admitted = []
+        admitted: list[SimRequest] = []
         while self.waiting and len(self.running) < self.profile.max_num_seqs:
             r = self.waiting[0]
             need = self.blocks_for(r.tokens + 1)

@@ -100,7 +100,7 @@ class Simulator:
         if self.settings.migration != "off":
             self.push(0.0, Kind.RESCHEDULE, None)
         total = len(self.requests)
-        handlers = {
+        handlers: dict[int, Callable[[Any], None]] = {
             Kind.STEP_END: self._step_end,
             Kind.COPY_DONE: self._copy_done,
             Kind.ARRIVAL: self._arrival,

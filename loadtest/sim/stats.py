@@ -35,32 +35,34 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, Any]:
-    done = [r for r in requests if r.finish is not None and r.first_token is not None]
-    ttft = [r.first_token - r.arrival for r in done]  # type: ignore[operator]
-    decode = [
-        (r.finish - r.first_token) / (r.generated - 1)  # type: ignore[operator]
-        for r in done
-        if r.generated > 1
-    ]
-    e2e = [r.finish - r.arrival for r in done]  # type: ignore[operator]
+    timed = [t for t in map(_times, requests) if t is not None]
+    ttft = [t[0] for t in timed]
+    decode = [t[1] for t in timed if t[1] is not None]
     met = sum(
         1
-        for r in done
-        if r.first_token - r.arrival <= slo.ttft_s  # type: ignore[operator]
-        and (r.generated <= 1 or (r.finish - r.first_token) / (r.generated - 1) <= slo.decode_s)  # type: ignore[operator]
+        for ttft_s, decode_s, _ in timed
+        if ttft_s <= slo.ttft_s and (decode_s is None or decode_s <= slo.decode_s)
     )
     return {
         "requests": len(requests),
-        "finished": len(done),
+        "finished": len(timed),
         "ttft_p50": percentile(ttft, 50),
         "ttft_p99": percentile(ttft, 99),
         "decode_p50": percentile(decode, 50),
         "decode_p99": percentile(decode, 99),
-        "e2e_p99": percentile(e2e, 99),
+        "e2e_p99": percentile([t[2] for t in timed], 99),
         "slo_attainment": met / len(requests) if requests else float("nan"),
         "preemptions": sum(r.preemptions for r in requests),
         "migrations": sum(r.migrations for r in requests),
     }
+
+
+def _times(r: SimRequest) -> tuple[float, float | None, float] | None:
+    """(TTFT, decode time per token or None for one-token requests, end to end)."""
+    if r.finish is None or r.first_token is None:
+        return None
+    decode = (r.finish - r.first_token) / (r.generated - 1) if r.generated > 1 else None
+    return r.first_token - r.arrival, decode, r.finish - r.arrival
 
 
 def summarize(

@@ -72,8 +72,8 @@ class Llumnix:
         else:
             scores = [v.freeness for v in candidates]
         if self.topk <= 1 or len(candidates) <= 1:
-            return best(candidates, scores, rng)  # type: ignore[arg-type]
-        ranked = sorted(zip(scores, range(len(candidates))), reverse=True)
+            return best(candidates, scores, rng)
+        ranked = sorted(zip(scores, range(len(candidates)), strict=True), reverse=True)
         return candidates[rng.choice(ranked[: self.topk])[1]]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -43,7 +44,7 @@ class InstanceView:
 
     name: str
     freeness: float
-    freeness_high: float | None = None  # as a high-priority request sees it; None: same
+    freeness_high: float = math.nan  # as a high-priority request sees it; NaN: same as freeness
     inflight: int = 0  # requests this proxy has in flight on the instance
     capacity_blocks: int = 0  # M; 0 when the engine does not say
     virtual_blocks: float = 0.0
@@ -58,7 +59,7 @@ class InstanceView:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dispatchable", self.healthy and not self.draining)
-        if self.freeness_high is None:
+        if math.isnan(self.freeness_high):
             object.__setattr__(self, "freeness_high", self.freeness)
 
 
