@@ -1,6 +1,7 @@
 """Measure a real vLLM server's performance profile for the cluster simulator.
 
-The simulator models an engine step as `step_base_s + step_per_token_s * tokens`,
+The simulator models an engine step as `step_base_s + step_per_token_s * prefill tokens
++ step_per_seq_s * decoding requests`,
 tokens = prefill tokens + decoding requests in the step (`loadtest/sim/profile.py`).
 This module measures points of that line on a live, otherwise idle server and
 fits it by least squares:
@@ -16,13 +17,15 @@ turns a prefill into a cache hit. KV capacity and block size come from the
 server's `/metrics`; the batch limits are vLLM's CPU defaults (override them
 with the flags if the server was started with others).
 
-    python -m loadtest.measure_profile --url http://127.0.0.1:8001 --out profile.json
+    python -m loadtest.measure_profile --url http://127.0.0.1:8001 --out profile.json [--model tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import random
 import statistics
 import sys
@@ -175,6 +178,14 @@ def fit(points: list[Point]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def fit_slope(points: list[Point], base: float) -> float:
+    """Least-squares slope of seconds - base = slope * tokens (line through base)."""
+    sxx = sum(p.tokens * p.tokens for p in points)
+    if sxx == 0:
+        raise ValueError("need prefill points")
+    return sum(p.tokens * (p.seconds - base) for p in points) / sxx
+
+
 def read_cache_info(url: str) -> tuple[int, int]:
     """(KV blocks, block size) from the server's /metrics."""
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
@@ -230,11 +241,15 @@ async def measure(
     finally:
         await client.close()
     points = decode + prefill
-    base, per_token = fit(points)
+    # Two lines with one base: decoding requests and prefill tokens cost differently here.
+    base, per_seq = fit(decode)
+    per_token = max(0.0, fit_slope(prefill, base))
     profile = Profile(
         name=name,
         step_base_s=base,
         step_per_token_s=per_token,
+        step_per_seq_s=per_seq,
+        request_overhead_s=overhead,
         kv_blocks=blocks,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -248,17 +263,23 @@ def format_report(profile: Profile, points: list[Point], overhead: float) -> str
     lines = [f"{'kind':<9}{'tokens':>7}{'measured':>11}{'fitted':>10}"]
     for p in points:
         lines.append(
-            f"{p.kind:<9}{p.tokens:>7}{1e3 * p.seconds:>9.2f}ms"
-            f"{1e3 * profile.step_time(p.tokens):>8.2f}ms"
+            f"{p.kind:<9}{p.tokens:>7}{1e3 * p.seconds:>9.2f}ms{1e3 * _fitted(profile, p):>8.2f}ms"
         )
     lines.append(f"request overhead (subtracted from prefill TTFTs): {1e3 * overhead:.2f} ms")
     lines.append(
         f"profile {profile.name}: step = {1e3 * profile.step_base_s:.3f} ms"
-        f" + {1e6 * profile.step_per_token_s:.2f} us x tokens; "
+        f" + {1e6 * (profile.step_per_seq_s or 0):.2f} us x decoding requests"
+        f" + {1e6 * profile.step_per_token_s:.2f} us x prefill tokens; "
         f"{profile.kv_blocks} blocks x {profile.block_size} tokens, "
         f"max_num_seqs {profile.max_num_seqs}, max_batched_tokens {profile.max_batched_tokens}"
     )
     return "\n".join(lines)
+
+
+def _fitted(profile: Profile, p: Point) -> float:
+    if p.kind == "decode":
+        return profile.step_time(0, p.tokens)
+    return profile.step_time(p.tokens, 0)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -268,7 +289,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="the vLLM server, e.g. http://127.0.0.1:8001")
-    parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+    parser.add_argument("--out", type=Path, help="profile JSON to write (default: print it)")
     parser.add_argument("--model", default="tiny", help="served model name")
     parser.add_argument("--name", default="measured", help="the profile's name")
     parser.add_argument("--batches", type=_ints, default=DECODE_BATCHES, help="e.g. 1,2,4,8")
@@ -292,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(format_report(profile, points, overhead))
-    profiles.save(profile, args.out)
-    print(f"wrote {args.out}")
+    if args.out is None:
+        print(json.dumps(dataclasses.asdict(profile), indent=2))
+    else:
+        profiles.save(profile, args.out)
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -54,7 +55,14 @@ def instances_json(cluster: Cluster, now: float) -> list[dict[str, Any]]:
     return rows
 
 
-def add_routes(app: web.Application, cluster: Cluster, token: str | None) -> None:
+def add_routes(
+    app: web.Application,
+    cluster: Cluster,
+    token: str | None,
+    migrate_off: Callable[[str], int] = lambda _: 0,
+) -> None:
+    """`migrate_off(name)` starts moving the instance's live streams away and says how many."""
+
     def authorized(request: web.Request) -> web.Response | None:
         if token is None:
             return error_response(
@@ -81,6 +89,8 @@ def add_routes(app: web.Application, cluster: Cluster, token: str | None) -> Non
                 return error_response(404, f"no instance named {name!r}", code="instance_not_found")
             cluster.set_draining(name, draining)
             row = next(r for r in instances_json(cluster, time.monotonic()) if r["name"] == name)
+            if draining and request.query.get("migrate") in ("1", "true", "yes"):
+                row["migrating"] = migrate_off(name)
             return web.json_response(row)
 
         return handler

@@ -44,6 +44,8 @@ class SchedulerConfig:
     topk: int = 1  # llumnix: random among the k freest
     high_priority_headroom_blocks: float = 0.0  # virtual usage a high request reserves
     seed: int | None = None  # dispatch randomness; None seeds from the OS
+    migration_max_resumes: int = 2  # failover: resumes of one broken stream
+    migration_prewarm: bool = True  # lite: warm the destination's prefix cache first
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,8 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         raise ConfigError("scheduler.unhealthy_after_failures: must be at least 1")
     if s.topk < 1:
         raise ConfigError("scheduler.topk: must be at least 1")
+    if s.migration_max_resumes < 0:
+        raise ConfigError("scheduler.migration_max_resumes: must not be negative")
     if s.high_priority_headroom_blocks < 0:
         raise ConfigError("scheduler.high_priority_headroom_blocks: must not be negative")
 
@@ -186,7 +190,7 @@ def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> 
         type_name = str(known[key].type)
         expected = _SCALAR_TYPES[type_name]
         # bool is an int to isinstance, but `port: true` is a mistake, not 1.
-        if isinstance(value, bool) or not isinstance(value, expected):
+        if (isinstance(value, bool) and type_name != "bool") or not isinstance(value, expected):
             raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {value!r})")
         values[key] = float(cast(float, value)) if type_name == "float" else value
     return cls(**values)
@@ -194,6 +198,7 @@ def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> 
 
 _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,),
+    "bool": (bool,),
     "int": (int,),
     "float": (int, float),
     "int | None": (int, type(None)),

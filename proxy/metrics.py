@@ -90,6 +90,24 @@ class FerryMetrics:
             ["instance"],
             registry=r,
         )
+        self.migrations = Counter(
+            "ferry_migrations",
+            "Lite-mode moves of running requests, by reason and outcome.",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.migration_downtime = Histogram(
+            "ferry_migration_downtime_seconds",
+            "Gap in the client's stream at a cut-over: last token before to first after.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.non_migratable = Counter(
+            "ferry_non_migratable_requests",
+            "Streams on migration-enabled instances that cannot move exactly, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.scrape_age = Gauge(
             "ferry_scrape_age_seconds",
             "Age of the last good scrape.",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy import token_ids
+from proxy import continuation, token_ids
 from proxy.cluster import Cluster
 from proxy.config import ServerConfig
 from proxy.errors import error_body, error_response
@@ -27,6 +28,9 @@ from proxy.ledger import LedgerEntry
 from proxy.metrics import FerryMetrics
 from proxy.policy import DispatchRequest, InstanceView, NoCandidate, Priority, dispatch
 from proxy.policy.policies import DispatchPolicy
+from proxy.resumable import ANYWHERE, LiveState, ResumableStream
+
+log = logging.getLogger("ferry.relay")
 
 # Failures that happen before the instance produced anything: safe to retry.
 _CONNECT_ERRORS = (
@@ -54,6 +58,9 @@ class Relay:
         server: ServerConfig,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        max_resumes: int = 2,
+        prewarm: bool = True,
     ) -> None:
         self.cluster = cluster
         self.policy = policy
@@ -62,6 +69,9 @@ class Relay:
         self.rng = rng
         self.clock = clock
         self.retry_after = str(server.retry_after_s)
+        self.max_resumes = max_resumes
+        self.prewarm = prewarm
+        self.streams: dict[int, ResumableStream] = {}  # live, movable streams by id
         self.timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=server.upstream_connect_timeout_s,
@@ -75,6 +85,25 @@ class Relay:
         self.cluster.note_dispatch()
         self.metrics.decision.observe(time.perf_counter() - started)
         return chosen
+
+    def migration_instances(self) -> set[str]:
+        """Instances that can take part in a migration (as source or destination)."""
+        return {
+            name
+            for name, state in self.cluster.instances.items()
+            if state.config.migration != "off" and state.healthy and not state.draining
+        }
+
+    def streams_on(self, instance: str) -> list[ResumableStream]:
+        return [s for s in self.streams.values() if s.state.instance == instance]
+
+    async def move(self, stream: ResumableStream, destination: str, reason: str) -> bool:
+        """Move one live stream (`destination` ANYWHERE: the policy picks)."""
+        if not destination:  # resolve now, so the destination can be pre-warmed
+            destination = stream.destination(None, {stream.state.instance}) or ANYWHERE
+        if self.prewarm and destination:
+            await stream.prewarm(destination)
+        return stream.move(destination, reason)
 
     async def forward(
         self,
@@ -129,7 +158,15 @@ class Relay:
                 raise
             outcome = "error"
             try:
-                if stream and upstream.status == 200:
+                if upstream.status != 200:
+                    response, outcome = await self._whole(upstream, entry, wants_ids, body is None)
+                    upstream.release()
+                    return response
+                movable = self._movable(name, body, path, priority, wants_ids)
+                if movable is not None:
+                    live = ResumableStream(self, movable, entry, arrived)
+                    response, outcome = await live.run(request, upstream)
+                elif stream and upstream.status == 200:
                     response, outcome = await self._stream(
                         request, upstream, entry, wants_ids, arrived
                     )
@@ -150,6 +187,27 @@ class Relay:
             code="no_instance",
             headers={"Retry-After": self.retry_after},
         )
+
+    def _movable(
+        self,
+        name: str,
+        body: dict[str, Any] | None,
+        path: str,
+        priority: Priority,
+        wants_ids: bool,
+    ) -> LiveState | None:
+        """State for a resumable stream, or None where lite migration does not apply."""
+        if body is None or self.cluster.instances[name].config.migration == "off":
+            return None
+        endpoint = "chat" if path.endswith("/chat/completions") else "completions"
+        why = continuation.not_migratable(body, endpoint)
+        if why is not None:
+            if body.get("stream"):
+                self.metrics.non_migratable.labels(why).inc()
+                log.info("request on %s not migratable: %s", name, why)
+            return None
+        options = body.get("stream_options") or {}
+        return LiveState(body, endpoint, priority, wants_ids, bool(options.get("include_usage")))
 
     async def _whole(
         self,

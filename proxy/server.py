@@ -25,6 +25,7 @@ from proxy.errors import error_response, openai_errors
 from proxy.metrics import FerryMetrics
 from proxy.policy import Priority, UsageSettings, make_policy
 from proxy.relay import Relay
+from proxy.resumable import ANYWHERE
 from proxy.scraper import Scraper
 
 log = logging.getLogger("ferry")
@@ -33,6 +34,7 @@ CLUSTER = web.AppKey("cluster", Cluster)
 METRICS = web.AppKey("metrics", FerryMetrics)
 RELAY = web.AppKey("relay", Relay)
 SCRAPER = web.AppKey("scraper", Scraper)
+BACKGROUND = web.AppKey("background", set)  # tasks the app owns (kept referenced)
 
 
 def build_app(config: FerryConfig) -> web.Application:
@@ -46,6 +48,7 @@ def build_app(config: FerryConfig) -> web.Application:
     metrics = FerryMetrics()
     app[CLUSTER] = cluster
     app[METRICS] = metrics
+    app[BACKGROUND] = set()
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: every client stream holds one upstream connection.
@@ -59,6 +62,8 @@ def build_app(config: FerryConfig) -> web.Application:
                 session,
                 config.server,
                 random.Random(sched.seed),
+                max_resumes=sched.migration_max_resumes,
+                prewarm=sched.migration_prewarm,
             )
             scraper = Scraper(
                 cluster,
@@ -82,8 +87,19 @@ def build_app(config: FerryConfig) -> web.Application:
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
-    admin.add_routes(app, cluster, config.admin_token)
+    admin.add_routes(app, cluster, config.admin_token, lambda name: _migrate_off(app, name))
     return app
+
+
+def _migrate_off(app: web.Application, name: str) -> int:
+    """Drain with migration: move every live stream off `name`, in the background."""
+    relay = app[RELAY]
+    streams = relay.streams_on(name)
+    for stream in streams:
+        task = asyncio.create_task(relay.move(stream, ANYWHERE, "drain"))
+        app[BACKGROUND].add(task)
+        task.add_done_callback(app[BACKGROUND].discard)
+    return len(streams)
 
 
 async def _first_look(scraper: Scraper, name: str) -> None:

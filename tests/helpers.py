@@ -68,9 +68,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ferry_config(urls: list[str], **sections: Any) -> FerryConfig:
+def ferry_config(urls: list[str], instances_migration: str = "off", **sections: Any) -> FerryConfig:
     raw: dict[str, Any] = {
-        "instances": [{"name": f"i{n}", "url": u} for n, u in enumerate(urls)],
+        "instances": [
+            {"name": f"i{n}", "url": u, "migration": instances_migration}
+            for n, u in enumerate(urls)
+        ],
         "scheduler": {"scrape_interval_s": 0.05, "seed": 1, **sections.pop("scheduler", {})},
         **sections,
     }

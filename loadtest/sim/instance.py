@@ -180,19 +180,20 @@ class Instance:
             if r.running:
                 i += 1
         # 2. Admit queued requests, first come first served.
-        tokens = sum(1 for r in self.running if r.stall_until <= now)
+        decoding = sum(1 for r in self.running if r.stall_until <= now)
+        prefill = 0
         budget = self.profile.max_batched_tokens
         admitted: list[SimRequest] = []
         while self.waiting and len(self.running) < self.profile.max_num_seqs:
             r = self.waiting[0]
             need = self.blocks_for(r.tokens + 1)
-            if need > free or (admitted and tokens + r.tokens > budget):
+            if need > free or (admitted and decoding + prefill + r.tokens > budget):
                 break
             self.waiting.popleft()
             r.blocks, r.running = need, True
             self.used += need
             free -= need
-            tokens += r.tokens
+            prefill += r.tokens
             if r.preempted_at is not None:
                 r.preempt_loss += now - r.preempted_at
                 r.preempted_at = None
@@ -202,7 +203,7 @@ class Instance:
         if not self.batch:
             return None
         self.busy = True
-        return self.profile.step_time(tokens)
+        return self.profile.step_time(prefill, decoding)
 
     def finish_step(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Credit one token to each request of the batch.
@@ -214,13 +215,13 @@ class Instance:
                 continue
             r.generated += 1
             if r.first_token is None:
-                r.first_token = now
+                r.first_token = now + self.profile.request_overhead_s
             demand = self.blocks_for(r.tokens)
             if demand != r.demand:
                 self.demand += demand - r.demand
                 r.demand = demand
             if r.generated >= r.output:
-                r.finish = now
+                r.finish = now + self.profile.request_overhead_s
                 self.detach(r)
                 finished.append(r)
             elif r.cut_to is not None:

@@ -1,11 +1,14 @@
 """An instance's performance profile: step time, KV capacity, migration cost.
 
-Step time is linear in the tokens a step processes (prefill tokens plus one per
-decoding request): t = base + per_token * tokens. The shipped `llama7b-a10`
-profile is fitted to the Llumnix paper's LLaMA-7B numbers (decode step about
-8 ms at 64 batch tokens, 21 ms at 1024): per_token = 13 ms / 960 tokens,
-base = 8 ms - 64 * per_token. Its KV capacity (1,000 blocks of 16 tokens) is our
-assumption for a 24 GB A10, not a number from the paper.
+Step time is linear in what a step processes:
+t = base + per_token * prefill tokens + per_seq * decoding requests.
+On a GPU a decoding request costs about one prefill token (per_seq = per_token,
+the default); on the CPU build a decoding request costs several times more
+(sampling, detokenizing and streaming each token), so measured profiles set both.
+The shipped `llama7b-a10` profile is fitted to the Llumnix paper's LLaMA-7B
+numbers (decode step about 8 ms at 64 batch tokens, 21 ms at 1024):
+per_token = 13 ms / 960 tokens, base = 8 ms - 64 * per_token. Its KV capacity
+(1,000 blocks of 16 tokens) is our assumption for a 24 GB A10, not the paper's.
 `python -m loadtest.measure_profile --url URL` measures a real server's profile.
 """
 
@@ -27,9 +30,14 @@ class Profile:
     max_batched_tokens: int = 8192
     kv_bytes_per_token: int = 524_288  # LLaMA-7B fp16: 2 x 32 layers x 4096 x 2 bytes
     migration_bandwidth_bps: float = 10e9  # full mode: bytes/s between instances
+    step_per_seq_s: float | None = None  # per decoding request; None: step_per_token_s
+    # Fixed cost of a request outside the engine's steps (API server, tokenizer, HTTP),
+    # added to when the client sees its first and last token.
+    request_overhead_s: float = 0.0
 
-    def step_time(self, tokens: int) -> float:
-        return self.step_base_s + self.step_per_token_s * tokens
+    def step_time(self, prefill_tokens: int, decode_seqs: int) -> float:
+        per_seq = self.step_per_token_s if self.step_per_seq_s is None else self.step_per_seq_s
+        return self.step_base_s + self.step_per_token_s * prefill_tokens + per_seq * decode_seqs
 
     def copy_time(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.migration_bandwidth_bps

@@ -1,0 +1,430 @@
+"""A client stream that can move between instances: lite-mode migration and failover.
+
+The relay hands a streaming request on a migration-enabled instance to a
+`ResumableStream`. It relays chunks like the plain relay but also keeps the
+prompt ids P and generated ids G. When the upstream breaks (failover), or when
+`move()` is called (drain, rebalance, priority), it closes the upstream (vLLM
+aborts the request there) and continues on another instance from P + G (see
+`continuation`), optionally after pre-warming the destination's prefix cache
+with P + G so that only the last few tokens are recomputed at the cut-over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy import continuation as cont
+from proxy.errors import error_body
+from proxy.ledger import LedgerEntry
+from proxy.policy import DispatchRequest, NoCandidate, Priority
+
+if TYPE_CHECKING:
+    from proxy.relay import Relay
+
+log = logging.getLogger("ferry.migration")
+
+_STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+ANYWHERE = ""  # move() target meaning "wherever the policy says"
+_ids = itertools.count(1)
+
+
+@dataclass
+class LiveState:
+    body: dict[str, Any]
+    endpoint: str  # "chat" | "completions"
+    priority: Priority
+    wants_ids: bool
+    wants_usage: bool
+    id: int = field(default_factory=lambda: next(_ids))
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    sent_text_len: int = 0  # characters of generated text the client has
+    sent_tail: str = ""  # its last characters, for stop strings across the join
+    origin: cont.Origin | None = None
+    segment: int = 0  # 0: the original request; n: the n-th continuation
+    finished: bool = False
+    move_to: str | None = None  # set by move(); ANYWHERE or an instance name
+    move_reason: str = ""
+    upstream: aiohttp.ClientResponse | None = None
+    instance: str = ""
+    stopper: cont.StopAcrossJoin | None = None
+    last_token_at: float | None = None
+    downtime_from: float | None = None
+
+
+class ResumableStream:
+    def __init__(self, relay: Relay, state: LiveState, entry: LedgerEntry, arrived: float) -> None:
+        self.relay = relay
+        self.state = state
+        self.entry = entry
+        self.arrived = arrived
+        self.stops = cont.stop_strings(state.body)
+        self.first_token_seen = False
+
+    # -- driving ------------------------------------------------------------------
+    async def run(
+        self, request: web.Request, upstream: aiohttp.ClientResponse
+    ) -> tuple[web.StreamResponse, str]:
+        relay, state = self.relay, self.state
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "x-ferry-instance": self.entry.instance,
+            }
+        )
+        await response.prepare(request)
+        relay.streams[state.id] = self
+        state.instance = self.entry.instance
+        try:
+            while True:
+                state.upstream = upstream
+                try:
+                    result = await self._pump(upstream, response)
+                finally:
+                    upstream.close()
+                if result == "done":
+                    await _finish(response)
+                    return response, "ok"
+                reason = state.move_reason if result == "moved" else "failover"
+                if state.segment >= relay.max_resumes + 1 and reason == "failover":
+                    await self._fail(response, "too many resumes")
+                    return response, "stream_broken"
+                moved = await self._continue(reason, response)
+                if moved is None:
+                    await self._fail(response, f"{reason}: no instance could continue")
+                    return response, "stream_broken"
+                upstream = moved
+        except ConnectionResetError:
+            return response, "client_disconnect"
+        finally:
+            relay.streams.pop(state.id, None)
+            relay.cluster.ledger.release(self.entry)
+
+    def move(self, destination: str, reason: str) -> bool:
+        """Ask this stream to continue elsewhere (ANYWHERE: the policy picks)."""
+        state = self.state
+        if state.move_to is not None or state.finished or state.prompt_ids is None:
+            return False
+        state.move_to, state.move_reason = destination, reason
+        state.downtime_from = state.last_token_at or time.monotonic()
+        if state.upstream is not None:
+            state.upstream.close()
+        return True
+
+    async def _pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> str:
+        state = self.state
+        pending = b""
+        try:
+            async for data in upstream.content.iter_any():
+                pending += data
+                out: list[bytes] = []
+                while (cut := pending.find(b"\n\n")) >= 0:
+                    event, pending = pending[:cut], pending[cut + 2 :]
+                    out.extend(self._event(event))
+                    if state.finished:
+                        break
+                if out:
+                    await response.write(b"".join(out))
+                if state.finished:
+                    return "done"
+                if state.move_to is not None:
+                    return "moved"
+        except _STREAM_ERRORS:
+            pass
+        if state.finished:
+            return "done"
+        return "moved" if state.move_to is not None else "broken"
+
+    # -- one SSE event ------------------------------------------------------------
+    def _event(self, event: bytes) -> list[bytes]:
+        state = self.state
+        if event.startswith(b"data: [DONE]"):
+            state.finished = True
+            return [b"data: [DONE]\n\n"]
+        if not event.startswith(b"data: {"):
+            return [event + b"\n\n"]
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return [event + b"\n\n"]
+        if "error" in chunk:
+            state.finished = True
+            return [event + b"\n\n", b"data: [DONE]\n\n"]
+        if state.segment == 0:
+            return [self._original(chunk)]
+        return self._continued(chunk)
+
+    def _original(self, chunk: dict[str, Any]) -> bytes:
+        state = self.state
+        if state.origin is None and "id" in chunk:
+            state.origin = cont.Origin(
+                chunk["id"],
+                chunk.get("created", 0),
+                chunk.get("model", ""),
+                chunk.get("system_fingerprint"),
+            )
+        top = chunk.get("prompt_token_ids")
+        if isinstance(top, list):
+            state.prompt_ids = top
+        new: list[int] = []
+        for choice in chunk.get("choices") or ():
+            if state.prompt_ids is None and isinstance(choice.get("prompt_token_ids"), list):
+                state.prompt_ids = choice["prompt_token_ids"]
+            new.extend(choice.get("token_ids") or ())
+            delta = choice.get("delta")
+            self._sent(delta.get("content") if isinstance(delta, dict) else choice.get("text"))
+        if state.origin and chunk.get("system_fingerprint"):
+            state.origin.system_fingerprint = chunk["system_fingerprint"]
+        self._credit(new)
+        if not state.wants_ids:
+            _hide_ids(chunk)
+        return b"data: " + _dumps(chunk) + b"\n\n"
+
+    def _continued(self, chunk: dict[str, Any]) -> list[bytes]:
+        state = self.state
+        assert state.origin is not None and state.prompt_ids is not None
+        choices = chunk.get("choices") or []
+        if not choices and "usage" in chunk:  # the continuation's usage: count it once
+            return [self._usage_chunk()]
+        hit = None
+        for choice in choices:
+            self._credit(list(choice.get("token_ids") or ()))
+            text = choice.get("text") or ""
+            if state.stopper is not None and state.stopper.active:
+                text, hit = state.stopper.feed(text)
+                if hit is not None:
+                    choice["finish_reason"], choice["stop_reason"] = "stop", hit
+            choice["text"] = text
+            self._sent(text)
+        out = cont.client_chunk(chunk, state.endpoint, state.origin, wants_ids=state.wants_ids)
+        events = [b"data: " + _dumps(out) + b"\n\n"]
+        if hit is not None:  # we end the stream the destination would not have ended
+            state.finished = True
+            if state.wants_usage:
+                events.append(self._usage_chunk())
+            events.append(b"data: [DONE]\n\n")
+        return events
+
+    def _credit(self, new: list[int]) -> None:
+        if not new:
+            return
+        state = self.state
+        state.generated.extend(new)
+        self.relay.cluster.ledger.add_generated(self.entry, len(new))
+        now = time.monotonic()
+        if state.downtime_from is not None:
+            self.relay.metrics.migration_downtime.observe(now - state.downtime_from)
+            state.downtime_from = None
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            self.relay.metrics.ttft.observe(now - self.arrived)
+        elif state.last_token_at is not None:
+            self.relay.metrics.itl.observe(now - state.last_token_at)
+        state.last_token_at = now
+
+    def _sent(self, text: str | None) -> None:
+        if text:
+            state = self.state
+            state.sent_text_len += len(text)
+            state.sent_tail = (state.sent_tail + text)[-256:]
+
+    def _usage_chunk(self) -> bytes:
+        state = self.state
+        assert state.origin is not None and state.prompt_ids is not None
+        out: dict[str, Any] = {
+            "id": state.origin.id,
+            "object": "chat.completion.chunk" if state.endpoint == "chat" else "text_completion",
+            "created": state.origin.created,
+            "model": state.origin.model,
+            "choices": [],
+            "usage": cont.usage(len(state.prompt_ids), len(state.generated)),
+        }
+        return b"data: " + _dumps(out) + b"\n\n"
+
+    # -- the cut-over ---------------------------------------------------------------
+    async def _continue(
+        self, reason: str, response: web.StreamResponse
+    ) -> aiohttp.ClientResponse | None:
+        relay, state = self.relay, self.state
+        source = self.entry.instance
+        if state.prompt_ids is None:  # nothing arrived yet: the plain retry path applies
+            relay.metrics.migrations.labels(reason, "no_prompt_ids").inc()
+            return None
+        budget = cont.max_tokens(state.body)
+        if budget is not None and budget - len(state.generated) <= 0:
+            state.finished = True
+            await response.write(b"data: [DONE]\n\n")
+            return None
+        tried = {source}
+        target = state.move_to
+        state.move_to = None
+        if state.downtime_from is None:
+            state.downtime_from = state.last_token_at or time.monotonic()
+        for _ in range(2):
+            dest = self.destination(target, tried)
+            if dest is None:
+                relay.metrics.migrations.labels(reason, "no_destination").inc()
+                return None
+            tried.add(dest)
+            target = None
+            upstream = await self._start(dest, response)
+            if upstream is not None:
+                relay.metrics.migrations.labels(reason, "ok").inc()
+                log.info(
+                    "request %s moved %s -> %s (%s) after %d tokens",
+                    state.origin.id if state.origin else "?",
+                    source,
+                    dest,
+                    reason,
+                    len(state.generated),
+                )
+                return upstream
+            relay.metrics.migrations.labels(reason, "destination_failed").inc()
+        return None
+
+    def destination(self, target: str | None, tried: set[str]) -> str | None:
+        relay = self.relay
+        usable = relay.migration_instances()
+        if target and target in usable and target not in tried:
+            return target
+        exclude = frozenset(tried | (set(relay.cluster.instances) - usable))
+        tokens = len(self.state.prompt_ids or ()) + len(self.state.generated)
+        try:
+            chosen = relay.choose(
+                DispatchRequest(self.state.body["model"], tokens, self.state.priority, exclude)
+            )
+        except NoCandidate:
+            return None
+        return chosen.name
+
+    async def _start(
+        self, dest: str, response: web.StreamResponse
+    ) -> aiohttp.ClientResponse | None:
+        relay, state = self.relay, self.state
+        assert state.prompt_ids is not None
+        url = relay.cluster.instances[dest].url
+        held = await self._held_back_text(url) if self.stops else ""
+        body = cont.continuation_body(
+            state.body, state.prompt_ids, state.generated, wants_usage=state.wants_usage
+        )
+        tokens = len(state.prompt_ids) + len(state.generated)
+        entry = relay.cluster.ledger.add(
+            dest, state.body["model"], state.priority, tokens, time.monotonic()
+        )
+        try:
+            upstream = await relay.session.post(
+                url + "/v1/completions",
+                data=_dumps(body),
+                headers={"Content-Type": "application/json"},
+                timeout=relay.timeout,
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            relay.cluster.ledger.release(entry)
+            relay.cluster.mark_unreachable(dest, f"{type(exc).__name__}: {exc}")
+            return None
+        if upstream.status != 200:
+            detail = (await upstream.read())[:300]
+            upstream.release()
+            relay.cluster.ledger.release(entry)
+            log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
+            return None
+        relay.cluster.ledger.release(self.entry)
+        self.entry, state.instance = entry, dest
+        state.segment += 1
+        state.stopper = cont.StopAcrossJoin(
+            self.stops, state.sent_tail, bool(state.body.get("include_stop_str_in_output"))
+        )
+        if held:
+            await self._emit_held(held, response)
+        return upstream
+
+    async def _held_back_text(self, url: str) -> str:
+        """Text of G the client has not seen: vLLM holds back up to the longest stop
+        string minus one character while streaming, and the destination will never
+        send it (G is its prompt)."""
+        state = self.state
+        try:
+            async with self.relay.session.post(
+                url + "/detokenize",
+                json={"model": state.body["model"], "tokens": state.generated},
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
+                text = (await resp.json()).get("prompt", "")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return ""
+        return str(text)[state.sent_text_len :]
+
+    async def _emit_held(self, held: str, response: web.StreamResponse) -> None:
+        state = self.state
+        assert state.stopper is not None and state.origin is not None
+        text, hit = state.stopper.feed(held)
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": None}
+        if hit is not None:
+            choice.update(finish_reason="stop", stop_reason=hit)
+        self._sent(text)
+        out = cont.client_chunk(
+            {"choices": [choice]}, state.endpoint, state.origin, wants_ids=False
+        )
+        await response.write(b"data: " + _dumps(out) + b"\n\n")
+
+    async def prewarm(self, dest: str) -> None:
+        """Lite pre-copy: P + G0 as a one-token request, so the destination's prefix
+        cache holds those blocks while the source keeps decoding."""
+        state = self.state
+        if state.prompt_ids is None:
+            return
+        body = {
+            "model": state.body["model"],
+            "prompt": state.prompt_ids + state.generated,
+            "max_tokens": 1,
+        }
+        if "cache_salt" in state.body:
+            body["cache_salt"] = state.body["cache_salt"]
+        url = self.relay.cluster.instances[dest].url
+        try:
+            async with self.relay.session.post(
+                url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=30)
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass  # pre-warm is an optimisation; the cut-over recomputes instead
+
+    async def _fail(self, response: web.StreamResponse, why: str) -> None:
+        error = error_body(
+            502, f"stream from {self.entry.instance} broke and could not resume: {why}"
+        )
+        try:
+            await response.write(b"data: " + _dumps(error) + b"\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+
+
+def _hide_ids(chunk: dict[str, Any]) -> None:
+    if chunk.get("prompt_token_ids") is not None:
+        chunk["prompt_token_ids"] = None
+    for choice in chunk.get("choices") or ():
+        for key in ("token_ids", "prompt_token_ids"):
+            if choice.get(key) is not None:
+                choice[key] = None
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+async def _finish(response: web.StreamResponse) -> None:
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        pass

@@ -1,0 +1,205 @@
+"""Lite-mode migration on real vLLM CPU servers: moved streams are token-exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
+from tests.helpers import free_port
+
+PROMPT = "The quick brown fox jumps over the lazy dog while the scheduler"
+CHAT = [{"role": "user", "content": "The quick brown fox"}]
+TOKEN = "migr"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def api(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def stream_ids(
+    client: openai.OpenAI, chat: bool, max_tokens: int, on_chunk: Callable[[int], None] = print
+) -> tuple[list[int], str, Any]:
+    """Stream one greedy request; return (token ids, text, last chunk)."""
+    common: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+    if chat:
+        stream: Any = client.chat.completions.create(messages=CHAT, **common)
+    else:
+        stream = client.completions.create(prompt=PROMPT, **common)
+    ids: list[int] = []
+    text, last = "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        ids.extend(getattr(choice, "token_ids", None) or [])
+        text += (choice.delta.content if chat else choice.text) or ""
+        last = chunk
+        on_chunk(len(ids))
+    return ids, text, last
+
+
+def post(url: str) -> None:
+    request = urllib.request.Request(url, data=b"", method="POST", headers=AUTH)
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def metric(url: str, line_start: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(line_start):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def lite(ferry: Any, vllm_pair: list[VLLMServer]) -> Callable[..., Any]:
+    def make(prewarm: bool = True) -> Any:
+        return ferry(
+            [s.url for s in vllm_pair],
+            instances_migration="lite",
+            scheduler={"migration_prewarm": prewarm},
+            admin_token=TOKEN,
+        )
+
+    return make
+
+
+def test_greedy_decoding_is_deterministic_and_resumable(vllm_pair: list[VLLMServer]) -> None:
+    """What token-exact migration relies on, shown on these servers (float32)."""
+    a, b = (api(s.url) for s in vllm_pair)
+    first, _, _ = stream_ids(a, False, 300, on_chunk=lambda n: None)
+    again, _, _ = stream_ids(b, False, 300, on_chunk=lambda n: None)
+    assert first == again and len(first) == 300
+    prompt_ids = (
+        a.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"return_token_ids": True}
+        )
+        .choices[0]
+        .model_extra["prompt_token_ids"]
+    )
+    for cut in (1, 128, 250):
+        resumed = (
+            b.completions.create(
+                model="tiny",
+                prompt=prompt_ids + first[:cut],
+                max_tokens=300 - cut,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            .choices[0]
+            .model_extra["token_ids"]
+        )
+        assert resumed == first[cut:], cut
+
+
+@pytest.mark.parametrize("prewarm", [True, False])
+@pytest.mark.parametrize("chat", [False, True])
+def test_moved_stream_is_token_exact(lite: Any, chat: bool, prewarm: bool) -> None:
+    proxy = lite(prewarm)
+    reference, ref_text, _ = stream_ids(api(proxy.url), chat, 300, on_chunk=lambda n: None)
+    moved = threading.Event()
+
+    def drain_midway(n: int) -> None:
+        if n == 100 and not moved.is_set():
+            moved.set()
+            source = next(name for name in ("i0", "i1") if proxy.view(name).inflight)
+            post(f"{proxy.url}/admin/instances/{source}/drain?migrate=true")
+
+    ids, text, last = stream_ids(api(proxy.url), chat, 300, on_chunk=drain_midway)
+    for name in ("i0", "i1"):
+        post(f"{proxy.url}/admin/instances/{name}/undrain")
+    assert moved.is_set()
+    assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="drain"}') == 1
+    assert ids == reference and text == ref_text
+    assert last.choices[0].finish_reason == "length"
+
+
+def test_drain_moves_ten_streams_and_they_finish_intact(lite: Any) -> None:
+    proxy = lite(True)
+    reference, _, _ = stream_ids(api(proxy.url), False, 200, on_chunk=lambda n: None)
+    results: list[list[int]] = []
+    started = threading.Barrier(11)
+
+    def one() -> None:
+        ids, _, _ = stream_ids(
+            api(proxy.url), False, 200, on_chunk=lambda n: started.wait() if n == 5 else None
+        )
+        results.append(ids)
+
+    threads = [threading.Thread(target=one) for _ in range(10)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=120)
+    busiest = max(("i0", "i1"), key=lambda n: proxy.view(n).inflight)
+    post(f"{proxy.url}/admin/instances/{busiest}/drain?migrate=true")
+    wait_until(lambda: proxy.view(busiest).inflight == 0)
+    for t in threads:
+        t.join(300)
+    post(f"{proxy.url}/admin/instances/{busiest}/undrain")
+    assert len(results) == 10 and all(r == reference for r in results)
+
+
+@pytest.fixture
+def doomed(tiny_model: Path, tmp_path: Path) -> Any:
+    server = start_vllm(tiny_model, free_port(), tmp_path)
+    try:
+        wait_ready([server])
+        yield server
+    finally:
+        server.stop()
+
+
+def test_kill_one_instance_and_twenty_streams_finish(
+    ferry: Any, doomed: VLLMServer, vllm_pair: list[VLLMServer]
+) -> None:
+    proxy = ferry(
+        [doomed.url, vllm_pair[1].url],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    results: list[tuple[int, str]] = []
+    errors: list[BaseException] = []
+    started = threading.Barrier(21)
+
+    def one() -> None:
+        try:
+            ids, _, last = stream_ids(
+                api(proxy.url), False, 200, on_chunk=lambda n: started.wait() if n == 3 else None
+            )
+            results.append((len(ids), last.choices[0].finish_reason))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(20)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=120)
+    doomed.kill()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    assert results == [(200, "length")] * 20
+    assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') >= 1
