@@ -36,6 +36,7 @@ class StandIn:
         self.running = 0
         self.served = 0
         self.fail_status: int | None = None  # tests: answer every request with this status
+        self.break_after: int | None = None  # tests: drop the connection after n tokens
         self.seen_bodies: list[dict[str, Any]] = []
 
     def app(self) -> web.Application:
@@ -127,6 +128,10 @@ class StandIn:
                 choice["prompt_token_ids"] = [1, 2, 3] if ids and i == 0 else None
             choice["token_ids"] = [7] if ids else None
             chunk["choices"] = [choice]
+            if self.break_after is not None and i == self.break_after:
+                assert request.transport is not None
+                request.transport.abort()  # an instance dying mid-stream
+                return resp
             await resp.write(
                 b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
             )

@@ -33,12 +33,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 8000)")
     serve.add_argument("--admin-token", help="bearer token for /admin (or FERRY_ADMIN_TOKEN)")
+    serve.add_argument(
+        "--migration",
+        choices=("off", "lite", "full"),
+        help="migration mode of every --backend (default off)",
+    )
     serve.add_argument("--log-level", default="INFO")
 
     status = sub.add_parser("status", help="print the instances of a running ferry")
     status.add_argument("--url", default="http://127.0.0.1:8000")
     status.add_argument("--admin-token", help="bearer token (or FERRY_ADMIN_TOKEN)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    drain = sub.add_parser("drain", help="move every request off an instance; wait until empty")
+    drain.add_argument("name")
+    drain.add_argument("--url", default="http://127.0.0.1:8000")
+    drain.add_argument("--admin-token", help="bearer token (or FERRY_ADMIN_TOKEN)")
+    drain.add_argument("--timeout", type=float, default=600, help="seconds to wait")
 
     # Simulation and workload tools live in loadtest/; imported only when used.
     from loadtest import trace
@@ -54,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return trace.run(args)
     if args.command == "sim":
         return sim.run(args)
+    if args.command == "drain":
+        return _drain(args)
     return _status(args)
 
 
@@ -70,11 +83,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     try:
         if args.config:
-            if args.policy:
-                raise ConfigError("--policy: set scheduler.policy in the YAML file instead")
+            if args.policy or args.migration:
+                raise ConfigError("--policy/--migration: set them in the YAML file instead")
             config = load_config(args.config)
         else:
-            config = config_from_backends(args.backend, policy=args.policy or "llumnix")
+            config = config_from_backends(
+                args.backend, policy=args.policy or "llumnix", migration=args.migration or "off"
+            )
     except ConfigError as exc:
         print(f"ferry: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -91,23 +106,49 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
+def _admin(args: argparse.Namespace, path: str, method: str = "GET") -> Any:
+    """Call the admin API; raises SystemExit(1) with the reason on failure."""
     token = args.admin_token or os.environ.get("FERRY_ADMIN_TOKEN", "")
     request = urllib.request.Request(
-        args.url.rstrip("/") + "/admin/instances", headers={"Authorization": f"Bearer {token}"}
+        args.url.rstrip("/") + path,
+        method=method,
+        data=b"" if method == "POST" else None,
+        headers={"Authorization": f"Bearer {token}"},
     )
     try:
         with urllib.request.urlopen(request, timeout=5) as resp:
-            rows = json.load(resp)
+            return json.load(resp)
     except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")
-        print(f"ferry status: HTTP {exc.code}: {detail}", file=sys.stderr)
-        return 1
+        with exc:
+            detail = exc.read().decode(errors="replace")
+        print(f"ferry {args.command}: HTTP {exc.code}: {detail}", file=sys.stderr)
     except (urllib.error.URLError, OSError) as exc:
-        print(f"ferry status: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+        print(f"ferry {args.command}: cannot reach {args.url}: {exc}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def _status(args: argparse.Namespace) -> int:
+    rows = _admin(args, "/admin/instances")
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    import time
+
+    row = _admin(args, f"/admin/instances/{args.name}/drain?migrate=true", "POST")
+    print(f"draining {args.name}: {row['inflight']} in flight, {row.get('migrating', 0)} moving")
+    deadline = time.monotonic() + args.timeout
+    while True:
+        rows = _admin(args, "/admin/instances")
+        inflight = next(r["inflight"] for r in rows if r["name"] == args.name)
+        if inflight == 0:
+            print(f"{args.name} is empty")
+            return 0
+        if time.monotonic() > deadline:
+            print(f"{args.name} still has {inflight} in flight after {args.timeout}s")
+            return 1
+        time.sleep(0.5)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

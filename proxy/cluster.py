@@ -76,6 +76,10 @@ class Cluster:
     def instance_view(self, name: str) -> InstanceView:
         return self.view().instances[self._index[name]]
 
+    def block_size(self, name: str) -> int:
+        snap = self.instances[name].snapshot
+        return snap.block_size if snap and snap.block_size else 16
+
     def record_scrape(self, name: str, snapshot: EngineSnapshot, now: float) -> None:
         state = self.instances[name]
         state.snapshot, state.snapshot_at = snapshot, now

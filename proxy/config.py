@@ -46,6 +46,10 @@ class SchedulerConfig:
     seed: int | None = None  # dispatch randomness; None seeds from the OS
     migration_max_resumes: int = 2  # failover: resumes of one broken stream
     migration_prewarm: bool = True  # lite: warm the destination's prefix cache first
+    rebalance_interval_s: float = 0.0  # rescheduler tick; 0 turns rebalancing off
+    migration_max_concurrent: int = 2  # moves in flight at once (rebalancing)
+    migration_source_below: float = 0.0  # freeness under which an instance sheds requests
+    migration_dest_above: float = 4.0  # freeness a destination must have
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,11 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         raise ConfigError("scheduler.unhealthy_after_failures: must be at least 1")
     if s.topk < 1:
         raise ConfigError("scheduler.topk: must be at least 1")
+    if s.rebalance_interval_s < 0 or s.migration_max_concurrent < 1:
+        raise ConfigError(
+            "scheduler.rebalance_interval_s: must not be negative;"
+            " scheduler.migration_max_concurrent: must be at least 1"
+        )
     if s.migration_max_resumes < 0:
         raise ConfigError("scheduler.migration_max_resumes: must not be negative")
     if s.high_priority_headroom_blocks < 0:

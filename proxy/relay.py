@@ -28,6 +28,7 @@ from proxy.ledger import LedgerEntry
 from proxy.metrics import FerryMetrics
 from proxy.policy import DispatchRequest, InstanceView, NoCandidate, Priority, dispatch
 from proxy.policy.policies import DispatchPolicy
+from proxy.policy.virtual_usage import request_blocks
 from proxy.resumable import ANYWHERE, LiveState, ResumableStream
 
 log = logging.getLogger("ferry.relay")
@@ -72,6 +73,7 @@ class Relay:
         self.max_resumes = max_resumes
         self.prewarm = prewarm
         self.streams: dict[int, ResumableStream] = {}  # live, movable streams by id
+        self.background: set[asyncio.Task[bool]] = set()  # moves started by the relay
         self.timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=server.upstream_connect_timeout_s,
@@ -85,6 +87,33 @@ class Relay:
         self.cluster.note_dispatch()
         self.metrics.decision.observe(time.perf_counter() - started)
         return chosen
+
+    def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
+        """Priority: a high-priority request was placed where it does not fit. Move
+        the lowest-priority, shortest stream off that instance to the freest other
+        one, rather than let the high-priority request wait for memory."""
+        room = chosen.freeness_high * max(chosen.batch, 1)  # M - V, headroom not counted
+        if not chosen.capacity_blocks or room >= blocks_needed:
+            return False
+        if chosen.name not in self.migration_instances():
+            return False
+        victims = sorted(
+            (
+                s
+                for s in self.streams_on(chosen.name)
+                if s.state.priority < Priority.HIGH and s.state.move_to is None
+            ),
+            key=lambda s: (s.state.priority, len(s.state.generated)),
+        )
+        if not victims:
+            return False
+        dest = victims[0].destination(None, {chosen.name})
+        if dest is None:
+            return False
+        task = asyncio.create_task(self.move(victims[0], dest, "priority"))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return True
 
     def migration_instances(self) -> set[str]:
         """Instances that can take part in a migration (as source or destination)."""
@@ -137,6 +166,10 @@ class Relay:
                     503, exc.reason, code="no_instance", headers={"Retry-After": self.retry_after}
                 )
             name = chosen.name
+            if priority is Priority.HIGH:
+                self.make_room(
+                    chosen, request_blocks(prompt_estimate, self.cluster.block_size(name))
+                )
             entry = self.cluster.ledger.add(name, model or "", priority, prompt_estimate, arrived)
             try:
                 upstream = await self.session.request(
@@ -207,7 +240,9 @@ class Relay:
                 log.info("request on %s not migratable: %s", name, why)
             return None
         options = body.get("stream_options") or {}
-        return LiveState(body, endpoint, priority, wants_ids, bool(options.get("include_usage")))
+        return LiveState(
+            body, endpoint, path, priority, wants_ids, bool(options.get("include_usage"))
+        )
 
     async def _whole(
         self,

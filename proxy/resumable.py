@@ -12,6 +12,7 @@ with P + G so that only the last few tokens are recomputed at the cut-over.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -41,6 +42,7 @@ _ids = itertools.count(1)
 class LiveState:
     body: dict[str, Any]
     endpoint: str  # "chat" | "completions"
+    path: str  # the client's request path, for a start-over
     priority: Priority
     wants_ids: bool
     wants_usage: bool
@@ -69,6 +71,9 @@ class ResumableStream:
         self.arrived = arrived
         self.stops = cont.stop_strings(state.body)
         self.first_token_seen = False
+        self.role_sent = False  # chat: a restarted request must not repeat the role chunk
+        self.pending = b""  # bytes read from the current upstream, not yet relayed
+        self.move_requested = asyncio.Event()
 
     # -- driving ------------------------------------------------------------------
     async def run(
@@ -88,20 +93,28 @@ class ResumableStream:
         try:
             while True:
                 state.upstream = upstream
-                try:
-                    result = await self._pump(upstream, response)
-                finally:
-                    upstream.close()
+                result = await self._relay_until_moved(upstream, response)
                 if result == "done":
+                    upstream.close()
                     await _finish(response)
                     return response, "ok"
-                reason = state.move_reason if result == "moved" else "failover"
-                if state.segment >= relay.max_resumes + 1 and reason == "failover":
+                if result == "moved":
+                    # The source keeps its request until the destination has taken over,
+                    # so a destination that fails costs nothing: the source goes on.
+                    moved = await self._continue(state.move_reason, response)
+                    if moved is None:
+                        log.warning("move of %s failed; it stays on %s", state.id, state.instance)
+                        continue
+                    upstream.close()  # vLLM aborts the request on the source
+                    upstream = moved
+                    continue
+                upstream.close()
+                if state.segment > relay.max_resumes:
                     await self._fail(response, "too many resumes")
                     return response, "stream_broken"
-                moved = await self._continue(reason, response)
+                moved = await self._continue("failover", response)
                 if moved is None:
-                    await self._fail(response, f"{reason}: no instance could continue")
+                    await self._fail(response, "failover: no instance could continue")
                     return response, "stream_broken"
                 upstream = moved
         except ConnectionResetError:
@@ -109,27 +122,50 @@ class ResumableStream:
         finally:
             relay.streams.pop(state.id, None)
             relay.cluster.ledger.release(self.entry)
+            if state.upstream is not None:
+                state.upstream.close()
+
+    async def _relay_until_moved(
+        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse
+    ) -> str:
+        """Relay until the stream ends ("done"), breaks ("broken"), or `move()` asks
+        ("moved"; the source upstream stays open and unread data stays buffered)."""
+        pump = asyncio.create_task(self._pump(upstream, response))
+        wake = asyncio.create_task(self.move_requested.wait())
+        try:
+            done, _ = await asyncio.wait({pump, wake}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+            if not pump.done():
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+        if pump in done:
+            return pump.result()
+        self.move_requested.clear()
+        return "moved"
 
     def move(self, destination: str, reason: str) -> bool:
         """Ask this stream to continue elsewhere (ANYWHERE: the policy picks)."""
         state = self.state
-        if state.move_to is not None or state.finished or state.prompt_ids is None:
+        if state.move_to is not None or state.finished:
             return False
         state.move_to, state.move_reason = destination, reason
-        state.downtime_from = state.last_token_at or time.monotonic()
-        if state.upstream is not None:
-            state.upstream.close()
+        self.move_requested.set()
         return True
 
     async def _pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> str:
         state = self.state
-        pending = b""
         try:
-            async for data in upstream.content.iter_any():
-                pending += data
+            while True:
+                if b"\n\n" not in self.pending:
+                    data = await upstream.content.readany()
+                    if not data:
+                        break
+                    self.pending += data
                 out: list[bytes] = []
-                while (cut := pending.find(b"\n\n")) >= 0:
-                    event, pending = pending[:cut], pending[cut + 2 :]
+                while (cut := self.pending.find(b"\n\n")) >= 0:
+                    event, self.pending = self.pending[:cut], self.pending[cut + 2 :]
                     out.extend(self._event(event))
                     if state.finished:
                         break
@@ -137,13 +173,9 @@ class ResumableStream:
                     await response.write(b"".join(out))
                 if state.finished:
                     return "done"
-                if state.move_to is not None:
-                    return "moved"
         except _STREAM_ERRORS:
             pass
-        if state.finished:
-            return "done"
-        return "moved" if state.move_to is not None else "broken"
+        return "done" if state.finished else "broken"
 
     # -- one SSE event ------------------------------------------------------------
     def _event(self, event: bytes) -> list[bytes]:
@@ -161,7 +193,8 @@ class ResumableStream:
             state.finished = True
             return [event + b"\n\n", b"data: [DONE]\n\n"]
         if state.segment == 0:
-            return [self._original(chunk)]
+            original = self._original(chunk)
+            return [original] if original else []
         return self._continued(chunk)
 
     def _original(self, chunk: dict[str, Any]) -> bytes:
@@ -176,6 +209,10 @@ class ResumableStream:
         top = chunk.get("prompt_token_ids")
         if isinstance(top, list):
             state.prompt_ids = top
+        if state.endpoint == "chat" and _is_role_chunk(chunk):
+            if self.role_sent:
+                return b""  # a start-over repeats it; the client has it already
+            self.role_sent = True
         new: list[int] = []
         for choice in chunk.get("choices") or ():
             if state.prompt_ids is None and isinstance(choice.get("prompt_token_ids"), list):
@@ -257,7 +294,7 @@ class ResumableStream:
     ) -> aiohttp.ClientResponse | None:
         relay, state = self.relay, self.state
         source = self.entry.instance
-        if state.prompt_ids is None:  # nothing arrived yet: the plain retry path applies
+        if state.prompt_ids is None and self.first_token_seen:
             relay.metrics.migrations.labels(reason, "no_prompt_ids").inc()
             return None
         budget = cont.max_tokens(state.body)
@@ -268,8 +305,7 @@ class ResumableStream:
         tried = {source}
         target = state.move_to
         state.move_to = None
-        if state.downtime_from is None:
-            state.downtime_from = state.last_token_at or time.monotonic()
+        state.downtime_from = state.last_token_at or time.monotonic()
         for _ in range(2):
             dest = self.destination(target, tried)
             if dest is None:
@@ -290,6 +326,7 @@ class ResumableStream:
                 )
                 return upstream
             relay.metrics.migrations.labels(reason, "destination_failed").inc()
+        state.downtime_from = None
         return None
 
     def destination(self, target: str | None, tried: set[str]) -> str | None:
@@ -311,19 +348,25 @@ class ResumableStream:
         self, dest: str, response: web.StreamResponse
     ) -> aiohttp.ClientResponse | None:
         relay, state = self.relay, self.state
-        assert state.prompt_ids is not None
         url = relay.cluster.instances[dest].url
-        held = await self._held_back_text(url) if self.stops else ""
-        body = cont.continuation_body(
-            state.body, state.prompt_ids, state.generated, wants_usage=state.wants_usage
-        )
-        tokens = len(state.prompt_ids) + len(state.generated)
+        if state.prompt_ids is None:
+            # Nothing generated yet (queued, or broken before the first token): start
+            # the original request over on the destination; the client sees no seam.
+            path, body = state.path, {**state.body, "return_token_ids": True}
+            held, tokens = "", self.entry.prompt_tokens
+        else:
+            path = "/v1/completions"
+            held = await self._held_back_text(url) if self.stops else ""
+            body = cont.continuation_body(
+                state.body, state.prompt_ids, state.generated, wants_usage=state.wants_usage
+            )
+            tokens = len(state.prompt_ids) + len(state.generated)
         entry = relay.cluster.ledger.add(
             dest, state.body["model"], state.priority, tokens, time.monotonic()
         )
         try:
             upstream = await relay.session.post(
-                url + "/v1/completions",
+                url + path,
                 data=_dumps(body),
                 headers={"Content-Type": "application/json"},
                 timeout=relay.timeout,
@@ -340,6 +383,9 @@ class ResumableStream:
             return None
         relay.cluster.ledger.release(self.entry)
         self.entry, state.instance = entry, dest
+        self.pending = b""
+        if state.prompt_ids is None:
+            return upstream  # a fresh start: its chunks are the original kind
         state.segment += 1
         state.stopper = cont.StopAcrossJoin(
             self.stops, state.sent_tail, bool(state.body.get("include_stop_str_in_output"))
@@ -408,6 +454,14 @@ class ResumableStream:
             await response.write_eof()
         except ConnectionResetError:
             pass
+
+
+def _is_role_chunk(chunk: dict[str, Any]) -> bool:
+    choices = chunk.get("choices") or ()
+    return bool(choices) and all(
+        isinstance(c.get("delta"), dict) and "role" in c["delta"] and not c["delta"].get("content")
+        for c in choices
+    )
 
 
 def _hide_ids(chunk: dict[str, Any]) -> None:

@@ -24,7 +24,9 @@ from proxy.config import FerryConfig
 from proxy.errors import error_response, openai_errors
 from proxy.metrics import FerryMetrics
 from proxy.policy import Priority, UsageSettings, make_policy
+from proxy.policy.migration import MigrationSettings
 from proxy.relay import Relay
+from proxy.rescheduler import Rescheduler
 from proxy.resumable import ANYWHERE
 from proxy.scraper import Scraper
 
@@ -77,7 +79,22 @@ def build_app(config: FerryConfig) -> web.Application:
             # One round before serving, so the first requests find healthy instances.
             await asyncio.gather(*(_first_look(scraper, n) for n in cluster.instances))
             scraper.start()
+            rescheduler = None
+            if sched.rebalance_interval_s > 0:
+                settings = MigrationSettings(
+                    source_below=sched.migration_source_below,
+                    dest_above=sched.migration_dest_above,
+                )
+                rescheduler = Rescheduler(
+                    app[RELAY],
+                    settings,
+                    interval_s=sched.rebalance_interval_s,
+                    max_concurrent=sched.migration_max_concurrent,
+                )
+                rescheduler.start()
             yield
+            if rescheduler is not None:
+                await rescheduler.stop()
             await scraper.stop()
 
     app.cleanup_ctx.append(lifecycle)

@@ -37,7 +37,8 @@ def _send(request: urllib.request.Request) -> tuple[int, Any, dict[str, str]]:
             raw = resp.read()
             status, headers = resp.status, dict(resp.headers)
     except urllib.error.HTTPError as exc:
-        raw, status, headers = exc.read(), exc.code, dict(exc.headers)
+        with exc:  # an unclosed error response leaks its socket
+            raw, status, headers = exc.read(), exc.code, dict(exc.headers)
     try:
         return status, json.loads(raw), headers
     except ValueError:

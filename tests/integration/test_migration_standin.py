@@ -1,0 +1,101 @@
+"""Failover and moves through the proxy against stand-in servers (not vLLM)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import openai
+
+
+def api(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def test_a_stream_that_breaks_resumes_on_the_other_instance(standins: Any, ferry: Any) -> None:
+    (broken, a), (healthy, b) = standins(2, itl_s=0.001)
+    broken.break_after = 10
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    chunks = list(
+        api(proxy.url).completions.create(model="standin", prompt="hi", max_tokens=40, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == " tok" * 40
+    assert len({c.id for c in chunks}) == 1  # one stream, one id
+    continued = healthy.seen_bodies[-1]
+    assert continued["prompt"] == [1, 2, 3] + [7] * 10 and continued["max_tokens"] == 30
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+
+
+def test_chat_resumes_as_chat_deltas_with_usage_counted_once(standins: Any, ferry: Any) -> None:
+    (broken, a), (_, b) = standins(2, itl_s=0.001)
+    broken.break_after = 5
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    stream = api(proxy.url).chat.completions.create(
+        model="standin",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " tok" * 12
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert len({c.id for c in chunks}) == 1
+    usage = [c.usage for c in chunks if c.usage]
+    assert len(usage) <= 1  # the stand-in sends none; a continuation must not add a wrong one
+
+
+def test_a_failing_destination_leaves_the_request_on_its_source(standins: Any, ferry: Any) -> None:
+    (source, a), (dest, b) = standins(2, itl_s=0.02)
+    dest.fail_status = 500  # refuses the continuation
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin"},
+    )
+    received: list[str] = []
+
+    def client() -> None:
+        for c in api(proxy.url).completions.create(
+            model="standin", prompt="hi", max_tokens=40, stream=True
+        ):
+            received.append(c.choices[0].text)
+
+    t = threading.Thread(target=client)
+    t.start()
+    while len(received) < 5:
+        time.sleep(0.01)
+    request = urllib.request.Request(
+        proxy.url + "/admin/instances/i0/drain?migrate=true",
+        data=b"",
+        method="POST",
+        headers={"Authorization": "Bearer t"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        assert json.load(resp)["migrating"] == 1
+    t.join(30)
+    assert "".join(received) == " tok" * 40
+    assert source.served == 1
+    text = metrics(proxy.url)
+    assert 'ferry_migrations_total{outcome="destination_failed",reason="drain"}' in text
+
+
+def test_requests_that_cannot_move_say_so(standins: Any, ferry: Any) -> None:
+    [(_, a)] = standins(1, itl_s=0.001)
+    proxy = ferry([a.url], instances_migration="lite")
+    list(
+        api(proxy.url).completions.create(
+            model="standin", prompt="x", max_tokens=3, n=2, stream=True
+        )
+    )
+    assert 'ferry_non_migratable_requests_total{reason="n > 1"} 1.0' in metrics(proxy.url)
