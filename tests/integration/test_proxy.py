@@ -258,10 +258,11 @@ def test_admin_is_off_without_a_token(standins: Any, ferry: Any) -> None:
 def test_models_health_metrics_and_passthrough(standins: Any, ferry: Any) -> None:
     (_, a), (_, b) = standins(1, model="alpha")[0], standins(1, model="beta")[0]
     proxy = ferry([a.url, b.url])
-    assert sorted(m.id for m in client(proxy).models.list()) == ["alpha", "beta"]
-    out = client(proxy).completions.create(model="beta", prompt="x", max_tokens=1)
+    with client(proxy) as api:
+        assert sorted(m.id for m in api.models.list()) == ["alpha", "beta"]
+        out = api.completions.create(model="beta", prompt="x", max_tokens=1)
+        emb = api.embeddings.create(model="alpha", input="x")
     assert out.model == "beta"  # routed by model
-    emb = client(proxy).embeddings.create(model="alpha", input="x")
     assert emb.data[0].embedding == [0.0, 1.0]
     assert get(proxy.url + "/health")[0] == 200
     request = urllib.request.Request(proxy.url + "/metrics")
