@@ -203,3 +203,51 @@ def test_kill_one_instance_and_twenty_streams_finish(
     assert not errors
     assert results == [(200, "length")] * 20
     assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') >= 1
+
+
+def preemptions(server: VLLMServer) -> int:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+        from adapters.vllm import parse_metrics
+
+        return parse_metrics(resp.read().decode()).preemptions_total
+
+
+def run_imbalanced(ferry: Any, servers: list[VLLMServer], rebalance: bool) -> tuple[int, float]:
+    """Six long streams all land on i0 (i1 is draining while they start), then i1
+    comes back. Returns (i0's new preemptions, rebalance migrations)."""
+    proxy = ferry(
+        [s.url for s in servers],
+        instances_migration="lite",
+        admin_token=TOKEN,
+        scheduler={"rebalance_interval_s": 0.2 if rebalance else 0.0},
+    )
+    post(f"{proxy.url}/admin/instances/i1/drain")
+    before = preemptions(servers[0])
+    results: list[int] = []
+    started = threading.Barrier(7)
+
+    def one() -> None:
+        ids, _, _ = stream_ids(
+            api(proxy.url), False, 600, on_chunk=lambda n: started.wait() if n == 2 else None
+        )
+        results.append(len(ids))
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=120)
+    post(f"{proxy.url}/admin/instances/i1/undrain")
+    for t in threads:
+        t.join(300)
+    assert results == [600] * 6
+    moved = metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="rebalance"}')
+    return preemptions(servers[0]) - before, moved
+
+
+def test_rebalance_moves_work_to_the_free_instance(ferry: Any, vllm_pair: list[VLLMServer]) -> None:
+    still, _ = run_imbalanced(ferry, vllm_pair, rebalance=False)
+    relieved, moved = run_imbalanced(ferry, vllm_pair, rebalance=True)
+    print(f"preemptions on the loaded instance: {still} without rebalancing, {relieved} with"
+          f" ({moved:g} rebalance migrations)")
+    assert moved >= 1
+    assert relieved < still, (relieved, still)
