@@ -36,8 +36,11 @@ log = logging.getLogger(__name__)
 PROMPT_IDS = range(10, 300)
 
 
-def prompt_ids(length: int) -> list[int]:
-    return list(islice(cycle(PROMPT_IDS), length))
+def prompt_ids(length: int, start: int = 0) -> list[int]:
+    """`length` ids cycling through PROMPT_IDS from `start`: requests with different
+    starts share no prefix, so the prefix cache does not shortcut them."""
+    ids = cycle(PROMPT_IDS)
+    return list(islice(ids, start % len(PROMPT_IDS), start % len(PROMPT_IDS) + length))
 
 
 def chunk_tokens(choice: object) -> int:
@@ -54,7 +57,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, t: TraceRequest, start: f
     try:
         response = await client.completions.create(
             model=model,
-            prompt=prompt_ids(t.prompt_tokens),
+            prompt=prompt_ids(t.prompt_tokens, start=t.id * 37),
             max_tokens=t.output_tokens,
             temperature=0,
             stream=True,

@@ -247,7 +247,9 @@ def run_imbalanced(ferry: Any, servers: list[VLLMServer], rebalance: bool) -> tu
 def test_rebalance_moves_work_to_the_free_instance(ferry: Any, vllm_pair: list[VLLMServer]) -> None:
     still, _ = run_imbalanced(ferry, vllm_pair, rebalance=False)
     relieved, moved = run_imbalanced(ferry, vllm_pair, rebalance=True)
-    print(f"preemptions on the loaded instance: {still} without rebalancing, {relieved} with"
-          f" ({moved:g} rebalance migrations)")
+    print(
+        f"preemptions on the loaded instance: {still} without rebalancing, {relieved} with"
+        f" ({moved:g} rebalance migrations)"
+    )
     assert moved >= 1
     assert relieved < still, (relieved, still)
