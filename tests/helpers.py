@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -60,6 +61,15 @@ async def start_site(app: web.Application, *, handler_cancellation: bool = False
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return Site(runner, port, app)
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, poll: float = 0.05) -> None:
+    """Poll `predicate` until it is true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(poll)
 
 
 def free_port() -> int:

@@ -41,3 +41,14 @@ def vllm_pair(
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture
+def doomed(tiny_model: Path, tmp_path: Path) -> Iterator[VLLMServer]:
+    """A third server, for tests that kill one."""
+    server = start_vllm(tiny_model, free_port(), tmp_path)
+    try:
+        wait_ready([server])
+        yield server
+    finally:
+        server.stop()

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
-from tests.helpers import free_port
+from loadtest.vllm_servers import VLLMServer
+from tests.helpers import wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the scheduler"
 CHAT = [{"role": "user", "content": "The quick brown fox"}]
@@ -64,14 +62,6 @@ def metric(url: str, line_start: str) -> float:
             if line.startswith(line_start):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -155,21 +145,11 @@ def test_drain_moves_ten_streams_and_they_finish_intact(lite: Any) -> None:
     started.wait(timeout=120)
     busiest = max(("i0", "i1"), key=lambda n: proxy.view(n).inflight)
     post(f"{proxy.url}/admin/instances/{busiest}/drain?migrate=true")
-    wait_until(lambda: proxy.view(busiest).inflight == 0)
+    wait_until(lambda: proxy.view(busiest).inflight == 0, timeout=60)
     for t in threads:
         t.join(300)
     post(f"{proxy.url}/admin/instances/{busiest}/undrain")
     assert len(results) == 10 and all(r == reference for r in results)
-
-
-@pytest.fixture
-def doomed(tiny_model: Path, tmp_path: Path) -> Any:
-    server = start_vllm(tiny_model, free_port(), tmp_path)
-    try:
-        wait_ready([server])
-        yield server
-    finally:
-        server.stop()
 
 
 def test_kill_one_instance_and_twenty_streams_finish(

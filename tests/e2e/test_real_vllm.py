@@ -6,9 +6,7 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +14,8 @@ import openai
 import pytest
 
 from adapters.vllm import parse_metrics
-from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
-from tests.helpers import free_port
+from loadtest.vllm_servers import VLLMServer
+from tests.helpers import free_port, wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the scheduler"
 # The random model answers some chat prompts with special tokens only (empty text).
@@ -32,14 +30,6 @@ def api(url: str) -> openai.OpenAI:
 def running(server: VLLMServer) -> int:
     with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
         return parse_metrics(resp.read().decode()).running
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -116,16 +106,6 @@ def test_client_disconnect_leaves_nothing_running(proxy: Any, vllm_pair: list[VL
     stream.close()
     wait_until(lambda: sum(running(s) for s in vllm_pair) == 0, timeout=10)
     wait_until(lambda: proxy.view("i0").inflight + proxy.view("i1").inflight == 0)
-
-
-@pytest.fixture
-def doomed(tiny_model: Path, tmp_path: Path) -> Iterator[VLLMServer]:
-    server = start_vllm(tiny_model, free_port(), tmp_path)
-    try:
-        wait_ready([server])
-        yield server
-    finally:
-        server.stop()
 
 
 def test_killed_instance_goes_unhealthy_and_traffic_moves(

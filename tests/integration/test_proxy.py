@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 import openai
 import pytest
 
-from tests.helpers import Ferry
+from tests.helpers import Ferry, wait_until
 
 
 def post(
@@ -47,14 +45,6 @@ def _send(request: urllib.request.Request) -> tuple[int, Any, dict[str, str]]:
 
 def client(proxy: Ferry) -> openai.OpenAI:
     return openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def test_openai_client_streams_and_non_streams(standins: Any, ferry: Any) -> None:
