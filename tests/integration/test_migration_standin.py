@@ -99,3 +99,43 @@ def test_requests_that_cannot_move_say_so(standins: Any, ferry: Any) -> None:
         )
     )
     assert 'ferry_non_migratable_requests_total{reason="n > 1"} 1.0' in metrics(proxy.url)
+
+
+def test_a_high_priority_request_makes_room_by_moving_a_lower_one(
+    standins: Any, ferry: Any
+) -> None:
+    # Two small instances (10 KV blocks of 16 tokens); each runs one normal stream.
+    sites = standins(2, itl_s=0.02, kv_blocks=10)
+    proxy = ferry(
+        [s.url for _, s in sites],
+        instances_migration="lite",
+        scheduler={"migration_prewarm": False},
+    )
+    normal: list[str] = []
+
+    def background() -> None:
+        for c in api(proxy.url).completions.create(
+            model="standin",
+            prompt="x" * 240,
+            max_tokens=60,
+            stream=True,  # ~80 tokens
+        ):
+            normal.append(c.choices[0].text)
+
+    threads = [threading.Thread(target=background) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while len(normal) < 6:
+        time.sleep(0.01)
+    # 128 prompt tokens = 8 blocks: no instance has that much room left.
+    high = api(proxy.url).completions.create(
+        model="standin",
+        prompt="y" * 384,
+        max_tokens=5,
+        extra_headers={"x-ferry-priority": "high"},
+    )
+    assert high.choices[0].text == " tok" * 5
+    for t in threads:
+        t.join(30)
+    assert "".join(normal) == " tok" * 120  # both normal streams finished intact
+    assert 'ferry_migrations_total{outcome="ok",reason="priority"} 1.0' in metrics(proxy.url)
