@@ -5,6 +5,8 @@ in `finally`, whatever happens: finish, upstream error, or client disconnect
 (aiohttp cancels the handler; closing the upstream connection makes vLLM abort
 the request). A connection failure before the first byte is retried once on
 another instance; the failed one is marked unhealthy until a scrape succeeds.
+A stream on a migration-enabled instance is handed to `resumable.ResumableStream`,
+which can continue it on another instance (failover, drain, rebalance, priority).
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ class Relay:
                 if movable is not None:
                     live = ResumableStream(self, movable, entry, arrived)
                     response, outcome = await live.run(request, upstream)
-                elif stream and upstream.status == 200:
+                elif stream:
                     response, outcome = await self._stream(
                         request, upstream, entry, wants_ids, arrived
                     )
