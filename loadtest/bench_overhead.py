@@ -159,7 +159,8 @@ def measure(concurrency: int, requests: int, max_tokens: int, itl_ms: float) -> 
                 "--itl-ms",
                 str(itl_ms),
             ]
-            procs.append(subprocess.Popen(pinned(cmd, CORE_BACKENDS)))
+            # Its stderr would fill with client-hung-up tracebacks as each run ends.
+            procs.append(subprocess.Popen(pinned(cmd, CORE_BACKENDS), stderr=subprocess.DEVNULL))
             backends.append(f"http://127.0.0.1:{port}")
         for url in backends:
             wait_http(url + "/health")
