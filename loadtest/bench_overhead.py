@@ -135,11 +135,13 @@ def main() -> int:
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {int(CORE_BACKENDS)})  # the load generator shares core 0
-    scenarios = [(1, args.single_requests, args.itl_ms[0])]
-    scenarios += [(args.concurrency, args.requests, itl) for itl in args.itl_ms]
-    for concurrency, requests, itl_ms in scenarios:
-        results = measure(concurrency, requests, args.max_tokens, itl_ms)
-        report(results, concurrency, requests, args.max_tokens, itl_ms)
+    # The one-stream run measures TTFT only, so its requests are 4 tokens long.
+    scenarios = [(1, args.single_requests, 4, args.itl_ms[0])]
+    scenarios += [(args.concurrency, args.requests, args.max_tokens, itl) for itl in args.itl_ms]
+    for concurrency, requests, max_tokens, itl_ms in scenarios:
+        results = measure(concurrency, requests, max_tokens, itl_ms)
+        report(results, concurrency, requests, max_tokens, itl_ms)
+        sys.stdout.flush()
     return 0
 
 
