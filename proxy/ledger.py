@@ -84,9 +84,6 @@ class Ledger:
     def count(self, instance: str) -> int:
         return len(self._by_instance.get(instance, ()))
 
-    def total(self) -> int:
-        return sum(len(r) for r in self._by_instance.values())
-
     def blocks(self, instance: str) -> int:
         """KV blocks held by the instance's in-flight requests (real usage)."""
         return self._blocks_total.get(instance, 0)
