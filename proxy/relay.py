@@ -126,12 +126,12 @@ class Relay:
         }
 
     def streams_on(self, instance: str) -> list[ResumableStream]:
-        return [s for s in self.streams.values() if s.state.instance == instance]
+        return [s for s in self.streams.values() if s.instance == instance]
 
     async def move(self, stream: ResumableStream, destination: str, reason: str) -> bool:
         """Move one live stream (`destination` ANYWHERE: the policy picks)."""
         if not destination:  # resolve now, so the destination can be pre-warmed
-            destination = stream.destination(None, {stream.state.instance}) or ANYWHERE
+            destination = stream.destination(None, {stream.instance}) or ANYWHERE
         if self.prewarm and destination:
             await stream.prewarm(destination)
         return stream.move(destination, reason)

@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy import continuation as cont
+from proxy import token_ids
 from proxy.errors import error_body
 from proxy.ledger import LedgerEntry
 from proxy.policy import DispatchRequest, NoCandidate, Priority
@@ -57,7 +58,6 @@ class LiveState:
     move_to: str | None = None  # set by move(); ANYWHERE or an instance name
     move_reason: str = ""
     upstream: aiohttp.ClientResponse | None = None
-    instance: str = ""
     stopper: cont.StopAcrossJoin | None = None
     last_token_at: float | None = None
     downtime_from: float | None = None
@@ -75,6 +75,11 @@ class ResumableStream:
         self.pending = b""  # bytes read from the current upstream, not yet relayed
         self.move_requested = asyncio.Event()
 
+    @property
+    def instance(self) -> str:
+        """Where the stream runs now: its current ledger entry's instance."""
+        return self.entry.instance
+
     # -- driving ------------------------------------------------------------------
     async def run(
         self, request: web.Request, upstream: aiohttp.ClientResponse
@@ -89,7 +94,6 @@ class ResumableStream:
         )
         await response.prepare(request)
         relay.streams[state.id] = self
-        state.instance = self.entry.instance
         try:
             while True:
                 state.upstream = upstream
@@ -103,7 +107,7 @@ class ResumableStream:
                     # so a destination that fails costs nothing: the source goes on.
                     moved = await self._continue(state.move_reason, response)
                     if moved is None:
-                        log.warning("move of %s failed; it stays on %s", state.id, state.instance)
+                        log.warning("move of %s failed; it stays on %s", state.id, self.instance)
                         continue
                     upstream.close()  # vLLM aborts the request on the source
                     upstream = moved
@@ -193,11 +197,10 @@ class ResumableStream:
             state.finished = True
             return [event + b"\n\n", b"data: [DONE]\n\n"]
         if state.segment == 0:
-            original = self._original(chunk)
-            return [original] if original else []
+            return self._original(chunk, event)
         return self._continued(chunk)
 
-    def _original(self, chunk: dict[str, Any]) -> bytes:
+    def _original(self, chunk: dict[str, Any], event: bytes) -> list[bytes]:
         state = self.state
         if state.origin is None and "id" in chunk:
             state.origin = cont.Origin(
@@ -211,7 +214,7 @@ class ResumableStream:
             state.prompt_ids = top
         if state.endpoint == "chat" and _is_role_chunk(chunk):
             if self.role_sent:
-                return b""  # a start-over repeats it; the client has it already
+                return []  # a start-over repeats it; the client has it already
             self.role_sent = True
         new: list[int] = []
         for choice in chunk.get("choices") or ():
@@ -223,9 +226,8 @@ class ResumableStream:
         if state.origin and chunk.get("system_fingerprint"):
             state.origin.system_fingerprint = chunk["system_fingerprint"]
         self._credit(new)
-        if not state.wants_ids:
-            _hide_ids(chunk)
-        return b"data: " + _dumps(chunk) + b"\n\n"
+        # Relay the engine's own bytes: no re-serialization on the hot path.
+        return [(event if state.wants_ids else token_ids.hide(event)) + b"\n\n"]
 
     def _continued(self, chunk: dict[str, Any]) -> list[bytes]:
         state = self.state
@@ -382,7 +384,7 @@ class ResumableStream:
             log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
             return None
         relay.cluster.ledger.release(self.entry)
-        self.entry, state.instance = entry, dest
+        self.entry = entry
         self.pending = b""
         if state.prompt_ids is None:
             return upstream  # a fresh start: its chunks are the original kind
@@ -462,15 +464,6 @@ def _is_role_chunk(chunk: dict[str, Any]) -> bool:
         isinstance(c.get("delta"), dict) and "role" in c["delta"] and not c["delta"].get("content")
         for c in choices
     )
-
-
-def _hide_ids(chunk: dict[str, Any]) -> None:
-    if chunk.get("prompt_token_ids") is not None:
-        chunk["prompt_token_ids"] = None
-    for choice in chunk.get("choices") or ():
-        for key in ("token_ids", "prompt_token_ids"):
-            if choice.get(key) is not None:
-                choice[key] = None
 
 
 def _dumps(obj: Any) -> bytes:
