@@ -66,6 +66,7 @@ def start_vllm(
     cpus: str | None = "0",
     served_name: str = DEFAULT_MODEL_NAME,
     extra_args: tuple[str, ...] = (),
+    shim_kv_port: int | None = None,
 ) -> VLLMServer:
     """Launch one server and return at once; call `wait_ready` before using it.
 
@@ -95,6 +96,10 @@ def start_vllm(
         str(kv_cache_bytes),
         *extra_args,
     ]
+    if shim_kv_port is not None:
+        from migration_shim.launcher import shim_flags
+
+        cmd += shim_flags(shim_kv_port)
     if cpus and shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
         cmd = ["taskset", "-c", cpus, *cmd]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}

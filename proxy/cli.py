@@ -51,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     drain.add_argument("--admin-token", help="bearer token (or FERRY_ADMIN_TOKEN)")
     drain.add_argument("--timeout", type=float, default=600, help="seconds to wait")
 
+    shim = sub.add_parser(
+        "vllm",
+        help="run vLLM's OpenAI server with Ferry's migration shim (full-mode migration)",
+        description="All arguments not listed here go to vLLM's OpenAI server unchanged.",
+    )
+    shim.add_argument("--ferry-kv-port", type=int, help="port receiving KV blocks (default: free)")
+    shim.add_argument("--ferry-kv-host", default="127.0.0.1", help="address of that port")
+
     # Simulation and workload tools live in loadtest/; imported only when used.
     from loadtest import trace
     from loadtest.sim import run as sim
@@ -58,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_arguments(sub.add_parser("trace", help="write a request trace (JSONL)"))
     sim.add_arguments(sub.add_parser("sim", help="simulate a trace on N instances"))
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "vllm":
+        from migration_shim import launcher
+
+        return launcher.run(rest, args.ferry_kv_port, args.ferry_kv_host)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         return _serve(args)
     if args.command == "trace":

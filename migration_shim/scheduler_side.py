@@ -1,0 +1,298 @@
+"""The engine-core half of the shim: which blocks move when, reservations, loads.
+
+Everything here runs on vLLM's engine thread: the connector hooks during a
+step, and the control commands between steps (EngineCore utility calls), so no
+locks are needed and scheduler state can be read and changed safely.
+
+A migration out of this instance (`Outgoing`) goes:
+  copying --stage()--> copying ... --stop()--> stopped --last block through--> done
+with `failed` (before the stop: the request runs on here), `source_finished` (it
+ended here meanwhile) and `failed_after_stop` (the KV did not all arrive; Ferry
+resumes by recompute) as the other ends. A migration into this instance is a
+reservation of blocks, then a request tagged `LOAD` whose first blocks the
+connector reports as externally computed and has the worker fill from staging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from migration_shim import wire
+from migration_shim.orders import CopyOrder, LoadOrder, SendProgress, StepOrders
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+log = logging.getLogger("ferry.shim")
+
+
+@dataclass
+class Outgoing:
+    req_id: str
+    dest: str
+    bandwidth: float
+    scheduled: int = 0  # blocks [0, scheduled) are ordered copied
+    acked: int = 0
+    stages: int = 0
+    state: str = "copying"
+    error: str | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "scheduled": self.scheduled,
+            "acked": self.acked,
+            "stages": self.stages,
+            "error": self.error,
+        }
+
+
+@dataclass
+class Incoming:
+    mig_id: str
+    num_tokens: int  # tokens whose KV is loaded from staging
+    local: int  # tokens the local prefix cache already had
+
+
+@dataclass
+class Reservation:
+    blocks: list[Any]  # vLLM KVCacheBlock objects taken from the pool
+    expires: float
+
+
+class MigrationScheduler:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv: KVCacheManager | None = None
+        self.by_tag: dict[str, str] = {}  # Ferry's tag -> engine request id
+        self.outgoing: dict[str, Outgoing] = {}
+        self.mig_of_request: dict[str, str] = {}
+        self.incoming: dict[str, Incoming] = {}  # engine request id -> its load
+        self.reserved: dict[str, Reservation] = {}
+        self.orders = StepOrders()
+
+    # -- connector hooks (engine thread, during a step) ---------------------------
+    def on_new_request(self, request: Request) -> None:
+        tag = (request.kv_transfer_params or {}).get(wire.TAG)
+        if tag:
+            self.by_tag[str(tag)] = request.request_id
+
+    def get_num_new_matched_tokens(self, request: Request, local: int) -> tuple[int, bool]:
+        load = (request.kv_transfer_params or {}).get(wire.LOAD)
+        if not load:
+            return 0, False
+        mig_id = str(load["mig_id"])
+        # The reserved blocks go back to the pool right before vLLM allocates this
+        # request's blocks in the same pass, so they are the ones it gets.
+        self._free_reservation(mig_id)
+        # At least one token must be computed here: it yields the next token.
+        tokens = min(int(load["num_tokens"]), request.num_tokens - 1)
+        if tokens <= local:
+            return 0, False
+        self.incoming[request.request_id] = Incoming(mig_id, tokens, local)
+        return tokens - local, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        incoming = self.incoming.get(request.request_id)
+        if incoming is None or num_external_tokens == 0:
+            return
+        # Positions, not just the unhashed blocks: a local prefix hit keeps its own.
+        ids = blocks.get_block_ids()[0]
+        first = incoming.local // self.block_size
+        last = -(-incoming.num_tokens // self.block_size)
+        self.orders.loads.append(LoadOrder(incoming.mig_id, [(i, ids[i]) for i in range(first, last)]))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepOrders:
+        self._expire_reservations()
+        preempted = scheduler_output.preempted_req_ids or set()
+        orders, self.orders = self.orders, StepOrders()
+        kept = []
+        for copy in orders.copies:
+            out = self.outgoing.get(copy.mig_id)
+            if copy.final_req_id is None and (out is None or out.req_id in preempted):
+                # Preempted blocks may be reused by this very step: copy them later.
+                if out is not None and copy.blocks:
+                    out.scheduled = min(out.scheduled, copy.blocks[0][0])
+                continue
+            kept.append(copy)
+        orders.copies = kept
+        return orders
+
+    def update_connector_output(self, progress: Any) -> None:
+        if not isinstance(progress, SendProgress):
+            return
+        for mig_id, acked in progress.acked.items():
+            if (out := self.outgoing.get(mig_id)) is not None:
+                out.acked = acked
+        for mig_id, error in progress.errors.items():
+            if (out := self.outgoing.get(mig_id)) is not None:
+                out.error = error
+                if out.state == "copying":
+                    out.state = "failed"
+        for mig_id in progress.committed:
+            if (out := self.outgoing.get(mig_id)) is not None and out.state == "stopped":
+                out.state = "failed_after_stop" if out.error else "done"
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        req_id = request.request_id
+        tag = (request.kv_transfer_params or {}).get(wire.TAG)
+        if tag and self.by_tag.get(str(tag)) == req_id:
+            del self.by_tag[str(tag)]
+        self.incoming.pop(req_id, None)
+        mig_id = self.mig_of_request.pop(req_id, None)
+        out = self.outgoing.get(mig_id) if mig_id else None
+        if out is None:
+            return False, None
+        if out.state != "stopping":
+            out.state = "source_finished"
+            return False, None
+        # Stop-and-copy: the rest, partial last block included. The blocks stay
+        # pinned (delay_free) until the worker reports them sent.
+        assert mig_id is not None
+        rest = [(i, block_ids[i]) for i in range(out.scheduled, len(block_ids))]
+        out.scheduled, out.state = len(block_ids), "stopped"
+        self.orders.copies.append(CopyOrder(mig_id, out.dest, rest, out.bandwidth, req_id))
+        return True, None
+
+    # -- control commands (engine thread, between steps) -----------------------------
+    def command(self, engine: Any, name: str, args: dict[str, Any]) -> dict[str, Any]:
+        self._expire_reservations()
+        handler = getattr(self, "cmd_" + name, None)
+        if handler is None:
+            return {"ok": False, "error": f"unknown shim command {name!r}"}
+        result: dict[str, Any] = handler(engine.scheduler, engine, **args)
+        return result
+
+    def cmd_info(self, scheduler: Scheduler, engine: Any) -> dict[str, Any]:
+        pool = self._pool()
+        return {
+            "ok": True,
+            "num_blocks": pool.num_gpu_blocks,
+            "free_blocks": pool.get_num_free_blocks(),
+            "reserved_blocks": sum(len(r.blocks) for r in self.reserved.values()),
+            "migrations_out": len(self.outgoing),
+        }
+
+    def cmd_reserve(
+        self, scheduler: Scheduler, engine: Any, mig_id: str, num_blocks: int, lease_s: float
+    ) -> dict[str, Any]:
+        pool = self._pool()
+        free = pool.get_num_free_blocks()
+        if num_blocks > free:
+            return {"ok": False, "error": f"needs {num_blocks} KV blocks, {free} are free"}
+        self._free_reservation(mig_id)
+        blocks = pool.get_new_blocks(num_blocks)
+        self.reserved[mig_id] = Reservation(blocks, time.monotonic() + lease_s)
+        return {"ok": True, "free_blocks": free - num_blocks}
+
+    def cmd_release(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
+        self._free_reservation(mig_id)
+        self.orders.drops.append(mig_id)
+        return {"ok": True}
+
+    def cmd_begin(
+        self,
+        scheduler: Scheduler,
+        engine: Any,
+        mig_id: str,
+        tag: str,
+        dest: str,
+        bandwidth: float,
+    ) -> dict[str, Any]:
+        from vllm.v1.request import RequestStatus
+
+        req_id = self.by_tag.get(tag)
+        request = scheduler.requests.get(req_id) if req_id else None
+        if request is None or request.is_finished():
+            return {"ok": False, "error": "no such running request", "running": False}
+        if request.status != RequestStatus.RUNNING or req_id in self.mig_of_request:
+            return {"ok": False, "error": f"request is {request.status}", "running": True}
+        self.outgoing[mig_id] = Outgoing(request.request_id, dest, bandwidth)
+        self.mig_of_request[request.request_id] = mig_id
+        return {"ok": True, "num_tokens": request.num_tokens}
+
+    def cmd_stage(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
+        """Order a copy of the blocks that filled since the last stage."""
+        from vllm.v1.request import RequestStatus
+
+        out = self.outgoing.get(mig_id)
+        if out is None or out.state != "copying":
+            return {"ok": False, **(out.report() if out else {"state": "unknown"})}
+        request = scheduler.requests[out.req_id]
+        if request.status != RequestStatus.RUNNING:  # preempted: its blocks are gone
+            return {"ok": True, "ordered": 0, "remaining": 0, **out.report()}
+        assert self.kv is not None
+        full = request.num_computed_tokens // self.block_size
+        ids = self.kv.get_block_ids(out.req_id)[0]
+        new = [(i, ids[i]) for i in range(out.scheduled, full)]
+        if new:
+            self.orders.copies.append(CopyOrder(mig_id, out.dest, new, out.bandwidth))
+            out.scheduled = full
+            out.stages += 1
+        return {"ok": True, "ordered": len(new), **out.report()}
+
+    def cmd_pending(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
+        """How many full blocks a stage would copy now."""
+        out = self.outgoing.get(mig_id)
+        if out is None:
+            return {"ok": False, "state": "unknown"}
+        request = scheduler.requests.get(out.req_id)
+        full = request.num_computed_tokens // self.block_size if request else out.scheduled
+        return {"ok": True, "pending": max(0, full - out.scheduled), **out.report()}
+
+    def cmd_stop(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
+        """Stop the request between steps; its last blocks go out in the next step."""
+        from vllm.v1.request import RequestStatus
+
+        out = self.outgoing.get(mig_id)
+        if out is None or out.state != "copying":
+            return {"ok": False, **(out.report() if out else {"state": "unknown"})}
+        request = scheduler.requests.get(out.req_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            return {"ok": False, "error": "request not running", **out.report()}
+        token_ids = list(request.all_token_ids)
+        computed = request.num_computed_tokens
+        out.state = "stopping"
+        aborted = scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_ABORTED)
+        engine._send_abort_outputs(aborted)
+        return {"ok": True, "token_ids": token_ids, "num_computed": computed, **out.report()}
+
+    def cmd_status(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
+        out = self.outgoing.get(mig_id)
+        return {"ok": out is not None, **(out.report() if out else {"state": "unknown"})}
+
+    def cmd_forget(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
+        """Drop a migration record; one still copying is rolled back (the request
+        simply runs on here)."""
+        out = self.outgoing.get(mig_id)
+        if out is not None and out.state != "stopped":  # stopped: the commit frees it
+            del self.outgoing[mig_id]
+            if self.mig_of_request.get(out.req_id) == mig_id:
+                del self.mig_of_request[out.req_id]
+        return {"ok": True}
+
+    # -- reservations -----------------------------------------------------------------
+    def _pool(self) -> Any:
+        assert self.kv is not None, "bind_kv_cache_manager was not called"
+        return self.kv.block_pool
+
+    def _free_reservation(self, mig_id: str) -> None:
+        reservation = self.reserved.pop(mig_id, None)
+        if reservation is not None:
+            self._pool().free_blocks(reservation.blocks)
+
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        for mig_id, reservation in list(self.reserved.items()):
+            if reservation.expires < now:
+                log.warning("migration %s: reservation unclaimed, freed", mig_id)
+                self._free_reservation(mig_id)
+                self.orders.drops.append(mig_id)
