@@ -76,7 +76,9 @@ class FerryConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous and whole before the forward
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # blocks are snapshotted once per step in wait_for_save
 
     def wait_for_save(self) -> None:

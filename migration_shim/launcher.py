@@ -45,8 +45,13 @@ def command(vllm_args: list[str], kv_port: int | None = None, host: str = "127.0
     if any(a.startswith("--kv-transfer-config") for a in vllm_args):
         raise SystemExit("ferry vllm: --kv-transfer-config is set by the shim; drop it")
     port = kv_port or _free_port(host)
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_args,
-            *shim_flags(port, host)]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *vllm_args,
+        *shim_flags(port, host),
+    ]
 
 
 def run(vllm_args: list[str], kv_port: int | None, host: str) -> int:

@@ -108,7 +108,9 @@ class MigrationScheduler:
         ids = blocks.get_block_ids()[0]
         first = incoming.local // self.block_size
         last = -(-incoming.num_tokens // self.block_size)
-        self.orders.loads.append(LoadOrder(incoming.mig_id, [(i, ids[i]) for i in range(first, last)]))
+        self.orders.loads.append(
+            LoadOrder(incoming.mig_id, [(i, ids[i]) for i in range(first, last)])
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepOrders:
         self._expire_reservations()
@@ -159,7 +161,8 @@ class MigrationScheduler:
         assert mig_id is not None
         rest = [(i, block_ids[i]) for i in range(out.scheduled, len(block_ids))]
         out.scheduled, out.state = len(block_ids), "stopped"
-        self.orders.copies.append(CopyOrder(mig_id, out.dest, rest, out.bandwidth, req_id))
+        # Unpaced: the request is stopped now, and the rest is at most a few blocks.
+        self.orders.copies.append(CopyOrder(mig_id, out.dest, rest, 0.0, req_id))
         return True, None
 
     # -- control commands (engine thread, between steps) -----------------------------

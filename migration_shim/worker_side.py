@@ -54,7 +54,9 @@ class MigrationWorker:
             lease_s=float(self.settings.get("lease_s", 60)),
             max_bytes=int(self.settings.get("staging_bytes", 1 << 30)),
         )
-        log.info("ferry shim: %d KV layers, receiving on %s", len(self.layers), self.receiver.address)
+        log.info(
+            "ferry shim: %d KV layers, receiving on %s", len(self.layers), self.receiver.address
+        )
 
     def layout(self) -> dict[str, Any]:
         first = self.layers[0]
@@ -72,7 +74,9 @@ class MigrationWorker:
         for copy in orders.copies:
             for index, block_id in copy.blocks:
                 payload = b"".join(t[block_id].numpy().tobytes() for t in self.layers)
-                self.sender.submit(BlockCopy(copy.mig_id, copy.dest, index, payload, copy.bandwidth))
+                self.sender.submit(
+                    BlockCopy(copy.mig_id, copy.dest, index, payload, copy.bandwidth)
+                )
             if copy.final_req_id is not None:
                 self.sender.submit(Commit(copy.mig_id, copy.final_req_id))
         for mig_id in orders.drops:
@@ -117,8 +121,10 @@ class MigrationWorker:
         if len(payload) != sum(sizes):
             return False
         start = 0
-        for tensor, size in zip(self.layers, sizes):
-            source = torch.frombuffer(payload, dtype=tensor.dtype, count=size // tensor.element_size(), offset=start)
+        for tensor, size in zip(self.layers, sizes, strict=True):
+            source = torch.frombuffer(
+                payload, dtype=tensor.dtype, count=size // tensor.element_size(), offset=start
+            )
             tensor[block_id].copy_(source.view(tensor[block_id].shape))
             start += size
         return True

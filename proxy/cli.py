@@ -183,13 +183,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         snap = r.get("snapshot") or {}
         free = r.get("freeness")
+        mode = r.get("migration", "off")
+        if r.get("migration_configured") == "full" and mode != "full":
+            mode += " (no shim)"  # configured full, but the instance runs no migration_shim
         table.append(
             [
                 r["name"],
                 r["url"],
                 "yes" if r["healthy"] else "NO",
                 "yes" if r["draining"] else "no",
-                r.get("migration", "off"),
+                mode,
                 str(r["inflight"]),
                 "-" if free is None else f"{free:.1f}",
                 str(snap.get("running", "-")),

@@ -38,6 +38,9 @@ class InstanceState:
     # measured at the last scrape and carried until the next one.
     external_blocks: float = 0.0
     external_requests: int = 0
+    # What migration_shim says of itself (GET /ferry/shim/info); None: no shim seen.
+    shim: dict[str, Any] | None = None
+    shim_error: str | None = None
 
     @property
     def name(self) -> str:
@@ -46,6 +49,12 @@ class InstanceState:
     @property
     def url(self) -> str:
         return self.config.url.rstrip("/")
+
+    @property
+    def migration_mode(self) -> str:
+        """The mode in effect: `full` needs the shim on the instance, else lite."""
+        mode = self.config.migration
+        return "lite" if mode == "full" and self.shim is None else mode
 
 
 class Cluster:

@@ -50,6 +50,10 @@ class SchedulerConfig:
     migration_max_concurrent: int = 2  # moves in flight at once (rebalancing)
     migration_source_below: float = 0.0  # freeness under which an instance sheds requests
     migration_dest_above: float = 4.0  # freeness a destination must have
+    # Full mode (instances running migration_shim): the paper's staged pre-copy.
+    migration_full_max_stages: int = 3  # pre-copy stages before the stop-and-copy
+    migration_full_last_stage_blocks: int = 1  # stop once at most this many blocks wait
+    migration_bandwidth_mb_s: float = 0.0  # pre-copy cap per migration; 0: unlimited
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +175,13 @@ def _check_scheduler(s: SchedulerConfig) -> None:
             "scheduler.rebalance_interval_s: must not be negative;"
             " scheduler.migration_max_concurrent: must be at least 1"
         )
+    if s.migration_full_max_stages < 0 or s.migration_full_last_stage_blocks < 0:
+        raise ConfigError(
+            "scheduler.migration_full_max_stages, scheduler.migration_full_last_stage_blocks:"
+            " must not be negative"
+        )
+    if s.migration_bandwidth_mb_s < 0:
+        raise ConfigError("scheduler.migration_bandwidth_mb_s: must not be negative (0: no cap)")
     if s.migration_max_resumes < 0:
         raise ConfigError("scheduler.migration_max_resumes: must not be negative")
     if s.high_priority_headroom_blocks < 0:

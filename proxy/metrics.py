@@ -92,7 +92,8 @@ class FerryMetrics:
         )
         self.migrations = Counter(
             "ferry_migrations",
-            "Lite-mode moves of running requests, by reason and outcome.",
+            "Cut-overs of running requests to another instance (lite or full), by reason"
+            " and outcome.",
             ["reason", "outcome"],
             registry=r,
         )
@@ -100,6 +101,17 @@ class FerryMetrics:
             "ferry_migration_downtime_seconds",
             "Gap in the client's stream at a cut-over: last token before to first after.",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_migrations = Counter(
+            "ferry_kv_migrations",
+            "Full-mode attempts (KV moved by migration_shim), by reason and outcome.",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.kv_migrated_blocks = Counter(
+            "ferry_kv_migrated_blocks",
+            "KV blocks full-mode migrations moved instead of recomputing.",
             registry=r,
         )
         self.non_migratable = Counter(

@@ -16,16 +16,19 @@ import json
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from migration_shim import wire
 from proxy import continuation, token_ids
 from proxy.cluster import Cluster
 from proxy.config import ServerConfig
 from proxy.errors import error_body, error_response
+from proxy.kv_migration import FullModeSettings, KVMigrator
 from proxy.ledger import LedgerEntry
 from proxy.metrics import FerryMetrics
 from proxy.policy import DispatchRequest, InstanceView, NoCandidate, Priority, dispatch
@@ -64,6 +67,7 @@ class Relay:
         *,
         max_resumes: int = 2,
         prewarm: bool = True,
+        full_mode: FullModeSettings | None = None,
     ) -> None:
         self.cluster = cluster
         self.policy = policy
@@ -74,6 +78,7 @@ class Relay:
         self.retry_after = str(server.retry_after_s)
         self.max_resumes = max_resumes
         self.prewarm = prewarm
+        self.kv_migrator = KVMigrator(cluster, session, metrics, full_mode or FullModeSettings())
         self.streams: dict[int, ResumableStream] = {}  # live, movable streams by id
         self.background: set[asyncio.Task[bool]] = set()  # moves started by the relay
         self.timeout = aiohttp.ClientTimeout(
@@ -103,7 +108,7 @@ class Relay:
             (
                 s
                 for s in self.streams_on(chosen.name)
-                if s.state.priority < Priority.HIGH and s.state.move_to is None
+                if s.state.priority < Priority.HIGH and s.movable
             ),
             key=lambda s: (s.state.priority, len(s.state.generated)),
         )
@@ -129,9 +134,14 @@ class Relay:
         return [s for s in self.streams.values() if s.instance == instance]
 
     async def move(self, stream: ResumableStream, destination: str, reason: str) -> bool:
-        """Move one live stream (`destination` ANYWHERE: the policy picks)."""
+        """Move one live stream (`destination` ANYWHERE: the policy picks): with its
+        KV where both ends run the shim (full mode), else by recompute (lite)."""
+        if not stream.movable:
+            return False
         if not destination:  # resolve now, so the destination can be pre-warmed
             destination = stream.destination(None, {stream.instance}) or ANYWHERE
+        if destination and self.kv_migrator.applies(stream, destination):
+            return await self.kv_migrator.move(stream, destination, reason)
         if self.prewarm and destination:
             await stream.prewarm(destination)
         return stream.move(destination, reason)
@@ -150,7 +160,8 @@ class Relay:
     ) -> web.StreamResponse:
         """Relay a request to the instance the policy picks. `body` is None for a
         pass-through call whose body Ferry does not read."""
-        send, wants_ids = (raw, True) if body is None else _prepare(body)
+        upstream_body, wants_ids = (None, True) if body is None else token_ids.upstream_body(body)
+        send = raw if upstream_body is None else dumps(upstream_body)
         stream = bool(body and body.get("stream"))
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         if request.content_type:
@@ -173,11 +184,17 @@ class Relay:
                     chosen, request_blocks(prompt_estimate, self.cluster.block_size(name))
                 )
             entry = self.cluster.ledger.add(name, model or "", priority, prompt_estimate, arrived)
+            data, tag = send, None
+            if stream and upstream_body and self.cluster.instances[name].migration_mode == "full":
+                # Full mode: the tag lets the instance's shim find this request later.
+                tag = uuid.uuid4().hex
+                params = {**upstream_body.get("kv_transfer_params", {}), wire.TAG: tag}
+                data = dumps({**upstream_body, "kv_transfer_params": params})
             try:
                 upstream = await self.session.request(
                     request.method,
                     self.cluster.instances[name].url + path,
-                    data=send,
+                    data=data,
                     headers=headers,
                     params=request.query,
                     timeout=self.timeout,
@@ -197,7 +214,7 @@ class Relay:
                     response, outcome = await self._whole(upstream, entry, wants_ids, body is None)
                     upstream.release()
                     return response
-                movable = self._movable(name, body, path, priority, wants_ids)
+                movable = self._movable(name, body, path, priority, wants_ids, tag)
                 if movable is not None:
                     live = ResumableStream(self, movable, entry, arrived)
                     response, outcome = await live.run(request, upstream)
@@ -230,6 +247,7 @@ class Relay:
         path: str,
         priority: Priority,
         wants_ids: bool,
+        tag: str | None,
     ) -> LiveState | None:
         """State for a resumable stream, or None where lite migration does not apply."""
         if body is None or self.cluster.instances[name].config.migration == "off":
@@ -243,7 +261,7 @@ class Relay:
             return None
         options = body.get("stream_options") or {}
         return LiveState(
-            body, endpoint, path, priority, wants_ids, bool(options.get("include_usage"))
+            body, endpoint, path, priority, wants_ids, bool(options.get("include_usage")), tag=tag
         )
 
     async def _whole(
@@ -351,11 +369,6 @@ class _TokenTiming:
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now
-
-
-def _prepare(body: dict[str, Any]) -> tuple[bytes, bool]:
-    send, wants = token_ids.upstream_body(body)
-    return dumps(send), wants
 
 
 def _upstream_failed(instance: str, exc: BaseException) -> web.Response:

@@ -71,7 +71,7 @@ class Rescheduler:
                     running=bool(s.state.generated),
                 )
                 for s in found
-                if s.state.move_to is None
+                if s.movable
             ]
             for n, found in streams.items()
         }

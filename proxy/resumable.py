@@ -17,12 +17,14 @@ import itertools
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
+from migration_shim import wire
 from proxy import continuation as cont
 from proxy import token_ids
 from proxy.errors import error_body
@@ -36,6 +38,7 @@ log = logging.getLogger("ferry.migration")
 
 _STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
 ANYWHERE = ""  # move() target meaning "wherever the policy says"
+STOPPED_WAIT_S = 30.0  # full mode: how long a stopped source waits for its cut-over
 _ids = itertools.count(1)
 
 
@@ -61,6 +64,8 @@ class LiveState:
     stopper: cont.StopAcrossJoin | None = None
     last_token_at: float | None = None
     downtime_from: float | None = None
+    tag: str | None = None  # full mode: how the source's shim finds this request
+    kv_load: dict[str, Any] | None = None  # full mode: KV waiting at the destination
 
 
 class ResumableStream:
@@ -74,6 +79,16 @@ class ResumableStream:
         self.role_sent = False  # chat: a restarted request must not repeat the role chunk
         self.pending = b""  # bytes read from the current upstream, not yet relayed
         self.move_requested = asyncio.Event()
+        # Full mode: the source's shim stops the request itself; its abort must
+        # not reach the client, and the stream must wait for the cut-over.
+        self.source_stopping = False
+        self.source_stopped = False
+
+    @property
+    def movable(self) -> bool:
+        """Not finished, and no move under way."""
+        state = self.state
+        return state.move_to is None and not state.finished and not self.source_stopping
 
     @property
     def instance(self) -> str:
@@ -106,12 +121,14 @@ class ResumableStream:
                     # The source keeps its request until the destination has taken over,
                     # so a destination that fails costs nothing: the source goes on.
                     moved = await self._continue(state.move_reason, response)
-                    if moved is None:
+                    if moved is not None:
+                        upstream.close()  # vLLM aborts the request on the source
+                        upstream = moved
+                        continue
+                    if not self.source_stopped:
                         log.warning("move of %s failed; it stays on %s", state.id, self.instance)
                         continue
-                    upstream.close()  # vLLM aborts the request on the source
-                    upstream = moved
-                    continue
+                    # The source's shim stopped it already: resume it like a broken stream.
                 upstream.close()
                 if state.segment > relay.max_resumes:
                     await self._fail(response, "too many resumes")
@@ -144,19 +161,29 @@ class ResumableStream:
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
-        if pump in done:
+        if pump in done and pump.result() != "stopped":
             return pump.result()
+        if pump in done:  # stopped by the shim: the cut-over is on its way
+            try:
+                await asyncio.wait_for(self.move_requested.wait(), STOPPED_WAIT_S)
+            except asyncio.TimeoutError:
+                return "broken"
         self.move_requested.clear()
         return "moved"
 
-    def move(self, destination: str, reason: str) -> bool:
-        """Ask this stream to continue elsewhere (ANYWHERE: the policy picks)."""
+    def move(self, destination: str, reason: str, *, load: dict[str, Any] | None = None) -> bool:
+        """Ask this stream to continue elsewhere (ANYWHERE: the policy picks).
+        `load`: full mode moved the KV there; the continuation loads it."""
         state = self.state
-        if state.move_to is not None or state.finished:
+        if state.move_to is not None or (state.finished and not self.source_stopped):
             return False
         state.move_to, state.move_reason = destination, reason
+        state.kv_load = None if load is None else {**load, "dest": destination}
         self.move_requested.set()
         return True
+
+    def expect_source_stop(self, expected: bool = True) -> None:
+        self.source_stopping = expected
 
     async def _pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> str:
         state = self.state
@@ -171,10 +198,12 @@ class ResumableStream:
                 while (cut := self.pending.find(b"\n\n")) >= 0:
                     event, self.pending = self.pending[:cut], self.pending[cut + 2 :]
                     out.extend(self._event(event))
-                    if state.finished:
+                    if state.finished or self.source_stopped:
                         break
                 if out:
                     await response.write(b"".join(out))
+                if self.source_stopped:
+                    return "stopped"
                 if state.finished:
                     return "done"
         except _STREAM_ERRORS:
@@ -196,6 +225,11 @@ class ResumableStream:
         if "error" in chunk:
             state.finished = True
             return [event + b"\n\n", b"data: [DONE]\n\n"]
+        if self.source_stopping and any(
+            c.get("finish_reason") == "abort" for c in chunk.get("choices") or ()
+        ):
+            self.source_stopped = True  # the shim stopped it for the cut-over
+            return []
         if state.segment == 0:
             return self._original(chunk, event)
         return self._continued(chunk)
@@ -351,6 +385,9 @@ class ResumableStream:
     ) -> aiohttp.ClientResponse | None:
         relay, state = self.relay, self.state
         url = relay.cluster.instances[dest].url
+        kv_params: dict[str, Any] = {}
+        if relay.cluster.instances[dest].migration_mode == "full":
+            kv_params[wire.TAG] = uuid.uuid4().hex
         if state.prompt_ids is None:
             # Nothing generated yet (queued, or broken before the first token): start
             # the original request over on the destination; the client sees no seam.
@@ -363,6 +400,19 @@ class ResumableStream:
                 state.body, state.prompt_ids, state.generated, wants_usage=state.wants_usage
             )
             tokens = len(state.prompt_ids) + len(state.generated)
+            load, state.kv_load = state.kv_load, None
+            if load is not None and load["dest"] == dest:
+                # The source had the KV of its tokens but the last; the destination
+                # computes at least that one itself.
+                kv_params[wire.LOAD] = {
+                    "mig_id": load["mig_id"],
+                    "num_tokens": min(load["num_tokens"], tokens - 1),
+                }
+        if kv_params:
+            body = {
+                **body,
+                "kv_transfer_params": {**body.get("kv_transfer_params", {}), **kv_params},
+            }
         entry = relay.cluster.ledger.add(
             dest, state.body["model"], state.priority, tokens, time.monotonic()
         )
@@ -386,6 +436,8 @@ class ResumableStream:
         relay.cluster.ledger.release(self.entry)
         self.entry = entry
         self.pending = b""
+        state.tag = kv_params.get(wire.TAG)
+        self.source_stopping = self.source_stopped = False
         if state.prompt_ids is None:
             return upstream  # a fresh start: its chunks are the original kind
         state.segment += 1

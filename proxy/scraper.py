@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
 from adapters import MetricsParseError
 from adapters.vllm import METRICS_PATH, parse_metrics
+from migration_shim import wire
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
 
@@ -78,12 +80,33 @@ class Scraper:
         self.cluster.record_models(name, cards)
         return True
 
+    async def refresh_shim(self, name: str) -> None:
+        """Full mode needs migration_shim on the instance: ask it, and say why not."""
+        state = self.cluster.instances[name]
+        info: Any = None
+        try:
+            async with self.session.get(state.url + wire.INFO, timeout=self.timeout) as resp:
+                if resp.status == 200:
+                    info = await resp.json()
+                why = f"GET {wire.INFO}: HTTP {resp.status} (shim not loaded)"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            why = _describe(exc)
+        if isinstance(info, dict) and info.get("shim_version") == wire.SHIM_VERSION:
+            state.shim, state.shim_error = info, None
+        else:
+            if isinstance(info, dict):
+                why = f"shim version {info.get('shim_version')}, need {wire.SHIM_VERSION}"
+            state.shim, state.shim_error = None, why
+
     async def _run(self, name: str) -> None:
         next_models = 0.0
+        full = self.cluster.instances[name].config.migration == "full"
         while True:
             started = self.clock()
             if started >= next_models and await self.refresh_models(name):
                 next_models = started + self.models_refresh_s
+                if full:
+                    await self.refresh_shim(name)
             await self.scrape_once(name)
             elapsed = self.clock() - started
             await asyncio.sleep(max(0.0, self.interval_s - elapsed))

@@ -22,6 +22,7 @@ from proxy import admin, openai_request
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig
 from proxy.errors import error_response, openai_errors
+from proxy.kv_migration import FullModeSettings
 from proxy.metrics import FerryMetrics
 from proxy.policy import Priority, UsageSettings, make_policy
 from proxy.policy.migration import MigrationSettings
@@ -66,6 +67,11 @@ def build_app(config: FerryConfig) -> web.Application:
                 random.Random(sched.seed),
                 max_resumes=sched.migration_max_resumes,
                 prewarm=sched.migration_prewarm,
+                full_mode=FullModeSettings(
+                    max_stages=sched.migration_full_max_stages,
+                    last_stage_blocks=sched.migration_full_last_stage_blocks,
+                    bandwidth_mb_s=sched.migration_bandwidth_mb_s,
+                ),
             )
             scraper = Scraper(
                 cluster,
