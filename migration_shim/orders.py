@@ -41,6 +41,7 @@ class StepOrders(KVConnectorMetadata):
     copies: list[CopyOrder] = field(default_factory=list)
     loads: list[LoadOrder] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # migrations whose staged blocks to drop
+    cancels: list[str] = field(default_factory=list)  # migrations whose queued sends to drop
 
 
 @dataclass

@@ -278,6 +278,8 @@ class MigrationScheduler:
         out = self.outgoing.get(mig_id)
         if out is not None and out.state != "stopped":  # stopped: the commit frees it
             del self.outgoing[mig_id]
+            if out.state != "done":
+                self.orders.cancels.append(mig_id)
             if self.mig_of_request.get(out.req_id) == mig_id:
                 del self.mig_of_request[out.req_id]
         return {"ok": True}

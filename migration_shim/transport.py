@@ -68,6 +68,11 @@ class BlockSender:
     def submit(self, job: BlockCopy | Commit) -> None:
         self._jobs.put(job)
 
+    def cancel(self, mig_id: str) -> None:
+        """Send nothing more of a migration that was rolled back or ended."""
+        with self._lock:
+            self._failed.setdefault(mig_id, "cancelled")
+
     def take_progress(self) -> SenderProgress:
         """What changed since the last call (called once per engine step)."""
         with self._lock:
@@ -85,9 +90,10 @@ class BlockSender:
                     self._failed.pop(job.mig_id, None)
                 continue
             if job.mig_id in self._failed:
-                continue  # a migration whose channel broke sends nothing more
+                continue  # cancelled, or its channel broke: it sends nothing more
             try:
-                self._pace(len(job.payload), job.bandwidth)
+                if not self._pace(job):
+                    continue
                 self._send(job)
             except (OSError, ConnectionError, ValueError) as exc:
                 self._drop_socket(job.dest)
@@ -101,14 +107,18 @@ class BlockSender:
                 self._acked[job.mig_id] += 1
                 self._progress.acked[job.mig_id] = self._acked[job.mig_id]
 
-    def _pace(self, size: int, bandwidth: float) -> None:
-        if bandwidth <= 0:
-            return
-        now = time.monotonic()
-        start = max(now, self._next_send_at)
-        self._next_send_at = start + size / bandwidth
-        if start > now:
-            time.sleep(start - now)
+    def _pace(self, job: BlockCopy) -> bool:
+        """Wait for the job's turn under its bandwidth cap; False if it was cancelled."""
+        if job.bandwidth <= 0:
+            return True
+        start = max(time.monotonic(), self._next_send_at)
+        self._next_send_at = start + len(job.payload) / job.bandwidth
+        while (wait := start - time.monotonic()) > 0:
+            time.sleep(min(wait, 0.05))
+            if job.mig_id in self._failed:
+                self._next_send_at = time.monotonic()
+                return False
+        return True
 
     def _send(self, job: BlockCopy) -> None:
         sock = self._socket(job.dest)

@@ -81,6 +81,8 @@ class MigrationWorker:
                 self.sender.submit(Commit(copy.mig_id, copy.final_req_id))
         for mig_id in orders.drops:
             self.receiver.drop(mig_id)
+        for mig_id in orders.cancels:
+            self.sender.cancel(mig_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         """Requests whose stop-and-copy is through: vLLM may free their blocks now."""

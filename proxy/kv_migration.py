@@ -106,6 +106,7 @@ class KVMigrator:
             assert result is not None
             self._count(reason, "ok")
             self.metrics.kv_migrated_blocks.inc(int(result.get("blocks", 0)))
+            self.metrics.kv_precopy_stages.inc(int(result.get("stages", 0)))
             log.info(
                 "request %s: KV moved %s -> %s (%s): %s blocks in %s stages, stop-and-copy %.1f ms",
                 state.id,

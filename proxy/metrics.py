@@ -114,6 +114,11 @@ class FerryMetrics:
             "KV blocks full-mode migrations moved instead of recomputing.",
             registry=r,
         )
+        self.kv_precopy_stages = Counter(
+            "ferry_kv_precopy_stages",
+            "Pre-copy stages of successful full-mode migrations (before the stop-and-copy).",
+            registry=r,
+        )
         self.non_migratable = Counter(
             "ferry_non_migratable_requests",
             "Streams on migration-enabled instances that cannot move exactly, by reason.",

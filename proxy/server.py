@@ -127,6 +127,8 @@ def _migrate_off(app: web.Application, name: str) -> int:
 
 async def _first_look(scraper: Scraper, name: str) -> None:
     await scraper.refresh_models(name)
+    if scraper.cluster.instances[name].config.migration == "full":
+        await scraper.refresh_shim(name)
     await scraper.scrape_once(name)
 
 

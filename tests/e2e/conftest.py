@@ -34,7 +34,10 @@ def vllm_pair(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[VLLMServer]]:
     logs = tmp_path_factory.mktemp("vllm-logs")
-    servers = [start_vllm(tiny_model, free_port(), logs) for _ in range(2)]
+    # With migration_shim on: full-mode tests need it, and lite mode ignores it.
+    servers = [
+        start_vllm(tiny_model, free_port(), logs, shim_kv_port=free_port()) for _ in range(2)
+    ]
     try:
         wait_ready(servers)
         yield servers
@@ -46,7 +49,7 @@ def vllm_pair(
 @pytest.fixture
 def doomed(tiny_model: Path, tmp_path: Path) -> Iterator[VLLMServer]:
     """A third server, for tests that kill one."""
-    server = start_vllm(tiny_model, free_port(), tmp_path)
+    server = start_vllm(tiny_model, free_port(), tmp_path, shim_kv_port=free_port())
     try:
         wait_ready([server])
         yield server

@@ -24,7 +24,11 @@ def api(url: str) -> openai.OpenAI:
 
 
 def stream_ids(
-    client: openai.OpenAI, chat: bool, max_tokens: int, on_chunk: Callable[[int], None] = print
+    client: openai.OpenAI,
+    chat: bool,
+    max_tokens: int,
+    on_chunk: Callable[[int], None] = print,
+    prompt: str = PROMPT,
 ) -> tuple[list[int], str, Any]:
     """Stream one greedy request; return (token ids, text, last chunk)."""
     common: dict[str, Any] = {
@@ -35,9 +39,10 @@ def stream_ids(
         "extra_body": {"ignore_eos": True, "return_token_ids": True},
     }
     if chat:
-        stream: Any = client.chat.completions.create(messages=CHAT, **common)
+        messages = CHAT if prompt == PROMPT else [{"role": "user", "content": prompt}]
+        stream: Any = client.chat.completions.create(messages=messages, **common)
     else:
-        stream = client.completions.create(prompt=PROMPT, **common)
+        stream = client.completions.create(prompt=prompt, **common)
     ids: list[int] = []
     text, last = "", None
     for chunk in stream:

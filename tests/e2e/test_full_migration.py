@@ -1,0 +1,254 @@
+"""Full-mode migration on real vLLM CPU servers running migration_shim.
+
+The servers of `vllm_pair` (and `doomed`) run with the shim on. A moved stream
+must be token-exact, the destination must load the KV instead of computing it,
+and every failure (destination killed, destination full, the request ending or
+the client leaving during the copy) must lose no request and leak no block.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from loadtest.vllm_servers import VLLMServer
+from migration_shim import wire
+from tests.e2e.test_migration import AUTH, PROMPT, TOKEN, api, metric, once_at, post, stream_ids
+from tests.helpers import wait_until
+
+SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="%s"}'
+BLOCK = 128
+
+
+def by_source(server: VLLMServer) -> dict[str, float]:
+    kinds = ("local_compute", "local_cache_hit", "external_kv_transfer")
+    return {k: metric(server.url, SOURCE % k) for k in kinds}
+
+
+def shim_info(server: VLLMServer) -> dict[str, Any]:
+    with urllib.request.urlopen(server.url + wire.INFO, timeout=5) as resp:
+        info: dict[str, Any] = json.load(resp)
+    return info
+
+
+def assert_idle(*servers: VLLMServer) -> None:
+    """No leaked blocks: nothing reserved, nothing held, KV usage back to 0."""
+
+    def idle() -> bool:
+        for server in servers:
+            info = shim_info(server)
+            usage = metric(server.url, 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"}')
+            if info["reserved_blocks"] or info["migrations_out"] or usage != 0.0:
+                return False
+            if info["free_blocks"] != info["num_blocks"] - 1:  # vLLM keeps one null block
+                return False
+        return True
+
+    wait_until(idle, timeout=30, poll=0.2)
+
+
+def shim_post(server: VLLMServer, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        server.url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.load(exc)
+
+
+@pytest.fixture
+def full(ferry: Any) -> Callable[..., Any]:
+    def make(servers: list[VLLMServer], **scheduler: Any) -> Any:
+        proxy = ferry(
+            [s.url for s in servers],
+            instances_migration="full",
+            scheduler={"migration_prewarm": False, **scheduler},
+            admin_token=TOKEN,
+        )
+        for name in ("i0", "i1"):
+            assert proxy.cluster.instances[name].migration_mode == "full"
+        return proxy
+
+    return make
+
+
+def drain_source(proxy: Any) -> Callable[[], None]:
+    def drain() -> None:
+        source = next(name for name in ("i0", "i1") if proxy.view(name).inflight)
+        post(f"{proxy.url}/admin/instances/{source}/drain?migrate=true")
+
+    return drain
+
+
+def on_i0_then(proxy: Any, tokens: int, action: Callable[[], None]) -> Callable[[int], None]:
+    """Start the stream on i0 (i1 drained until its first token), then run
+    `action` once `tokens` have streamed."""
+    post(f"{proxy.url}/admin/instances/i1/drain")
+    first = once_at(1, lambda: post(f"{proxy.url}/admin/instances/i1/undrain"))
+    later = once_at(tokens, action)
+
+    def on_chunk(n: int) -> None:
+        first(n)
+        later(n)
+
+    return on_chunk
+
+
+def undrain(proxy: Any) -> None:
+    for name in ("i0", "i1"):
+        post(f"{proxy.url}/admin/instances/{name}/undrain")
+
+
+def kv_outcome(proxy: Any, outcome: str, reason: str = "drain") -> float:
+    return metric(proxy.url, f'ferry_kv_migrations_total{{outcome="{outcome}",reason="{reason}"}}')
+
+
+@pytest.mark.parametrize(
+    ("chat", "max_tokens", "cut"),
+    [(False, 300, 100), (False, 800, 520), (True, 300, 150)],
+    ids=["short", "long", "chat"],
+)
+def test_full_move_is_token_exact_and_loads_the_kv(
+    full: Any, vllm_pair: list[VLLMServer], chat: bool, max_tokens: int, cut: int
+) -> None:
+    a, b = vllm_pair
+    proxy = full(vllm_pair)
+    # A prompt b has never seen: nothing of it can come from b's prefix cache.
+    prompt = f"{PROMPT} {uuid.uuid4().hex}"
+    reference, ref_text, _ = stream_ids(api(a.url), chat, max_tokens, lambda n: None, prompt)
+    before = by_source(b)
+    ids, text, last = stream_ids(
+        api(proxy.url), chat, max_tokens, on_i0_then(proxy, cut, drain_source(proxy)), prompt
+    )
+    undrain(proxy)
+    assert ids == reference and text == ref_text
+    assert last.choices[0].finish_reason == "length"
+    assert kv_outcome(proxy, "ok") == 1
+    assert metric(proxy.url, "ferry_kv_migrated_blocks_total") >= 1
+    # b got P + G as its prompt and computed only the last token: the KV of all
+    # the others was moved, not recomputed.
+    gained = {k: v - before[k] for k, v in by_source(b).items()}
+    assert gained["local_compute"] == 1
+    assert gained["local_cache_hit"] == 0
+    assert gained["external_kv_transfer"] >= cut
+    assert_idle(*vllm_pair)
+
+
+def test_precopy_runs_in_several_stages(full: Any, vllm_pair: list[VLLMServer]) -> None:
+    # A slow channel: new blocks fill while a stage is on the wire.
+    proxy = full(
+        vllm_pair,
+        migration_bandwidth_mb_s=0.4,
+        migration_full_last_stage_blocks=0,
+        migration_full_max_stages=4,
+    )
+    reference, _, _ = stream_ids(api(proxy.url), False, 850, on_chunk=lambda n: None)
+    ids, _, _ = stream_ids(api(proxy.url), False, 850, on_chunk=once_at(400, drain_source(proxy)))
+    undrain(proxy)
+    assert ids == reference
+    assert kv_outcome(proxy, "ok") == 1
+    assert metric(proxy.url, "ferry_kv_precopy_stages_total") >= 2
+    assert_idle(*vllm_pair)
+
+
+def test_destination_killed_mid_copy_rolls_back(
+    full: Any, vllm_pair: list[VLLMServer], doomed: VLLMServer
+) -> None:
+    proxy = full([vllm_pair[0], doomed], migration_bandwidth_mb_s=0.1)
+    reference, _, _ = stream_ids(api(vllm_pair[0].url), False, 700, on_chunk=lambda n: None)
+
+    def drain_then_kill() -> None:
+        post(f"{proxy.url}/admin/instances/i0/drain?migrate=true")
+        threading.Timer(0.5, doomed.kill).start()
+
+    ids, _, last = stream_ids(
+        api(proxy.url), False, 700, on_chunk=on_i0_then(proxy, 300, drain_then_kill)
+    )
+    assert ids == reference and last.choices[0].finish_reason == "length"
+    wait_until(lambda: kv_outcome(proxy, "rolled_back") == 1, timeout=30)
+    post(f"{proxy.url}/admin/instances/i0/undrain")
+    assert_idle(vllm_pair[0])
+
+
+def test_destination_out_of_blocks_refuses_and_the_request_stays(
+    full: Any, vllm_pair: list[VLLMServer]
+) -> None:
+    a, b = vllm_pair
+    proxy = full([a, b])
+    # Take every free block of b, as a burst of other work would.
+    free = shim_info(b)["free_blocks"]
+    status, answer = shim_post(b, wire.RESERVE, {"mig_id": "hog", "num_blocks": free + 1})
+    assert status == 409 and "error" in answer  # the OpenAI error shape
+    status, _ = shim_post(b, wire.RESERVE, {"mig_id": "hog", "num_blocks": free, "lease_s": 120})
+    assert status == 200
+    try:
+        reference, _, _ = stream_ids(api(a.url), False, 400, on_chunk=lambda n: None)
+        ids, _, _ = stream_ids(
+            api(proxy.url), False, 400, on_chunk=on_i0_then(proxy, 150, drain_source(proxy))
+        )
+        assert ids == reference
+        assert kv_outcome(proxy, "destination_full") == 1
+    finally:
+        shim_post(b, wire.RELEASE, {"mig_id": "hog"})
+        undrain(proxy)
+    assert_idle(a, b)
+
+
+def test_request_finishing_during_the_copy(full: Any, vllm_pair: list[VLLMServer]) -> None:
+    # At 0.05 MB/s one block takes 5 s; the request has 0.4 s of decoding left.
+    proxy = full(vllm_pair, migration_bandwidth_mb_s=0.05)
+    reference, _, _ = stream_ids(api(proxy.url), False, 330, on_chunk=lambda n: None)
+    ids, _, last = stream_ids(
+        api(proxy.url), False, 330, on_chunk=once_at(270, drain_source(proxy))
+    )
+    assert ids == reference and last.choices[0].finish_reason == "length"
+    wait_until(lambda: kv_outcome(proxy, "source_finished") == 1, timeout=30)
+    undrain(proxy)
+    assert_idle(*vllm_pair)
+
+
+def test_client_disconnect_during_the_copy(full: Any, vllm_pair: list[VLLMServer]) -> None:
+    proxy = full(vllm_pair, migration_bandwidth_mb_s=0.05)
+    client = api(proxy.url)
+    stream = client.completions.create(
+        model="tiny",
+        prompt="The client will leave before this migration ends",
+        max_tokens=800,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = 0
+    for _ in stream:
+        seen += 1
+        if seen == 300:
+            drain_source(proxy)()
+        if seen == 320:
+            break
+    time.sleep(0.3)  # the copy is under way (one block takes 5 s at this rate)
+    stream.close()
+    wait_until(lambda: kv_outcome(proxy, "source_finished") == 1, timeout=30)
+    undrain(proxy)
+    assert_idle(*vllm_pair)
+
+
+def test_status_names_the_mode_in_effect(full: Any, vllm_pair: list[VLLMServer]) -> None:
+    proxy = full(vllm_pair)
+    request = urllib.request.Request(proxy.url + "/admin/instances", headers=AUTH)
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        rows = json.load(resp)
+    assert {r["migration"] for r in rows} == {"full"}
+    assert all(r["shim"]["block_size"] == BLOCK for r in rows)
