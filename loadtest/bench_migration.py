@@ -1,10 +1,15 @@
-"""Lite-migration downtime: the gap in the client's stream at the cut-over.
+"""Migration downtime against sequence length, every way Ferry can move a request.
 
-Two real vLLM CPU servers (one per core, float32 tiny model, max length 2048)
-behind Ferry with `migration: lite`. For each prompt length, a greedy stream
-starts; after 16 tokens its instance is drained with `migrate=true`; the client
-records the longest gap between two tokens after the drain call, next to the
-stream's median inter-token gap. Runs with and without pre-warm, side by side.
+Two real vLLM CPU servers with migration_shim (one per core, float32 tiny model,
+max length 2048) behind Ferry, run once per way of moving:
+- lite: recompute P + G on the destination;
+- lite + pre-warm: the destination's prefix cache is filled first;
+- full, stop-and-copy: the KV moves in one stage after the source stops;
+- full, pre-copy: the KV moves in stages while the source decodes, then the rest.
+For each prompt length a greedy stream starts; after 16 tokens its instance is
+drained with `migrate=true`. The client records the downtime (the longest gap
+between two tokens after the drain call), the total migration time (from the
+drain call to the end of that gap) and the stream's median inter-token gap.
 
     python -m loadtest.bench_migration [--lengths 128,512,1024,1900] [--trials 3]
 """
@@ -36,13 +41,24 @@ AFTER = 64  # tokens generated after the prompt
 _fresh = random.Random(0)
 
 
-def ferry_yaml(urls: list[str], port: int, prewarm: bool) -> str:
+# name -> (instance migration mode, pre-warm, pre-copy stages)
+WAYS = {
+    "lite": ("lite", False, 0),
+    "lite+prewarm": ("lite", True, 0),
+    "full stop&copy": ("full", False, 0),
+    "full pre-copy": ("full", False, 3),
+}
+
+
+def ferry_yaml(urls: list[str], port: int, way: str) -> str:
+    mode, prewarm, stages = WAYS[way]
     lines = ["instances:"]
     for i, url in enumerate(urls):
-        lines += [f"  - name: v{i}", f"    url: {url}", "    migration: lite"]
+        lines += [f"  - name: v{i}", f"    url: {url}", f"    migration: {mode}"]
     lines += [
         "scheduler:",
         f"  migration_prewarm: {str(prewarm).lower()}",
+        f"  migration_full_max_stages: {stages}",
         "  seed: 1",
         "server:",
         f"  port: {port}",
@@ -62,8 +78,9 @@ def admin(url: str, path: str, method: str = "GET") -> bytes:
         return resp.read()
 
 
-def one_move(url: str, length: int) -> tuple[float, float]:
-    """(cut-over gap, median gap before it) in seconds for one moved stream.
+def one_move(url: str, length: int) -> tuple[float, float, float]:
+    """(cut-over gap, total migration time, median gap before the drain) in
+    seconds for one moved stream.
 
     Gaps are between chunks that carry tokens (counted by id: a slow reader may
     get two tokens in one chunk)."""
@@ -73,6 +90,7 @@ def one_move(url: str, length: int) -> tuple[float, float]:
     stamps: list[float] = []
     tokens = 0
     drained_at = 0
+    drain_called = 0.0
     source = None
     stream = client.completions.create(
         model="tiny",
@@ -92,12 +110,16 @@ def one_move(url: str, length: int) -> tuple[float, float]:
             rows = json.loads(admin(url, "/admin/instances"))
             source = next(r["name"] for r in rows if r["inflight"])
             drained_at = len(stamps)
+            drain_called = time.perf_counter()
             admin(url, f"/admin/instances/{source}/drain?migrate=true", "POST")
     client.close()
     assert source is not None and tokens == AFTER, tokens
     admin(url, f"/admin/instances/{source}/undrain", "POST")
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return max(gaps[drained_at - 1 :]), statistics.median(gaps[: drained_at - 1])
+    after = gaps[drained_at - 1 :]
+    worst = max(range(len(after)), key=after.__getitem__)
+    resumed_at = stamps[drained_at + worst]  # the first token after the longest gap
+    return after[worst], resumed_at - drain_called, statistics.median(gaps[: drained_at - 1])
 
 
 def main() -> int:
@@ -118,16 +140,17 @@ def main() -> int:
             kv_cache_bytes=64_000_000,
             max_model_len=MAX_LEN,
             cpus=str(i),
+            shim_kv_port=free_port(),
         )
         for i in range(2)
     ]
-    results: dict[bool, dict[int, tuple[float, float]]] = {}
+    results: dict[str, dict[int, tuple[float, float, float]]] = {}
     try:
         wait_ready(servers)
-        for prewarm in (False, True):
+        for way in WAYS:
             port = free_port()
             with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-                f.write(ferry_yaml([s.url for s in servers], port, prewarm))
+                f.write(ferry_yaml([s.url for s in servers], port, way))
             load_config(f.name)  # fail early on a bad file
             proc = subprocess.Popen(
                 [
@@ -145,16 +168,16 @@ def main() -> int:
             try:
                 wait_healthy(url)
                 one_move(url, 64)  # warm-up
-                results[prewarm] = {}
+                results[way] = {}
                 for length in lengths:
                     runs = [one_move(url, length) for _ in range(args.trials)]
-                    results[prewarm][length] = (
+                    results[way][length] = (
                         statistics.median(r[0] for r in runs),
                         statistics.median(r[1] for r in runs),
+                        statistics.median(r[2] for r in runs),
                     )
                     print(
-                        f"  prewarm={prewarm} length={length}: gap "
-                        f"{1e3 * results[prewarm][length][0]:.1f} ms",
+                        f"  {way} length={length}: gap {1e3 * results[way][length][0]:.1f} ms",
                         file=sys.stderr,
                     )
             finally:
@@ -163,19 +186,27 @@ def main() -> int:
     finally:
         for s in servers:
             s.stop()
-    print(f"\nlite migration downtime (median of {args.trials}), tiny model on vLLM CPU:")
-    print(f"{'prompt':>7} {'normal ITL':>11} {'no pre-warm':>12} {'pre-warm':>10} {'ratio':>7}")
-    for length in lengths:
-        cold, itl = results[False][length]
-        warm, _ = results[True][length]
-        print(
-            f"{length:>7} {1e3 * itl:>9.1f}ms {1e3 * cold:>10.1f}ms {1e3 * warm:>8.1f}ms"
-            f" {cold / warm:>6.2f}x"
-        )
-    warm_first, warm_last = results[True][lengths[0]][0], results[True][lengths[-1]][0]
     print(
-        f"\nwith pre-warm, longest / shortest downtime: {warm_last / warm_first:.2f}x"
-        " (target: within 2x)"
+        f"\nmigration downtime / total migration time, ms (median of {args.trials}),"
+        " tiny model on vLLM CPU:"
+    )
+    print(f"{'prompt':>7} {'ITL':>6} " + " ".join(f"{w:>18}" for w in WAYS))
+    for length in lengths:
+        itl = results["lite"][length][2]
+        cells = [
+            f"{1e3 * results[w][length][0]:>7.1f} / {1e3 * results[w][length][1]:>7.1f}"
+            for w in WAYS
+        ]
+        print(f"{length:>7} {1e3 * itl:>6.1f} " + " ".join(f"{c:>18}" for c in cells))
+    for way in WAYS:
+        gaps = [results[way][n][0] for n in lengths]
+        print(f"{way}: longest / shortest downtime {max(gaps) / min(gaps):.2f}x")
+    itl = statistics.median(results[w][n][2] for w in WAYS for n in lengths)
+    full = max(results["full pre-copy"][n][0] for n in lengths)
+    lite = [results["lite"][n][0] / results["full pre-copy"][n][0] for n in lengths]
+    print(
+        f"full pre-copy: worst downtime {full / itl:.1f} decode steps (target: below 2);"
+        f" lite / full downtime {min(lite):.2f}x to {max(lite):.2f}x"
     )
     return 0
 
