@@ -1,11 +1,12 @@
-"""Real cluster effect: Ferry (with and without lite migration) vs vllm-router.
+"""Real cluster effect: Ferry (without migration, lite, full) vs vllm-router.
 
 Two real vLLM CPU servers (one per core, tight KV caches: 4 MB = 15 blocks of
 128 tokens each) take one bursty, heavy-tailed trace (Gamma arrivals, CV 3,
-lognormal lengths) four times: through vllm-router with `round_robin` and with
+lognormal lengths) five times: through vllm-router with `round_robin` and with
 `power_of_two` (its best is taken), through Ferry `llumnix` without migration,
-and through Ferry `llumnix` with lite migration and rebalancing. Same trace, same
-servers, one run; P99 TTFT and decode printed side by side, as ratios.
+and through Ferry `llumnix` with rebalancing by lite migration and by full
+(migration_shim) migration. Same trace, same servers (shim on), one run; P99
+TTFT and decode printed side by side, as ratios.
 
     python -m loadtest.bench_cluster [--requests 80] [--rate 3] [--seed 1]
 """
@@ -30,15 +31,21 @@ from loadtest.trace import TraceSpec, generate
 from loadtest.vllm_servers import start_vllm, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
+KINDS = (
+    "vllm-router:round_robin",
+    "vllm-router:power_of_two",
+    "ferry",
+    "ferry+lite",
+    "ferry+full",
+)
 
 
-def ferry_config(urls: list[str], port: int, migration: bool) -> str:
+def ferry_config(urls: list[str], port: int, migration: str) -> str:
     lines = ["instances:"]
     for i, url in enumerate(urls):
-        mode = "lite" if migration else '"off"'
-        lines += [f"  - name: v{i}", f"    url: {url}", f"    migration: {mode}"]
+        lines += [f"  - name: v{i}", f"    url: {url}", f'    migration: "{migration}"']
     lines += ["scheduler:", "  policy: llumnix", "  seed: 1"]
-    if migration:
+    if migration != "off":
         lines += ["  rebalance_interval_s: 0.2"]
     lines += ["server:", f"  port: {port}"]
     return "\n".join(lines) + "\n"
@@ -62,7 +69,7 @@ def start(kind: str, urls: list[str], port: int) -> subprocess.Popen[bytes]:
         ]
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(ferry_config(urls, port, migration=kind == "ferry+lite"))
+        f.write(ferry_config(urls, port, migration=kind.partition("+")[2] or "off"))
     return subprocess.Popen(
         [py, "-m", "proxy.cli", "serve", "--config", f.name, "--log-level", "WARNING"]
     )
@@ -90,13 +97,16 @@ def main() -> int:
     )
     model = build(ROOT / ".ferry" / "tiny-llama")
     servers = [
-        start_vllm(model, free_port(), ROOT / ".ferry" / "logs", cpus=str(i)) for i in range(2)
+        start_vllm(
+            model, free_port(), ROOT / ".ferry" / "logs", cpus=str(i), shim_kv_port=free_port()
+        )
+        for i in range(2)
     ]
     results: dict[str, dict[str, Any]] = {}
     try:
         wait_ready(servers)
         urls = [s.url for s in servers]
-        for kind in ("vllm-router:round_robin", "vllm-router:power_of_two", "ferry", "ferry+lite"):
+        for kind in KINDS:
             port = free_port()
             proc = start(kind, urls, port)
             try:
@@ -125,7 +135,7 @@ def main() -> int:
         ("vllm-router:round_robin", "vllm-router:power_of_two"),
         key=lambda k: results[k]["ttft_p99"],
     )
-    for kind in ("ferry", "ferry+lite"):
+    for kind in KINDS[2:]:
         ttft = results[best]["ttft_p99"] / results[kind]["ttft_p99"]
         decode = results[best]["decode_p99"] / results[kind]["decode_p99"]
         print(f"{kind} vs {best}: P99 TTFT {ttft:.2f}x lower, P99 decode {decode:.2f}x lower")

@@ -270,3 +270,17 @@ def test_models_health_metrics_and_passthrough(standins: Any, ferry: Any) -> Non
     ):
         assert name in text, name
     assert 'ferry_requests_total{instance="i1",outcome="ok"} 1.0' in text
+
+
+def test_full_mode_without_the_shim_runs_lite_and_says_why(standins: Any, ferry: Any) -> None:
+    from proxy.cli import format_table
+
+    [(_, site)] = standins(1)  # a stand-in server (not vLLM) has no migration_shim
+    proxy = ferry([site.url], admin_token="sekret", instances_migration="full")
+    assert proxy.cluster.instances["i0"].migration_mode == "lite"
+    status, rows, _ = get(proxy.url + "/admin/instances", {"Authorization": "Bearer sekret"})
+    assert status == 200
+    row = rows[0]
+    assert row["migration"] == "lite" and row["migration_configured"] == "full"
+    assert row["shim"] is None and "shim not loaded" in row["shim_error"]
+    assert "lite (no shim)" in format_table(rows)

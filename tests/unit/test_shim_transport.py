@@ -1,0 +1,120 @@
+"""The shim's block channel (plain sockets and threads; no vLLM needed)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from migration_shim import wire
+from migration_shim.transport import BlockCopy, BlockReceiver, BlockSender, Commit
+from tests.helpers import free_port, wait_until
+
+LAYOUT = {"model": "m", "block_size": 128, "dtype": "float32", "shapes": [[2, 128, 8]], "isa": "x"}
+
+
+def receiver(**options: object) -> BlockReceiver:
+    settings = {"lease_s": 60.0, "max_bytes": 1 << 24, **options}
+    return BlockReceiver("127.0.0.1", free_port(), LAYOUT, **settings)  # type: ignore[arg-type]
+
+
+def collect(sender: BlockSender, until: object, timeout: float = 10) -> dict[str, object]:
+    """Progress gathered until `until(progress)` holds."""
+    seen: dict[str, object] = {"acked": {}, "errors": {}, "committed": set(), "finished": set()}
+
+    def step() -> bool:
+        p = sender.take_progress()
+        seen["acked"].update(p.acked)  # type: ignore[attr-defined]
+        seen["errors"].update(p.errors)  # type: ignore[attr-defined]
+        seen["committed"] |= p.committed  # type: ignore[operator]
+        seen["finished"] |= p.finished_sending  # type: ignore[operator]
+        return bool(until(seen))  # type: ignore[operator]
+
+    wait_until(step, timeout=timeout, poll=0.01)
+    return seen
+
+
+def test_blocks_arrive_whole_and_the_commit_follows_them() -> None:
+    rx = receiver()
+    tx = BlockSender(LAYOUT)
+    blocks = {i: bytes([i]) * 4096 for i in range(3)}
+    for i, payload in blocks.items():
+        tx.submit(BlockCopy("m1", rx.address, i, payload, 0))
+    tx.submit(Commit("m1", "req-1"))
+    seen = collect(tx, lambda s: "m1" in s["committed"])
+    assert seen["acked"] == {"m1": 3} and seen["finished"] == {"req-1"} and not seen["errors"]
+    assert rx.take("m1") == blocks
+    assert rx.take("m1") == {} and rx.staged_bytes() == 0  # handed over once
+
+
+def test_an_incompatible_destination_is_refused() -> None:
+    rx = receiver()
+    tx = BlockSender({**LAYOUT, "dtype": "bfloat16"})
+    tx.submit(BlockCopy("m1", rx.address, 0, b"x" * 10, 0))
+    seen = collect(tx, lambda s: s["errors"])
+    assert "dtype differs" in seen["errors"]["m1"]  # type: ignore[index]
+    assert rx.take("m1") == {}
+
+
+def test_a_corrupted_block_is_not_acked() -> None:
+    rx = receiver()
+    host, port = rx.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        wire.send_frame(sock, {"type": "hello", "layout": LAYOUT})
+        assert wire.recv_frame(sock)[0]["ok"]
+        payload = b"y" * 100
+        wire.send_frame(sock, {"type": "block", "mig": "m", "index": 0, "crc": 1}, payload)
+        reply, _ = wire.recv_frame(sock)
+    assert not reply["ok"] and reply["error"] == "checksum mismatch"
+    assert rx.take("m") == {}
+
+
+def test_a_dead_destination_fails_the_migration_but_still_frees_the_source() -> None:
+    tx = BlockSender(LAYOUT)
+    tx.submit(BlockCopy("m1", f"127.0.0.1:{free_port()}", 0, b"z" * 10, 0))
+    tx.submit(Commit("m1", "req-1"))
+    seen = collect(tx, lambda s: "m1" in s["committed"])
+    assert "m1" in seen["errors"] and seen["finished"] == {"req-1"}
+
+
+def test_the_bandwidth_cap_paces_sends() -> None:
+    rx = receiver()
+    tx = BlockSender(LAYOUT)
+    started = time.monotonic()
+    for i in range(4):  # 400 kB at 1 MB/s: at least 0.3 s after the first block
+        tx.submit(BlockCopy("m1", rx.address, i, b"b" * 100_000, 1e6))
+    collect(tx, lambda s: s["acked"].get("m1") == 4)  # type: ignore[attr-defined]
+    assert time.monotonic() - started >= 0.3
+
+
+def test_a_cancelled_migration_sends_nothing_more() -> None:
+    rx = receiver()
+    tx = BlockSender(LAYOUT)
+    for i in range(5):  # 5 s of sending at this cap
+        tx.submit(BlockCopy("m1", rx.address, i, b"c" * 100_000, 1e5))
+    collect(tx, lambda s: s["acked"].get("m1") == 1)  # type: ignore[attr-defined]
+    tx.cancel("m1")
+    tx.submit(BlockCopy("m2", rx.address, 0, b"d" * 10, 0))
+    seen = collect(tx, lambda s: s["acked"].get("m2") == 1, timeout=3)  # type: ignore[attr-defined]
+    assert seen["acked"].get("m1", 1) <= 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("reason", ["lease", "capacity"])
+def test_staging_is_bounded(reason: str) -> None:
+    rx = receiver(lease_s=0.1) if reason == "lease" else receiver(max_bytes=150_000)
+    tx = BlockSender(LAYOUT)
+    tx.submit(BlockCopy("old", rx.address, 0, b"o" * 100_000, 0))
+    collect(tx, lambda s: s["acked"].get("old") == 1)  # type: ignore[attr-defined]
+    time.sleep(0.2)
+    tx.submit(BlockCopy("new", rx.address, 0, b"n" * 100_000, 0))
+    seen = collect(tx, lambda s: s["acked"].get("new") or s["errors"])  # type: ignore[attr-defined]
+    if reason == "lease":  # unclaimed blocks age out and make room
+        assert seen["acked"].get("new") == 1 and rx.take("old") == {}  # type: ignore[attr-defined]
+    else:
+        assert "staging full" in seen["errors"]["new"]  # type: ignore[index]
+
+
+def test_layout_mismatch_names_the_difference() -> None:
+    assert wire.layout_mismatch(LAYOUT, dict(LAYOUT)) is None
+    assert "block_size differs" in str(wire.layout_mismatch(LAYOUT, {**LAYOUT, "block_size": 16}))
