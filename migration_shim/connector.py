@@ -62,7 +62,9 @@ class FerryConnector(KVConnectorBase_V1):
             config = self._kv_transfer_config
             settings = {"host": "127.0.0.1", **config.kv_connector_extra_config}
             settings["port"] = config.kv_port
-            self.worker = MigrationWorker(_model_name(vllm_config), block_size, settings)
+            self.worker = MigrationWorker(
+                _model_name(vllm_config), block_size, kv_cache_config.num_blocks, settings
+            )
 
     # -- worker role ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

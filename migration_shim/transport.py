@@ -156,7 +156,7 @@ class BlockSender:
 
 @dataclass
 class _Staged:
-    blocks: dict[int, bytes] = field(default_factory=dict)
+    blocks: dict[int, bytearray] = field(default_factory=dict)
     touched: float = 0.0
 
 
@@ -176,7 +176,7 @@ class BlockReceiver:
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, name="ferry-shim-receiver", daemon=True).start()
 
-    def take(self, mig_id: str) -> dict[int, bytes]:
+    def take(self, mig_id: str) -> dict[int, bytearray]:
         """The staged blocks of one migration, handed over once."""
         with self._lock:
             staged = self._staged.pop(mig_id, None)
@@ -213,7 +213,7 @@ class BlockReceiver:
             except (OSError, ConnectionError, ValueError):
                 return  # the sender went away; its staged blocks age out under the lease
 
-    def _store(self, header: dict[str, Any], payload: bytes) -> str | None:
+    def _store(self, header: dict[str, Any], payload: bytearray) -> str | None:
         if wire.checksum(payload) != header.get("crc"):
             return "checksum mismatch"
         now = time.monotonic()

@@ -60,7 +60,7 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b""
         sock.sendall(payload)
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
     (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if length > _MAX_HEADER:
         raise ConnectionError(f"frame header of {length} bytes")
@@ -69,7 +69,8 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     return header, payload
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly n bytes, in a writable buffer (torch can wrap it without a copy)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -78,7 +79,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise ConnectionError("peer closed the connection")
         got += k
-    return bytes(buf)
+    return buf
 
 
 def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:

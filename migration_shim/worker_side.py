@@ -8,8 +8,10 @@ with a synchronous load.
 
 On CPU each layer's cache is one tensor `[num_blocks, kv_heads, block_size,
 2 * head_size]` whose block contents are packed for the CPU's instruction set;
-a block is moved whole, as bytes, and only between instances whose layout
-(shapes, dtype, ISA) matches, which the transport checks when it connects.
+GPU backends put K and V first (`[2, num_blocks, ...]`). Either way a block is
+moved whole, as bytes (through host memory on a GPU), and only between
+instances whose layout (shapes, dtype, ISA) matches, which the transport checks
+when it connects.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ log = logging.getLogger("ferry.shim")
 
 
 class MigrationWorker:
-    def __init__(self, model: str, block_size: int, settings: dict[str, Any]) -> None:
+    def __init__(
+        self, model: str, block_size: int, num_blocks: int, settings: dict[str, Any]
+    ) -> None:
         self.model = model
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.settings = settings
         self.layers: list[torch.Tensor] = []
+        self.block_dims: list[int] = []  # per layer: which dimension indexes blocks
         self.sender: BlockSender | None = None
         self.receiver: BlockReceiver | None = None
         self.load_errors: set[int] = set()
@@ -45,6 +51,7 @@ class MigrationWorker:
             if tensor.data_ptr() not in seen:
                 seen.add(tensor.data_ptr())
                 self.layers.append(tensor)
+                self.block_dims.append(_block_dim(tensor, self.num_blocks))
         layout = self.layout()
         self.sender = BlockSender(layout)
         self.receiver = BlockReceiver(
@@ -60,20 +67,30 @@ class MigrationWorker:
 
     def layout(self) -> dict[str, Any]:
         first = self.layers[0]
+        isa = (
+            f"{first.device.type}:{torch.cuda.get_device_name(first.device)}"
+            if first.device.type == "cuda"
+            else _attention_isa(first.dtype, self.block_size, first.shape[-1] // 2)
+        )
         return {
             "model": self.model,
             "block_size": self.block_size,
             "dtype": str(first.dtype),
-            "shapes": [list(t.shape[1:]) for t in self.layers],
-            "isa": _attention_isa(first.dtype, self.block_size, first.shape[-1] // 2),
+            "shapes": [list(self._block(i, 0).shape) for i in range(len(self.layers))],
+            "isa": isa,
         }
+
+    def _block(self, layer: int, block_id: int) -> torch.Tensor:
+        return self.layers[layer].select(self.block_dims[layer], block_id)
 
     # -- source -------------------------------------------------------------------
     def wait_for_save(self, orders: StepOrders) -> None:
         assert self.sender is not None and self.receiver is not None
         for copy in orders.copies:
             for index, block_id in copy.blocks:
-                payload = b"".join(t[block_id].numpy().tobytes() for t in self.layers)
+                payload = b"".join(
+                    _to_bytes(self._block(i, block_id)) for i in range(len(self.layers))
+                )
                 self.sender.submit(
                     BlockCopy(copy.mig_id, copy.dest, index, payload, copy.bandwidth)
                 )
@@ -119,21 +136,33 @@ class MigrationWorker:
                     self.load_errors.add(block_id)
 
     def _write_block(self, block_id: int, payload: bytes) -> bool:
-        sizes = [t[block_id].numel() * t.element_size() for t in self.layers]
+        blocks = [self._block(i, block_id) for i in range(len(self.layers))]
+        sizes = [b.numel() * b.element_size() for b in blocks]
         if len(payload) != sum(sizes):
             return False
         start = 0
-        for tensor, size in zip(self.layers, sizes, strict=True):
-            source = torch.frombuffer(
-                payload, dtype=tensor.dtype, count=size // tensor.element_size(), offset=start
-            )
-            tensor[block_id].copy_(source.view(tensor[block_id].shape))
+        for block, size in zip(blocks, sizes, strict=True):
+            raw = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=start)
+            block.copy_(raw.view(block.dtype).view(block.shape), non_blocking=False)
             start += size
         return True
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+
+def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
+    for dim in (0, 1):  # CPU and most backends: blocks first; flash-attn: K/V first
+        if tensor.shape[dim] == num_blocks:
+            return dim
+    raise ValueError(f"no block dimension of size {num_blocks} in KV shape {tuple(tensor.shape)}")
+
+
+def _to_bytes(block: torch.Tensor) -> bytes:
+    """A block's bytes in host memory, whatever its dtype (numpy has no bfloat16)."""
+    raw = block.contiguous().view(torch.uint8)
+    return bytes(raw.cpu().numpy().tobytes())
 
 
 def _attention_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
