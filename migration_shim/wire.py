@@ -49,7 +49,7 @@ _HEADER = struct.Struct(">I")
 _MAX_HEADER = 1 << 20
 
 
-def checksum(payload: bytes | memoryview) -> int:
+def checksum(payload: bytes | bytearray | memoryview) -> int:
     return zlib.crc32(payload)
 
 

@@ -135,7 +135,7 @@ class MigrationWorker:
                     log.warning("migration %s: block %d missing, recomputed", load.mig_id, index)
                     self.load_errors.add(block_id)
 
-    def _write_block(self, block_id: int, payload: bytes) -> bool:
+    def _write_block(self, block_id: int, payload: bytearray) -> bool:
         blocks = [self._block(i, block_id) for i in range(len(self.layers))]
         sizes = [b.numel() * b.element_size() for b in blocks]
         if len(payload) != sum(sizes):
