@@ -122,6 +122,77 @@ def one_move(url: str, length: int) -> tuple[float, float, float]:
     return after[worst], resumed_at - drain_called, statistics.median(gaps[: drained_at - 1])
 
 
+Results = dict[str, dict[int, tuple[float, float, float]]]
+
+
+def measure(urls: list[str], ways: list[str], lengths: list[int], trials: int) -> Results:
+    """Run Ferry once per way in front of `urls`; the medians of `one_move`."""
+    from tests.helpers import free_port  # the one place that picks free ports
+
+    results: Results = {}
+    for way in ways:
+        port = free_port()
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write(ferry_yaml(urls, port, way))
+        load_config(f.name)  # fail early on a bad file
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "proxy.cli",
+                "serve",
+                "--config",
+                f.name,
+                "--log-level",
+                "WARNING",
+            ]
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url)
+            one_move(url, 64)  # warm-up
+            results[way] = {}
+            for length in lengths:
+                runs = [one_move(url, length) for _ in range(trials)]
+                results[way][length] = (
+                    statistics.median(r[0] for r in runs),
+                    statistics.median(r[1] for r in runs),
+                    statistics.median(r[2] for r in runs),
+                )
+                print(
+                    f"  {way} length={length}: gap {1e3 * results[way][length][0]:.1f} ms",
+                    file=sys.stderr,
+                )
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    return results
+
+
+def report(results: Results, lengths: list[int], trials: int, where: str) -> None:
+    ways = list(results)
+    print(f"\nmigration downtime / total migration time, ms (median of {trials}), {where}:")
+    print(f"{'prompt':>7} {'ITL':>6} " + " ".join(f"{w:>18}" for w in ways))
+    for length in lengths:
+        itl = results[ways[0]][length][2]
+        cells = [
+            f"{1e3 * results[w][length][0]:>7.1f} / {1e3 * results[w][length][1]:>7.1f}"
+            for w in ways
+        ]
+        print(f"{length:>7} {1e3 * itl:>6.1f} " + " ".join(f"{c:>18}" for c in cells))
+    for way in ways:
+        gaps = [results[way][n][0] for n in lengths]
+        print(f"{way}: longest / shortest downtime {max(gaps) / min(gaps):.2f}x")
+    if "full pre-copy" in results and "lite" in results:
+        itl = statistics.median(results[w][n][2] for w in ways for n in lengths)
+        full = max(results["full pre-copy"][n][0] for n in lengths)
+        lite = [results["lite"][n][0] / results["full pre-copy"][n][0] for n in lengths]
+        print(
+            f"full pre-copy: worst downtime {full / itl:.1f} decode steps (target: below 2);"
+            f" lite / full downtime {min(lite):.2f}x to {max(lite):.2f}x"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="128,512,1024,1900")
@@ -130,7 +201,7 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     work = ROOT / ".ferry"
     model = build(work / "tiny-llama")
-    from tests.helpers import free_port  # the one place that picks free ports
+    from tests.helpers import free_port
 
     servers = [
         start_vllm(
@@ -144,70 +215,13 @@ def main() -> int:
         )
         for i in range(2)
     ]
-    results: dict[str, dict[int, tuple[float, float, float]]] = {}
     try:
         wait_ready(servers)
-        for way in WAYS:
-            port = free_port()
-            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-                f.write(ferry_yaml([s.url for s in servers], port, way))
-            load_config(f.name)  # fail early on a bad file
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "proxy.cli",
-                    "serve",
-                    "--config",
-                    f.name,
-                    "--log-level",
-                    "WARNING",
-                ]
-            )
-            url = f"http://127.0.0.1:{port}"
-            try:
-                wait_healthy(url)
-                one_move(url, 64)  # warm-up
-                results[way] = {}
-                for length in lengths:
-                    runs = [one_move(url, length) for _ in range(args.trials)]
-                    results[way][length] = (
-                        statistics.median(r[0] for r in runs),
-                        statistics.median(r[1] for r in runs),
-                        statistics.median(r[2] for r in runs),
-                    )
-                    print(
-                        f"  {way} length={length}: gap {1e3 * results[way][length][0]:.1f} ms",
-                        file=sys.stderr,
-                    )
-            finally:
-                proc.terminate()
-                proc.wait(10)
+        results = measure([s.url for s in servers], list(WAYS), lengths, args.trials)
     finally:
         for s in servers:
             s.stop()
-    print(
-        f"\nmigration downtime / total migration time, ms (median of {args.trials}),"
-        " tiny model on vLLM CPU:"
-    )
-    print(f"{'prompt':>7} {'ITL':>6} " + " ".join(f"{w:>18}" for w in WAYS))
-    for length in lengths:
-        itl = results["lite"][length][2]
-        cells = [
-            f"{1e3 * results[w][length][0]:>7.1f} / {1e3 * results[w][length][1]:>7.1f}"
-            for w in WAYS
-        ]
-        print(f"{length:>7} {1e3 * itl:>6.1f} " + " ".join(f"{c:>18}" for c in cells))
-    for way in WAYS:
-        gaps = [results[way][n][0] for n in lengths]
-        print(f"{way}: longest / shortest downtime {max(gaps) / min(gaps):.2f}x")
-    itl = statistics.median(results[w][n][2] for w in WAYS for n in lengths)
-    full = max(results["full pre-copy"][n][0] for n in lengths)
-    lite = [results["lite"][n][0] / results["full pre-copy"][n][0] for n in lengths]
-    print(
-        f"full pre-copy: worst downtime {full / itl:.1f} decode steps (target: below 2);"
-        f" lite / full downtime {min(lite):.2f}x to {max(lite):.2f}x"
-    )
+    report(results, lengths, args.trials, "tiny model on vLLM CPU")
     return 0
 
 
