@@ -67,12 +67,16 @@ def start_vllm(
     served_name: str = DEFAULT_MODEL_NAME,
     extra_args: tuple[str, ...] = (),
     shim_kv_port: int | None = None,
+    via_ferry: bool = False,
 ) -> VLLMServer:
     """Launch one server and return at once; call `wait_ready` before using it.
 
     float32 because greedy decoding is only reproducible across prefill and
     decode kernels in float32 on this CPU build (see the notes); 4 MB of KV is
     ~2,000 tokens of the tiny model: tight enough to see real KV pressure.
+    `shim_kv_port` turns Ferry's migration shim on (full-mode migration),
+    receiving KV blocks on that port; `via_ferry` starts the server the way
+    users do, with `ferry vllm`, instead of spelling out the shim's flags.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
@@ -96,7 +100,9 @@ def start_vllm(
         str(kv_cache_bytes),
         *extra_args,
     ]
-    if shim_kv_port is not None:
+    if shim_kv_port is not None and via_ferry:
+        cmd[1:3] = ["-m", "proxy.cli", "vllm", "--ferry-kv-port", str(shim_kv_port)]
+    elif shim_kv_port is not None:
         from migration_shim.launcher import shim_flags
 
         cmd += shim_flags(shim_kv_port)

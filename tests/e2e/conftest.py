@@ -48,8 +48,8 @@ def vllm_pair(
 
 @pytest.fixture
 def doomed(tiny_model: Path, tmp_path: Path) -> Iterator[VLLMServer]:
-    """A third server, for tests that kill one."""
-    server = start_vllm(tiny_model, free_port(), tmp_path, shim_kv_port=free_port())
+    """A third server, for tests that kill one; started with `ferry vllm`."""
+    server = start_vllm(tiny_model, free_port(), tmp_path, shim_kv_port=free_port(), via_ferry=True)
     try:
         wait_ready([server])
         yield server
