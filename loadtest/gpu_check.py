@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import openai
 from loadtest import bench_migration
 from loadtest.demo import wait_healthy
 from loadtest.tiny_model import build
-from loadtest.vllm_servers import start_vllm, wait_ready
+from loadtest.vllm_servers import metric, start_vllm, wait_ready
 from migration_shim import wire
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,14 +52,6 @@ def preflight() -> str | None:
     if vllm.__version__.split("+")[0] not in wire.SUPPORTED_VLLM:
         return f"vLLM {vllm.__version__}; the shim supports {', '.join(wire.SUPPORTED_VLLM)}"
     return None
-
-
-def metric(url: str, line_start: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(line_start):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def greedy(

@@ -117,6 +117,16 @@ def start_vllm(
     return VLLMServer(port, process, log_path)
 
 
+def metric(url: str, line_start: str) -> float:
+    """The value of the first line of `url`'s /metrics that starts with `line_start`
+    (0 if none: Prometheus counters start at 0)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(line_start):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def wait_ready(servers: list[VLLMServer], timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(servers)

@@ -11,6 +11,7 @@ between engine steps.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -146,8 +147,11 @@ def _model_name(vllm_config: VllmConfig) -> str:
     return str(served[0] if isinstance(served, list) else served or vllm_config.model_config.model)
 
 
-def ferry_shim(engine: EngineCore, command: str, args: dict[str, Any]) -> dict[str, Any]:
-    """EngineCore utility: run one shim command on the scheduler half, between steps."""
+def ferry_shim(
+    engine: EngineCore, command: str, args: dict[str, Any]
+) -> dict[str, Any] | Future[dict[str, Any]]:
+    """EngineCore utility: run one shim command on the scheduler half, between steps
+    (vLLM answers a returned future when it completes)."""
     connector = engine.scheduler.get_kv_connector()
     if not isinstance(connector, FerryConnector) or connector.scheduler is None:
         return {"ok": False, "error": "this engine does not run the Ferry connector"}

@@ -25,8 +25,6 @@ from starlette.responses import JSONResponse, Response
 
 from migration_shim import wire
 
-POLL_S = 0.002  # status polls wait for the next engine step; steps take milliseconds
-
 
 async def middleware(request: Request, call_next: Any) -> Response:
     path = request.url.path
@@ -84,7 +82,7 @@ async def migrate(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
             if pending["pending"] <= last_stage_blocks and pending["stages"] > 0:
                 break
             staged = await _call(engine, "stage", {"mig_id": mig_id})
-            status = await _wait(engine, mig_id, deadline, lambda s: s["acked"] >= s["scheduled"])
+            status = await _wait(engine, mig_id, deadline, "acked")
             if status["state"] != "copying":
                 return _ended(status)
             if staged.get("ordered", 0) == 0:
@@ -94,7 +92,7 @@ async def migrate(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
         stopped = await _call(engine, "stop", {"mig_id": mig_id})
         if not stopped["ok"]:
             return _ended(stopped)
-        final = await _wait(engine, mig_id, deadline, lambda s: s["state"] != "stopped")
+        final = await _wait(engine, mig_id, deadline, "settled")
         outcome = wire.STOPPED if final["state"] == "done" else wire.FAILED_AFTER_STOP
         return {
             "outcome": outcome,
@@ -121,14 +119,10 @@ def _ended(status: dict[str, Any]) -> dict[str, Any]:
     return {"outcome": wire.FAILED_BEFORE_STOP, "error": status.get("error") or status.get("state")}
 
 
-async def _wait(engine: Any, mig_id: str, deadline: float, done: Any) -> dict[str, Any]:
-    while True:
-        status = await _call(engine, "status", {"mig_id": mig_id})
-        if status["state"] not in ("copying", "stopped") or done(status):
-            return status
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        await asyncio.sleep(POLL_S)
+async def _wait(engine: Any, mig_id: str, deadline: float, until: str) -> dict[str, Any]:
+    """The engine core answers when the copies are through: no polling."""
+    call = _call(engine, "wait", {"mig_id": mig_id, "until": until})
+    return await asyncio.wait_for(call, max(0.0, deadline - time.monotonic()))
 
 
 async def _info(engine: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,8 @@ class MigrationScheduler:
         self.incoming: dict[str, Incoming] = {}  # engine request id -> its load
         self.reserved: dict[str, Reservation] = {}
         self.orders = StepOrders()
+        # `wait` commands not yet answered: vLLM replies when the future completes.
+        self.waiters: list[tuple[str, str, Future[dict[str, Any]]]] = []
 
     # -- connector hooks (engine thread, during a step) ---------------------------
     def on_new_request(self, request: Request) -> None:
@@ -129,8 +132,11 @@ class MigrationScheduler:
         return orders
 
     def update_connector_output(self, progress: Any) -> None:
-        if not isinstance(progress, SendProgress):
-            return
+        if isinstance(progress, SendProgress):
+            self._apply(progress)
+        self._answer_waiters()
+
+    def _apply(self, progress: SendProgress) -> None:
         for mig_id, acked in progress.acked.items():
             if (out := self.outgoing.get(mig_id)) is not None:
                 out.acked = acked
@@ -155,6 +161,7 @@ class MigrationScheduler:
             return False, None
         if out.state != "stopping":
             out.state = "source_finished"
+            self._answer_waiters()
             return False, None
         # Stop-and-copy: the rest, partial last block included. The blocks stay
         # pinned (delay_free) until the worker reports them sent.
@@ -166,12 +173,14 @@ class MigrationScheduler:
         return True, None
 
     # -- control commands (engine thread, between steps) -----------------------------
-    def command(self, engine: Any, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    def command(
+        self, engine: Any, name: str, args: dict[str, Any]
+    ) -> dict[str, Any] | Future[dict[str, Any]]:
         self._expire_reservations()
         handler = getattr(self, "cmd_" + name, None)
         if handler is None:
             return {"ok": False, "error": f"unknown shim command {name!r}"}
-        result: dict[str, Any] = handler(engine.scheduler, engine, **args)
+        result: dict[str, Any] | Future[dict[str, Any]] = handler(engine.scheduler, engine, **args)
         return result
 
     def cmd_info(self, scheduler: Scheduler, engine: Any) -> dict[str, Any]:
@@ -272,6 +281,34 @@ class MigrationScheduler:
         out = self.outgoing.get(mig_id)
         return {"ok": out is not None, **(out.report() if out else {"state": "unknown"})}
 
+    def cmd_wait(
+        self, scheduler: Scheduler, engine: Any, mig_id: str, until: str
+    ) -> dict[str, Any] | Future[dict[str, Any]]:
+        """Answer once the ordered copies are through (`until="acked"`) or the
+        stop-and-copy has settled (`until="settled"`), or the migration ended."""
+        if self._reached(mig_id, until):
+            return self.cmd_status(scheduler, engine, mig_id)
+        future: Future[dict[str, Any]] = Future()
+        self.waiters.append((mig_id, until, future))
+        return future
+
+    def _reached(self, mig_id: str, until: str) -> bool:
+        out = self.outgoing.get(mig_id)
+        if out is None or out.state not in ("copying", "stopped"):
+            return True
+        return out.acked >= out.scheduled if until == "acked" else out.state != "stopped"
+
+    def _answer_waiters(self) -> None:
+        waiting = []
+        for mig_id, until, future in self.waiters:
+            if not self._reached(mig_id, until):
+                waiting.append((mig_id, until, future))
+                continue
+            out = self.outgoing.get(mig_id)
+            report = out.report() if out else {"state": "unknown"}
+            future.set_result({"ok": out is not None, **report})
+        self.waiters = waiting
+
     def cmd_forget(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
         """Drop a migration record; one still copying is rolled back (the request
         simply runs on here)."""
@@ -282,6 +319,7 @@ class MigrationScheduler:
                 self.orders.cancels.append(mig_id)
             if self.mig_of_request.get(out.req_id) == mig_id:
                 del self.mig_of_request[out.req_id]
+        self._answer_waiters()
         return {"ok": True}
 
     # -- reservations -----------------------------------------------------------------

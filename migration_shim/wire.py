@@ -82,9 +82,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+LAYOUT_KEYS = ("model", "block_size", "dtype", "shapes", "isa")
+INFO_LAYOUT_KEYS = ("model", "block_size", "dtype")  # the part INFO shows
+
+
+def layout_mismatch(
+    mine: dict[str, Any], theirs: dict[str, Any], keys: tuple[str, ...] = LAYOUT_KEYS
+) -> str | None:
     """Why two instances cannot exchange KV blocks, or None if they can."""
-    for key in ("model", "block_size", "dtype", "shapes", "isa"):
+    for key in keys:
         if mine.get(key) != theirs.get(key):
             return f"{key} differs: {mine.get(key)!r} here, {theirs.get(key)!r} there"
     return None

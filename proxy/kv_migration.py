@@ -63,15 +63,21 @@ class KVMigrator:
         if stream.state.tag is None or stream.state.prompt_ids is None:
             return False  # not tagged on the source, or nothing generated yet
         assert source.shim is not None and dest.shim is not None
-        mismatch = wire.layout_mismatch(
-            {**source.shim, "shapes": None, "isa": None}, {**dest.shim, "shapes": None, "isa": None}
-        )
+        # Shapes and instruction set are checked by the shims when their channel opens.
+        mismatch = wire.layout_mismatch(source.shim, dest.shim, wire.INFO_LAYOUT_KEYS)
         if mismatch is not None:
             log.info("full migration %s -> %s impossible: %s", source.name, dest.name, mismatch)
         return mismatch is None
 
     async def move(self, stream: ResumableStream, destination: str, reason: str) -> bool:
         """Move one stream; False when it stays where it is."""
+        stream.kv_moving = True
+        try:
+            return await self._move(stream, destination, reason)
+        finally:
+            stream.kv_moving = False
+
+    async def _move(self, stream: ResumableStream, destination: str, reason: str) -> bool:
         state = stream.state
         source = self.cluster.instances[stream.instance]
         dest = self.cluster.instances[destination]
@@ -125,7 +131,10 @@ class KVMigrator:
             self._count(reason, "fell_back_to_lite")
             log.warning("full migration of %s failed after the stop: %s", state.id, _why(result))
             return stream.move(destination, reason)
-        stream.expect_source_stop(False)
+        if outcome is not None:
+            # Known not stopped. With no answer at all it may have been: then an
+            # abort from the source still counts as a stop, and the stream resumes.
+            stream.expect_source_stop(False)
         self._count(reason, "source_finished" if outcome == wire.SOURCE_FINISHED else "rolled_back")
         log.info("full migration of %s did not happen: %s", state.id, _why(result))
         return False

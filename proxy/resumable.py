@@ -83,12 +83,13 @@ class ResumableStream:
         # not reach the client, and the stream must wait for the cut-over.
         self.source_stopping = False
         self.source_stopped = False
+        self.kv_moving = False  # a full-mode move is under way (see kv_migration)
 
     @property
     def movable(self) -> bool:
         """Not finished, and no move under way."""
         state = self.state
-        return state.move_to is None and not state.finished and not self.source_stopping
+        return state.move_to is None and not state.finished and not self.kv_moving
 
     @property
     def instance(self) -> str:

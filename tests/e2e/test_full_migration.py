@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from loadtest.vllm_servers import VLLMServer
+from loadtest.vllm_servers import VLLMServer, metric
 from migration_shim import wire
-from tests.e2e.test_migration import AUTH, PROMPT, TOKEN, api, metric, once_at, post, stream_ids
+from tests.e2e.test_migration import AUTH, PROMPT, TOKEN, api, once_at, post, stream_ids
 from tests.helpers import wait_until
 
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="%s"}'

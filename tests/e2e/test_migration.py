@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from loadtest.vllm_servers import VLLMServer
+from loadtest.vllm_servers import VLLMServer, metric
 from tests.helpers import wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the scheduler"
@@ -73,14 +73,6 @@ def once_at(tokens: int, action: Callable[[], object]) -> Callable[[int], None]:
 def post(url: str) -> None:
     request = urllib.request.Request(url, data=b"", method="POST", headers=AUTH)
     urllib.request.urlopen(request, timeout=10).close()
-
-
-def metric(url: str, line_start: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(line_start):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.fixture
