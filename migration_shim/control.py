@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.requests import Request
@@ -73,7 +74,7 @@ async def migrate(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
         outcome = wire.FAILED_BEFORE_STOP if begun.get("running") else wire.SOURCE_FINISHED
         return {"outcome": outcome, "error": begun["error"]}
     started = time.monotonic()
-    stopped: dict[str, Any] | None = None
+    stop_at: float | None = None
     try:
         for _ in range(max_stages):
             pending = await _call(engine, "pending", {"mig_id": mig_id})
@@ -82,32 +83,35 @@ async def migrate(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
             if pending["pending"] <= last_stage_blocks and pending["stages"] > 0:
                 break
             staged = await _call(engine, "stage", {"mig_id": mig_id})
-            status = await _wait(engine, mig_id, deadline, "acked")
+            wait = _call(engine, "wait", {"mig_id": mig_id, "until": "acked"})
+            status = await _until(deadline, wait)
             if status["state"] != "copying":
                 return _ended(status)
             if staged.get("ordered", 0) == 0:
                 break
         precopy_s = time.monotonic() - started
         stop_at = time.monotonic()
-        stopped = await _call(engine, "stop", {"mig_id": mig_id})
-        if not stopped["ok"]:
-            return _ended(stopped)
-        final = await _wait(engine, mig_id, deadline, "settled")
+        final = await _until(deadline, _call(engine, "stop", {"mig_id": mig_id}))
+        if not final["ok"] or "token_ids" not in final:
+            return _ended(final)
         outcome = wire.STOPPED if final["state"] == "done" else wire.FAILED_AFTER_STOP
         return {
             "outcome": outcome,
             "error": final.get("error"),
-            "token_ids": stopped["token_ids"],
-            "num_computed": stopped["num_computed"],
+            "token_ids": final["token_ids"],
+            "num_computed": final["num_computed"],
             "blocks": final["acked"],
             "stages": final["stages"],
             "precopy_s": round(precopy_s, 6),
             "stop_copy_s": round(time.monotonic() - stop_at, 6),
         }
     except TimeoutError:
-        if stopped and stopped.get("ok"):
-            return {"outcome": wire.FAILED_AFTER_STOP, "error": "timed out", **stopped}
-        return {"outcome": wire.FAILED_BEFORE_STOP, "error": "timed out"}
+        # Once a stop was asked for, the request may be stopped: Ferry resumes it.
+        stopped = stop_at is not None
+        return {
+            "outcome": wire.FAILED_AFTER_STOP if stopped else wire.FAILED_BEFORE_STOP,
+            "error": "timed out",
+        }
     finally:
         # A migration still copying is rolled back; a stopped one is freed by its commit.
         await _call(engine, "forget", {"mig_id": mig_id})
@@ -119,9 +123,9 @@ def _ended(status: dict[str, Any]) -> dict[str, Any]:
     return {"outcome": wire.FAILED_BEFORE_STOP, "error": status.get("error") or status.get("state")}
 
 
-async def _wait(engine: Any, mig_id: str, deadline: float, until: str) -> dict[str, Any]:
-    """The engine core answers when the copies are through: no polling."""
-    call = _call(engine, "wait", {"mig_id": mig_id, "until": until})
+async def _until(deadline: float, call: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """The engine core answers `wait` and `stop` when the copies are through (no
+    polling); a deadline guards against an engine that never does."""
     return await asyncio.wait_for(call, max(0.0, deadline - time.monotonic()))
 
 

@@ -78,7 +78,7 @@ class MigrationScheduler:
         self.reserved: dict[str, Reservation] = {}
         self.orders = StepOrders()
         # `wait` commands not yet answered: vLLM replies when the future completes.
-        self.waiters: list[tuple[str, str, Future[dict[str, Any]]]] = []
+        self.waiters: list[tuple[str, str, dict[str, Any], Future[dict[str, Any]]]] = []
 
     # -- connector hooks (engine thread, during a step) ---------------------------
     def on_new_request(self, request: Request) -> None:
@@ -260,8 +260,11 @@ class MigrationScheduler:
         full = request.num_computed_tokens // self.block_size if request else out.scheduled
         return {"ok": True, "pending": max(0, full - out.scheduled), **out.report()}
 
-    def cmd_stop(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
-        """Stop the request between steps; its last blocks go out in the next step."""
+    def cmd_stop(
+        self, scheduler: Scheduler, engine: Any, mig_id: str
+    ) -> dict[str, Any] | Future[dict[str, Any]]:
+        """Stop the request between steps; its last blocks go out in the next step.
+        Answers once they are through (or failed), with the engine's token ids."""
         from vllm.v1.request import RequestStatus
 
         out = self.outgoing.get(mig_id)
@@ -275,7 +278,7 @@ class MigrationScheduler:
         out.state = "stopping"
         aborted = scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_ABORTED)
         engine._send_abort_outputs(aborted)
-        return {"ok": True, "token_ids": token_ids, "num_computed": computed, **out.report()}
+        return self._when(mig_id, "settled", {"token_ids": token_ids, "num_computed": computed})
 
     def cmd_status(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
         out = self.outgoing.get(mig_id)
@@ -286,11 +289,21 @@ class MigrationScheduler:
     ) -> dict[str, Any] | Future[dict[str, Any]]:
         """Answer once the ordered copies are through (`until="acked"`) or the
         stop-and-copy has settled (`until="settled"`), or the migration ended."""
+        return self._when(mig_id, until, {})
+
+    def _when(
+        self, mig_id: str, until: str, extra: dict[str, Any]
+    ) -> dict[str, Any] | Future[dict[str, Any]]:
         if self._reached(mig_id, until):
-            return self.cmd_status(scheduler, engine, mig_id)
+            return self._report(mig_id, extra)
         future: Future[dict[str, Any]] = Future()
-        self.waiters.append((mig_id, until, future))
+        self.waiters.append((mig_id, until, extra, future))
         return future
+
+    def _report(self, mig_id: str, extra: dict[str, Any]) -> dict[str, Any]:
+        out = self.outgoing.get(mig_id)
+        report = out.report() if out else {"state": "unknown"}
+        return {**extra, "ok": out is not None, **report}
 
     def _reached(self, mig_id: str, until: str) -> bool:
         out = self.outgoing.get(mig_id)
@@ -300,13 +313,12 @@ class MigrationScheduler:
 
     def _answer_waiters(self) -> None:
         waiting = []
-        for mig_id, until, future in self.waiters:
-            if not self._reached(mig_id, until):
-                waiting.append((mig_id, until, future))
-                continue
-            out = self.outgoing.get(mig_id)
-            report = out.report() if out else {"state": "unknown"}
-            future.set_result({"ok": out is not None, **report})
+        for waiter in self.waiters:
+            mig_id, until, extra, future = waiter
+            if self._reached(mig_id, until):
+                future.set_result(self._report(mig_id, extra))
+            else:
+                waiting.append(waiter)
         self.waiters = waiting
 
     def cmd_forget(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:

@@ -125,7 +125,7 @@ class KVMigrator:
             )
             load = {"mig_id": mig_id, "num_tokens": int(result["num_computed"])}
             return stream.move(destination, reason, load=load)
-        await self._post(dest.url + wire.RELEASE, {"mig_id": mig_id})
+        await self.release(dest.url, mig_id)
         if outcome == wire.FAILED_AFTER_STOP:
             # The source has stopped the request: it must continue somewhere.
             self._count(reason, "fell_back_to_lite")
@@ -138,6 +138,11 @@ class KVMigrator:
         self._count(reason, "source_finished" if outcome == wire.SOURCE_FINISHED else "rolled_back")
         log.info("full migration of %s did not happen: %s", state.id, _why(result))
         return False
+
+    async def release(self, url: str, mig_id: str) -> None:
+        """Free a destination's reservation and staged blocks (best effort: both
+        also expire on their own)."""
+        await self._post(url + wire.RELEASE, {"mig_id": mig_id})
 
     def _count(self, reason: str, outcome: str) -> None:
         self.metrics.kv_migrations.labels(reason, outcome).inc()

@@ -427,12 +427,14 @@ class ResumableStream:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             relay.cluster.ledger.release(entry)
             relay.cluster.mark_unreachable(dest, f"{type(exc).__name__}: {exc}")
+            await self._release_kv(url, kv_params)
             return None
         if upstream.status != 200:
             detail = (await upstream.read())[:300]
             upstream.release()
             relay.cluster.ledger.release(entry)
             log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
+            await self._release_kv(url, kv_params)
             return None
         relay.cluster.ledger.release(self.entry)
         self.entry = entry
@@ -448,6 +450,12 @@ class ResumableStream:
         if held:
             await self._emit_held(held, response)
         return upstream
+
+    async def _release_kv(self, url: str, kv_params: dict[str, Any]) -> None:
+        """A continuation that did not start frees the KV moved for it at once,
+        rather than when its lease runs out."""
+        if wire.LOAD in kv_params:
+            await self.relay.kv_migrator.release(url, kv_params[wire.LOAD]["mig_id"])
 
     async def _held_back_text(self, url: str) -> str:
         """Text of G the client has not seen: vLLM holds back up to the longest stop
