@@ -9,9 +9,11 @@ drives one migration out of this instance, the paper's pre-copy:
    `last_stage_blocks` full blocks wait;
 2. stop-and-copy: the request is stopped between steps and the rest, partial
    last block included, goes out in the next step;
-3. the answer carries the engine's token ids; Ferry then starts the request on
-   the destination, which loads the KV instead of recomputing it.
+3. the answer carries the engine's token ids at once, so Ferry starts the
+   request on the destination while the last blocks travel; the destination
+   holds it until they land, then loads the KV instead of recomputing it.
 Any failure before the stop rolls back (the request runs on here, untouched).
+After it, blocks that never land are computed by the destination itself.
 """
 
 from __future__ import annotations
@@ -83,33 +85,32 @@ async def migrate(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
             if pending["pending"] <= last_stage_blocks and pending["stages"] > 0:
                 break
             staged = await _call(engine, "stage", {"mig_id": mig_id})
-            wait = _call(engine, "wait", {"mig_id": mig_id, "until": "acked"})
-            status = await _until(deadline, wait)
+            status = await _until(deadline, _call(engine, "wait", {"mig_id": mig_id}))
             if status["state"] != "copying":
                 return _ended(status)
             if staged.get("ordered", 0) == 0:
                 break
         precopy_s = time.monotonic() - started
         stop_at = time.monotonic()
-        final = await _until(deadline, _call(engine, "stop", {"mig_id": mig_id}))
-        if not final["ok"] or "token_ids" not in final:
-            return _ended(final)
-        outcome = wire.STOPPED if final["state"] == "done" else wire.FAILED_AFTER_STOP
+        stopped = await _until(deadline, _call(engine, "stop", {"mig_id": mig_id}))
+        if not stopped["ok"]:
+            return _ended(stopped)
+        # The last blocks are on their way; the destination holds the continuation
+        # until they land, and computes them itself if they never do.
         return {
-            "outcome": outcome,
-            "error": final.get("error"),
-            "token_ids": final["token_ids"],
-            "num_computed": final["num_computed"],
-            "blocks": final["acked"],
-            "stages": final["stages"],
+            "outcome": wire.STOPPED,
+            "token_ids": stopped["token_ids"],
+            "num_computed": stopped["num_computed"],
+            "blocks": stopped["scheduled"],
+            "stages": stopped["stages"],
             "precopy_s": round(precopy_s, 6),
-            "stop_copy_s": round(time.monotonic() - stop_at, 6),
+            "stop_s": round(time.monotonic() - stop_at, 6),
         }
     except TimeoutError:
         # Once a stop was asked for, the request may be stopped: Ferry resumes it.
-        stopped = stop_at is not None
+        after = stop_at is not None
         return {
-            "outcome": wire.FAILED_AFTER_STOP if stopped else wire.FAILED_BEFORE_STOP,
+            "outcome": wire.FAILED_AFTER_STOP if after else wire.FAILED_BEFORE_STOP,
             "error": "timed out",
         }
     finally:

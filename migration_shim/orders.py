@@ -45,15 +45,22 @@ class StepOrders(KVConnectorMetadata):
 
 
 @dataclass
-class SendProgress(KVConnectorWorkerMetadata):
+class WorkerProgress(KVConnectorWorkerMetadata):
+    # As a source:
     acked: dict[str, int] = field(default_factory=dict)  # mig_id -> blocks through so far
     errors: dict[str, str] = field(default_factory=dict)
     committed: set[str] = field(default_factory=set)  # stop-and-copy finished (or failed)
+    # As a destination: mig_id -> blocks staged without a gap from the first one.
+    staged: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.acked or self.errors or self.committed or self.staged)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, SendProgress)
-        return SendProgress(
+        assert isinstance(other, WorkerProgress)
+        return WorkerProgress(
             {**self.acked, **other.acked},
             {**self.errors, **other.errors},
             self.committed | other.committed,
+            {**self.staged, **other.staged},
         )

@@ -7,22 +7,25 @@ locks are needed and scheduler state can be read and changed safely.
 A migration out of this instance (`Outgoing`) goes:
   copying --stage()--> copying ... --stop()--> stopped --last block through--> done
 with `failed` (before the stop: the request runs on here), `source_finished` (it
-ended here meanwhile) and `failed_after_stop` (the KV did not all arrive; Ferry
-resumes by recompute) as the other ends. A migration into this instance is a
-reservation of blocks, then a request tagged `LOAD` whose first blocks the
-connector reports as externally computed and has the worker fill from staging.
+ended here meanwhile) and `failed_after_stop` (the last blocks did not all go
+out) as the other ends. A migration into this instance is a reservation of
+blocks, then a request tagged `LOAD`, held until its blocks have landed in
+staging (or for at most LOAD_WAIT_S, after which it computes them itself), whose
+first tokens the connector reports as externally computed and has the worker
+fill from staging.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from migration_shim import wire
-from migration_shim.orders import CopyOrder, LoadOrder, SendProgress, StepOrders
+from migration_shim.orders import CopyOrder, LoadOrder, StepOrders, WorkerProgress
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -31,6 +34,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("ferry.shim")
+
+# A continuation waits this long for its blocks to land, then computes them itself.
+LOAD_WAIT_S = 5.0
+MAX_STAGED_RECORDS = 1024
 
 
 @dataclass
@@ -43,6 +50,7 @@ class Outgoing:
     stages: int = 0
     state: str = "copying"
     error: str | None = None
+    forgotten: bool = False  # the control route is done with it; drop it once settled
 
     def report(self) -> dict[str, Any]:
         return {
@@ -75,10 +83,14 @@ class MigrationScheduler:
         self.outgoing: dict[str, Outgoing] = {}
         self.mig_of_request: dict[str, str] = {}
         self.incoming: dict[str, Incoming] = {}  # engine request id -> its load
+        # Destination: blocks staged per migration (as the worker reports them), and
+        # since when each continuation has waited for its blocks.
+        self.staged: OrderedDict[str, int] = OrderedDict()
+        self.load_waits: dict[str, float] = {}
         self.reserved: dict[str, Reservation] = {}
         self.orders = StepOrders()
         # `wait` commands not yet answered: vLLM replies when the future completes.
-        self.waiters: list[tuple[str, str, dict[str, Any], Future[dict[str, Any]]]] = []
+        self.waiters: list[tuple[str, Future[dict[str, Any]]]] = []
 
     # -- connector hooks (engine thread, during a step) ---------------------------
     def on_new_request(self, request: Request) -> None:
@@ -86,19 +98,28 @@ class MigrationScheduler:
         if tag:
             self.by_tag[str(tag)] = request.request_id
 
-    def get_num_new_matched_tokens(self, request: Request, local: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, local: int) -> tuple[int | None, bool]:
         load = (request.kv_transfer_params or {}).get(wire.LOAD)
         if not load:
             return 0, False
-        mig_id = str(load["mig_id"])
+        mig_id, req_id = str(load["mig_id"]), request.request_id
+        # At least one token must be computed here: it yields the next token.
+        tokens = min(int(load["num_tokens"]), request.num_tokens - 1)
+        landed = self.staged.get(mig_id, 0) * self.block_size >= tokens
+        if not landed and tokens > local:
+            # Ferry starts the continuation while the source sends its last blocks:
+            # hold it (vLLM asks again next step) until they are here.
+            waited = time.monotonic() - self.load_waits.setdefault(req_id, time.monotonic())
+            if waited < LOAD_WAIT_S:
+                return None, False
+            log.warning("migration %s: blocks did not arrive, recomputing", mig_id)
+        self.load_waits.pop(req_id, None)
         # The reserved blocks go back to the pool right before vLLM allocates this
         # request's blocks in the same pass, so they are the ones it gets.
         self._free_reservation(mig_id)
-        # At least one token must be computed here: it yields the next token.
-        tokens = min(int(load["num_tokens"]), request.num_tokens - 1)
-        if tokens <= local:
+        if not landed or tokens <= local:
             return 0, False
-        self.incoming[request.request_id] = Incoming(mig_id, tokens, local)
+        self.incoming[req_id] = Incoming(mig_id, tokens, local)
         return tokens - local, False
 
     def update_state_after_alloc(
@@ -132,11 +153,11 @@ class MigrationScheduler:
         return orders
 
     def update_connector_output(self, progress: Any) -> None:
-        if isinstance(progress, SendProgress):
+        if isinstance(progress, WorkerProgress):
             self._apply(progress)
         self._answer_waiters()
 
-    def _apply(self, progress: SendProgress) -> None:
+    def _apply(self, progress: WorkerProgress) -> None:
         for mig_id, acked in progress.acked.items():
             if (out := self.outgoing.get(mig_id)) is not None:
                 out.acked = acked
@@ -148,13 +169,20 @@ class MigrationScheduler:
         for mig_id in progress.committed:
             if (out := self.outgoing.get(mig_id)) is not None and out.state == "stopped":
                 out.state = "failed_after_stop" if out.error else "done"
+                if out.forgotten:
+                    del self.outgoing[mig_id]
+        self.staged.update(progress.staged)
+        while len(self.staged) > MAX_STAGED_RECORDS:  # loads that never came
+            self.staged.popitem(last=False)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         req_id = request.request_id
         tag = (request.kv_transfer_params or {}).get(wire.TAG)
         if tag and self.by_tag.get(str(tag)) == req_id:
             del self.by_tag[str(tag)]
-        self.incoming.pop(req_id, None)
+        if (incoming := self.incoming.pop(req_id, None)) is not None:
+            self.staged.pop(incoming.mig_id, None)
+        self.load_waits.pop(req_id, None)
         mig_id = self.mig_of_request.pop(req_id, None)
         out = self.outgoing.get(mig_id) if mig_id else None
         if out is None:
@@ -260,11 +288,10 @@ class MigrationScheduler:
         full = request.num_computed_tokens // self.block_size if request else out.scheduled
         return {"ok": True, "pending": max(0, full - out.scheduled), **out.report()}
 
-    def cmd_stop(
-        self, scheduler: Scheduler, engine: Any, mig_id: str
-    ) -> dict[str, Any] | Future[dict[str, Any]]:
-        """Stop the request between steps; its last blocks go out in the next step.
-        Answers once they are through (or failed), with the engine's token ids."""
+    def cmd_stop(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
+        """Stop the request between steps and answer with the engine's token ids at
+        once; its last blocks go out in the next step, while Ferry already starts
+        the continuation (the destination holds it until they land)."""
         from vllm.v1.request import RequestStatus
 
         out = self.outgoing.get(mig_id)
@@ -278,54 +305,45 @@ class MigrationScheduler:
         out.state = "stopping"
         aborted = scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_ABORTED)
         engine._send_abort_outputs(aborted)
-        return self._when(mig_id, "settled", {"token_ids": token_ids, "num_computed": computed})
+        return {"ok": True, "token_ids": token_ids, "num_computed": computed, **out.report()}
 
     def cmd_status(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
+        return self._status(mig_id)
+
+    def _status(self, mig_id: str) -> dict[str, Any]:
         out = self.outgoing.get(mig_id)
         return {"ok": out is not None, **(out.report() if out else {"state": "unknown"})}
 
     def cmd_wait(
-        self, scheduler: Scheduler, engine: Any, mig_id: str, until: str
+        self, scheduler: Scheduler, engine: Any, mig_id: str
     ) -> dict[str, Any] | Future[dict[str, Any]]:
-        """Answer once the ordered copies are through (`until="acked"`) or the
-        stop-and-copy has settled (`until="settled"`), or the migration ended."""
-        return self._when(mig_id, until, {})
-
-    def _when(
-        self, mig_id: str, until: str, extra: dict[str, Any]
-    ) -> dict[str, Any] | Future[dict[str, Any]]:
-        if self._reached(mig_id, until):
-            return self._report(mig_id, extra)
+        """Answer once the copies ordered so far are through, or the migration ended."""
+        if self._stage_done(mig_id):
+            return self._status(mig_id)
         future: Future[dict[str, Any]] = Future()
-        self.waiters.append((mig_id, until, extra, future))
+        self.waiters.append((mig_id, future))
         return future
 
-    def _report(self, mig_id: str, extra: dict[str, Any]) -> dict[str, Any]:
+    def _stage_done(self, mig_id: str) -> bool:
         out = self.outgoing.get(mig_id)
-        report = out.report() if out else {"state": "unknown"}
-        return {**extra, "ok": out is not None, **report}
-
-    def _reached(self, mig_id: str, until: str) -> bool:
-        out = self.outgoing.get(mig_id)
-        if out is None or out.state not in ("copying", "stopped"):
-            return True
-        return out.acked >= out.scheduled if until == "acked" else out.state != "stopped"
+        return out is None or out.state != "copying" or out.acked >= out.scheduled
 
     def _answer_waiters(self) -> None:
         waiting = []
-        for waiter in self.waiters:
-            mig_id, until, extra, future = waiter
-            if self._reached(mig_id, until):
-                future.set_result(self._report(mig_id, extra))
+        for mig_id, future in self.waiters:
+            if self._stage_done(mig_id):
+                future.set_result(self._status(mig_id))
             else:
-                waiting.append(waiter)
+                waiting.append((mig_id, future))
         self.waiters = waiting
 
     def cmd_forget(self, scheduler: Scheduler, engine: Any, mig_id: str) -> dict[str, Any]:
         """Drop a migration record; one still copying is rolled back (the request
         simply runs on here)."""
         out = self.outgoing.get(mig_id)
-        if out is not None and out.state != "stopped":  # stopped: the commit frees it
+        if out is not None and out.state == "stopped":
+            out.forgotten = True  # its commit is still to come: drop it then
+        elif out is not None:
             del self.outgoing[mig_id]
             if out.state != "done":
                 self.orders.cancels.append(mig_id)

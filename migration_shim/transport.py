@@ -171,6 +171,7 @@ class BlockSender:
 class _Staged:
     blocks: dict[int, bytearray] = field(default_factory=dict)
     touched: float = 0.0
+    prefix: int = 0  # blocks 0 .. prefix-1 are all here
 
 
 class BlockReceiver:
@@ -184,6 +185,7 @@ class BlockReceiver:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._staged: dict[str, _Staged] = {}
+        self._arrivals: dict[str, int] = {}  # prefixes grown since take_arrivals()
         self._bytes = 0
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -197,6 +199,12 @@ class BlockReceiver:
                 return {}
             self._bytes -= sum(len(b) for b in staged.blocks.values())
             return staged.blocks
+
+    def take_arrivals(self) -> dict[str, int]:
+        """Migrations whose gap-free prefix of staged blocks grew, and its length."""
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, {}
+        return arrivals
 
     def drop(self, mig_id: str) -> None:
         self.take(mig_id)
@@ -239,6 +247,10 @@ class BlockReceiver:
             self._bytes += len(payload) - (len(old) if old else 0)
             staged.blocks[int(header["index"])] = payload
             staged.touched = now
+            if staged.prefix in staged.blocks:
+                while staged.prefix in staged.blocks:
+                    staged.prefix += 1
+                self._arrivals[str(header["mig"])] = staged.prefix
         return None
 
     def _expire(self, now: float) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from migration_shim.orders import SendProgress, StepOrders
+from migration_shim.orders import StepOrders, WorkerProgress
 from migration_shim.transport import BlockCopy, BlockReceiver, BlockSender, Commit
 
 log = logging.getLogger("ferry.shim")
@@ -45,7 +45,7 @@ class MigrationWorker:
         self.load_errors: set[int] = set()
         self.seen_finished: set[str] = set()
         self.unreported: set[str] = set()  # sent, waiting for vLLM to list it finished
-        self.progress = SendProgress()
+        self.progress = WorkerProgress()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         seen: set[int] = set()
@@ -122,12 +122,11 @@ class MigrationWorker:
         self.seen_finished -= ready
         return (ready or None), None
 
-    def build_worker_meta(self) -> SendProgress | None:
-        progress = self.progress
-        if not (progress.acked or progress.errors or progress.committed):
-            return None
-        self.progress = SendProgress()
-        return progress
+    def build_worker_meta(self) -> WorkerProgress | None:
+        assert self.receiver is not None
+        progress, self.progress = self.progress, WorkerProgress()
+        progress.staged = self.receiver.take_arrivals()
+        return progress or None
 
     # -- destination --------------------------------------------------------------------
     def start_load_kv(self, orders: StepOrders) -> None:

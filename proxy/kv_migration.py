@@ -5,11 +5,13 @@ Ferry only conducts; the instances' migration_shim does the copying (see
 1. the destination reserves blocks for the request (refused: the request stays);
 2. the source pre-copies the request's full KV blocks in stages while it keeps
    decoding, then stops it between two engine steps and sends the rest;
-3. the stream cuts over exactly as in lite mode, but the continuation carries a
-   `LOAD` marker, so the destination loads P + G's KV instead of recomputing it.
-A failure before the stop rolls back: the request never left the source. A
-failure after it (the destination died mid-copy) falls back to lite: the
-stream resumes from P + G by recompute, so no request is lost either way.
+3. the stream cuts over exactly as in lite mode, while the last blocks travel;
+   the continuation carries a `LOAD` marker, so the destination waits for them
+   and loads P + G's KV instead of recomputing it.
+A failure before the stop rolls back: the request never left the source. After
+it, blocks that never land are recomputed by the destination, and a destination
+that died fails the continuation, which resumes elsewhere by recompute (lite):
+no request is lost either way.
 """
 
 from __future__ import annotations
@@ -114,14 +116,14 @@ class KVMigrator:
             self.metrics.kv_migrated_blocks.inc(int(result.get("blocks", 0)))
             self.metrics.kv_precopy_stages.inc(int(result.get("stages", 0)))
             log.info(
-                "request %s: KV moved %s -> %s (%s): %s blocks in %s stages, stop-and-copy %.1f ms",
+                "request %s: KV moving %s -> %s (%s): %s blocks, %s pre-copy stages, stop %.1f ms",
                 state.id,
                 source.name,
                 destination,
                 reason,
                 result.get("blocks"),
                 result.get("stages"),
-                1000 * float(result.get("stop_copy_s", 0)),
+                1000 * float(result.get("stop_s", 0)),
             )
             load = {"mig_id": mig_id, "num_tokens": int(result["num_computed"])}
             return stream.move(destination, reason, load=load)
