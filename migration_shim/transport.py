@@ -62,21 +62,11 @@ class BlockSender:
         self._acked: dict[str, int] = defaultdict(int)
         self._failed: dict[str, str] = {}
         self._sockets: dict[str, socket.socket] = {}
-        self._commits: dict[str, threading.Event] = {}
         self._next_send_at = 0.0
         threading.Thread(target=self._run, name="ferry-shim-sender", daemon=True).start()
 
     def submit(self, job: BlockCopy | Commit) -> None:
-        if isinstance(job, Commit):
-            with self._lock:
-                self._commits[job.mig_id] = threading.Event()
         self._jobs.put(job)
-
-    def wait_committed(self, mig_id: str, timeout: float) -> bool:
-        """Wait (briefly) until a migration's last blocks are through."""
-        with self._lock:
-            event = self._commits.get(mig_id)
-        return event is None or event.wait(timeout)
 
     def cancel(self, mig_id: str) -> None:
         """Send nothing more of a migration that was rolled back or ended."""
@@ -98,9 +88,6 @@ class BlockSender:
                     self._progress.finished_sending.add(job.req_id)
                     self._acked.pop(job.mig_id, None)
                     self._failed.pop(job.mig_id, None)
-                    done = self._commits.pop(job.mig_id, None)
-                if done is not None:
-                    done.set()
                 continue
             if job.mig_id in self._failed:
                 continue  # cancelled, or its channel broke: it sends nothing more

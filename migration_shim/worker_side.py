@@ -27,8 +27,6 @@ from migration_shim.transport import BlockCopy, BlockReceiver, BlockSender, Comm
 
 log = logging.getLogger("ferry.shim")
 
-FINAL_WAIT_S = 0.005
-
 
 class MigrationWorker:
     def __init__(
@@ -98,10 +96,6 @@ class MigrationWorker:
                 )
             if copy.final_req_id is not None:
                 self.sender.submit(Commit(copy.mig_id, copy.final_req_id))
-                # The request is stopped: a small rest goes out within this step, so
-                # the source learns of it now, not a step later. A large one (slow
-                # network) is not worth holding every other request for.
-                self.sender.wait_committed(copy.mig_id, FINAL_WAIT_S)
         for mig_id in orders.drops:
             self.receiver.drop(mig_id)
         for mig_id in orders.cancels:
