@@ -67,6 +67,7 @@ class Incoming:
     mig_id: str
     num_tokens: int  # tokens whose KV is loaded from staging
     local: int  # tokens the local prefix cache already had
+    loaded: bool = False  # staging is used once; after a preemption vLLM recomputes
 
 
 @dataclass
@@ -103,6 +104,8 @@ class MigrationScheduler:
         if not load:
             return 0, False
         mig_id, req_id = str(load["mig_id"]), request.request_id
+        if (incoming := self.incoming.get(req_id)) is not None and incoming.loaded:
+            return 0, False
         # At least one token must be computed here: it yields the next token.
         tokens = min(int(load["num_tokens"]), request.num_tokens - 1)
         landed = self.staged.get(mig_id, 0) * self.block_size >= tokens
@@ -135,6 +138,7 @@ class MigrationScheduler:
         self.orders.loads.append(
             LoadOrder(incoming.mig_id, [(i, ids[i]) for i in range(first, last)])
         )
+        incoming.loaded = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepOrders:
         self._expire_reservations()

@@ -176,7 +176,7 @@ class ResumableStream:
         """Ask this stream to continue elsewhere (ANYWHERE: the policy picks).
         `load`: full mode moved the KV there; the continuation loads it."""
         state = self.state
-        if state.move_to is not None or (state.finished and not self.source_stopped):
+        if state.move_to is not None or state.finished:
             return False
         state.move_to, state.move_reason = destination, reason
         state.kv_load = None if load is None else {**load, "dest": destination}

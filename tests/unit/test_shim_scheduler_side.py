@@ -151,3 +151,12 @@ def _output() -> Any:
         preempted_req_ids: set[str] = set()
 
     return Output()
+
+
+def test_a_continuation_preempted_after_its_load_is_recomputed_without_waiting() -> None:
+    sched = scheduler()
+    request = continuation("m", tokens=200, prompt_len=201)
+    sched.update_connector_output(_progress(staged={"m": 2}))
+    assert sched.get_num_new_matched_tokens(request, 0) == (200, False)
+    sched.update_state_after_alloc(request, FakeBlocks([3, 4]), 200)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # after a preemption
