@@ -125,8 +125,8 @@ def _ended(status: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _until(deadline: float, call: Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    """The engine core answers `wait` and `stop` when the copies are through (no
-    polling); a deadline guards against an engine that never does."""
+    """Await an engine-core answer (`wait` comes when the copies are through: no
+    polling), but never past the migration's deadline."""
     return await asyncio.wait_for(call, max(0.0, deadline - time.monotonic()))
 
 
