@@ -53,16 +53,11 @@ def instance_freeness(
 ) -> float:
     """F = (M - virtual_blocks) / max(B, 1) in blocks per request.
 
-    Over capacity (M < virtual_blocks) the deficit is multiplied by B instead:
-    divided, an overloaded instance with more requests would look *freer* (its
-    deficit spread thinner) and draw still more of a burst, so F would stop
-    falling with load exactly when load matters. With an unknown capacity (M = 0:
-    the engine does not publish its cache size) freeness degrades to -B, i.e.
-    fewest requests first.
+    With an unknown capacity (M = 0: the engine does not publish its cache size)
+    freeness degrades to -B, i.e. fewest requests first.
     """
     if draining:
         return -math.inf
     if capacity_blocks <= 0:
         return -float(batch)
-    free = capacity_blocks - virtual_blocks
-    return free / max(batch, 1) if free >= 0 else free * max(batch, 1)
+    return (capacity_blocks - virtual_blocks) / max(batch, 1)
