@@ -81,6 +81,12 @@ class BlockSender:
 
     def _run(self) -> None:
         while True:
+            if self._failed and self._jobs.empty():
+                # No job of a cancelled or broken migration is left: forget them.
+                with self._lock:
+                    for mig_id in self._failed:
+                        self._acked.pop(mig_id, None)
+                    self._failed.clear()
             job = self._jobs.get()
             if isinstance(job, Commit):
                 with self._lock:
