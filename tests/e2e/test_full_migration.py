@@ -148,15 +148,16 @@ def test_full_move_is_token_exact_and_loads_the_kv(
 
 
 def test_precopy_runs_in_several_stages(full: Any, vllm_pair: list[VLLMServer]) -> None:
-    # A slow channel: new blocks fill while a stage is on the wire.
+    # A slow channel: new blocks fill while a stage is on the wire. Two stages of
+    # ~1.3 s each, moved at 300 of 980 tokens: ~4 s of decoding are left for them.
     proxy = full(
         vllm_pair,
         migration_bandwidth_mb_s=0.4,
         migration_full_last_stage_blocks=0,
-        migration_full_max_stages=4,
+        migration_full_max_stages=2,
     )
-    reference, _, _ = stream_ids(api(proxy.url), False, 850, on_chunk=lambda n: None)
-    ids, _, _ = stream_ids(api(proxy.url), False, 850, on_chunk=once_at(400, drain_source(proxy)))
+    reference, _, _ = stream_ids(api(proxy.url), False, 980, on_chunk=lambda n: None)
+    ids, _, _ = stream_ids(api(proxy.url), False, 980, on_chunk=once_at(300, drain_source(proxy)))
     undrain(proxy)
     assert ids == reference
     assert kv_outcome(proxy, "ok") == 1
