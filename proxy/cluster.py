@@ -154,6 +154,7 @@ class Cluster:
             kv_usage=snap.kv_usage if snap else 0.0,
             engine_running=snap.running if snap else 0,
             engine_waiting=snap.waiting if snap else 0,
+            queued_tokens=self.ledger.queued_tokens(name),
             healthy=state.healthy,
             draining=state.draining,
             models=state.models,

@@ -62,7 +62,13 @@ class ServerConfig:
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
     upstream_connect_timeout_s: float = 3.0
-    upstream_read_timeout_s: float = 600.0  # between two chunks of one response
+    upstream_read_timeout_s: float = 600.0  # a whole (non-streamed) response may take this long
+    # A stream that sends nothing for this long is broken: it resumes elsewhere
+    # (migration on) or ends with an error event. Decode gaps are milliseconds to
+    # a few seconds under preemption; a minute of silence is a hung engine or a
+    # dead peer behind a live socket (or a queue wait no client should sit
+    # through). It counts from the headers, so queueing counts; 0 turns it off.
+    upstream_idle_timeout_s: float = 60.0
     retry_after_s: int = 1  # told to clients with 503
 
 
@@ -195,6 +201,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.max_body_bytes: must be at least 1024")
     if s.upstream_connect_timeout_s <= 0 or s.upstream_read_timeout_s <= 0:
         raise ConfigError("server.upstream_*_timeout_s: must be positive")
+    if s.upstream_idle_timeout_s < 0:
+        raise ConfigError("server.upstream_idle_timeout_s: must be 0 (off) or positive")
 
 
 def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> Any:

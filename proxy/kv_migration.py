@@ -12,24 +12,23 @@ A failure before the stop rolls back: the request never left the source. After
 it, blocks that never land are recomputed by the destination, and a destination
 that died fails the continuation, which resumes elsewhere by recompute (lite):
 no request is lost either way.
+
+This module only talks to the shims; the migrator applies the outcome to the
+stream (see `migrator.Migrator.move`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import aiohttp
+from typing import Any
 
 from migration_shim import wire
-
-if TYPE_CHECKING:
-    from proxy.cluster import Cluster
-    from proxy.metrics import FerryMetrics
-    from proxy.resumable import ResumableStream
+from proxy.cluster import Cluster
+from proxy.metrics import FerryMetrics
+from proxy.upstream import Upstreams
 
 log = logging.getLogger("ferry.migration")
 
@@ -43,72 +42,83 @@ class FullModeSettings:
     timeout_s: float = 120.0
 
 
+@dataclass(frozen=True, slots=True)
+class KVOutcome:
+    """How a full-mode copy ended. `stopped`: the source no longer runs the
+    request, so it must continue somewhere; `load`: the KV staged for it at the
+    destination (None: the continuation recomputes)."""
+
+    stopped: bool
+    load: dict[str, Any] | None = None
+
+
 class KVMigrator:
     def __init__(
         self,
         cluster: Cluster,
-        session: aiohttp.ClientSession,
+        upstreams: Upstreams,
         metrics: FerryMetrics,
         settings: FullModeSettings,
     ) -> None:
         self.cluster = cluster
-        self.session = session
+        self.upstreams = upstreams
         self.metrics = metrics
         self.settings = settings
 
-    def applies(self, stream: ResumableStream, destination: str) -> bool:
-        """Full mode needs the shim on both ends, compatible KV, and a running request."""
-        source = self.cluster.instances[stream.instance]
+    def applies(self, source: str, destination: str) -> bool:
+        """Full mode needs the shim on both ends and compatible KV."""
+        src = self.cluster.instances[source]
         dest = self.cluster.instances.get(destination)
-        if dest is None or source.migration_mode != "full" or dest.migration_mode != "full":
+        if dest is None or src.migration_mode != "full" or dest.migration_mode != "full":
             return False
-        if stream.state.tag is None or stream.state.prompt_ids is None:
-            return False  # not tagged on the source, or nothing generated yet
-        assert source.shim is not None and dest.shim is not None
+        assert src.shim is not None and dest.shim is not None
         # Shapes and instruction set are checked by the shims when their channel opens.
-        mismatch = wire.layout_mismatch(source.shim, dest.shim, wire.INFO_LAYOUT_KEYS)
+        mismatch = wire.layout_mismatch(src.shim, dest.shim, wire.INFO_LAYOUT_KEYS)
         if mismatch is not None:
-            log.info("full migration %s -> %s impossible: %s", source.name, dest.name, mismatch)
+            log.info("full migration %s -> %s impossible: %s", source, destination, mismatch)
         return mismatch is None
 
-    async def move(self, stream: ResumableStream, destination: str, reason: str) -> bool:
-        """Move one stream; False when it stays where it is."""
-        stream.kv_moving = True
-        try:
-            return await self._move(stream, destination, reason)
-        finally:
-            stream.kv_moving = False
-
-    async def _move(self, stream: ResumableStream, destination: str, reason: str) -> bool:
-        state = stream.state
-        source = self.cluster.instances[stream.instance]
+    async def move(
+        self,
+        source: str,
+        destination: str,
+        tag: str,
+        tokens: int,
+        reason: str,
+        expect_stop: Callable[[bool], None],
+    ) -> KVOutcome:
+        """Copy the KV of the request tagged `tag` (`tokens` long) from `source` to
+        `destination`. `expect_stop(True)` is called before the source may stop
+        it, `expect_stop(False)` once it is known not to have."""
         dest = self.cluster.instances[destination]
-        assert dest.shim is not None and state.prompt_ids is not None
+        assert dest.shim is not None
         mig_id = uuid.uuid4().hex
-        tokens = len(state.prompt_ids) + len(state.generated)
         blocks = -(-tokens // int(dest.shim["block_size"])) + 1  # and room to go on
-        reserved = await self._post(
-            dest.url + wire.RESERVE,
+        reserved = await self.upstreams.post_json(
+            destination,
+            wire.RESERVE,
             {"mig_id": mig_id, "num_blocks": blocks, "lease_s": self.settings.reserve_lease_s},
         )
-        if reserved is None or "error" in reserved:
+        if not isinstance(reserved, dict) or "error" in reserved:
             self._count(reason, "destination_full")
             log.info("full migration to %s refused: %s", destination, _why(reserved))
-            return False
-        stream.expect_source_stop()
-        result = await self._post(
-            source.url + wire.MIGRATE,
+            return KVOutcome(stopped=False)
+        expect_stop(True)
+        result = await self.upstreams.post_json(
+            source,
+            wire.MIGRATE,
             {
                 "mig_id": mig_id,
-                "tag": state.tag,
+                "tag": tag,
                 "dest_addr": dest.shim["kv_addr"],
                 "max_stages": self.settings.max_stages,
                 "last_stage_blocks": self.settings.last_stage_blocks,
                 "bandwidth_mb_s": self.settings.bandwidth_mb_s,
                 "timeout_s": self.settings.timeout_s,
             },
-            timeout=self.settings.timeout_s + 10,
+            timeout_s=self.settings.timeout_s + 10,
         )
+        result = result if isinstance(result, dict) else None
         outcome = (result or {}).get("outcome")
         if outcome == wire.STOPPED:
             assert result is not None
@@ -116,55 +126,46 @@ class KVMigrator:
             self.metrics.kv_migrated_blocks.inc(int(result.get("blocks", 0)))
             self.metrics.kv_precopy_stages.inc(int(result.get("stages", 0)))
             log.info(
-                "request %s: KV moving %s -> %s (%s): %s blocks, %s pre-copy stages, stop %.1f ms",
-                state.id,
-                source.name,
+                "KV of %s moving %s -> %s (%s): %s blocks, %s pre-copy stages, stop %.1f ms",
+                tag,
+                source,
                 destination,
                 reason,
                 result.get("blocks"),
                 result.get("stages"),
                 1000 * float(result.get("stop_s", 0)),
             )
-            load = {"mig_id": mig_id, "num_tokens": int(result["num_computed"])}
-            return stream.move(destination, reason, load=load)
-        await self.release(dest.url, mig_id)
+            load = {
+                "mig_id": mig_id,
+                "num_tokens": int(result["num_computed"]),
+                "dest": destination,
+            }
+            return KVOutcome(stopped=True, load=load)
+        await self.release(destination, mig_id)
         if outcome == wire.FAILED_AFTER_STOP:
             # The source has stopped the request: it must continue somewhere.
             self._count(reason, "fell_back_to_lite")
-            log.warning("full migration of %s failed after the stop: %s", state.id, _why(result))
-            return stream.move(destination, reason)
+            log.warning("full migration of %s failed after the stop: %s", tag, _why(result))
+            return KVOutcome(stopped=True)
         if outcome is not None:
             # Known not stopped. With no answer at all it may have been: then an
             # abort from the source still counts as a stop, and the stream resumes.
-            stream.expect_source_stop(False)
+            expect_stop(False)
         self._count(reason, "source_finished" if outcome == wire.SOURCE_FINISHED else "rolled_back")
-        log.info("full migration of %s did not happen: %s", state.id, _why(result))
-        return False
+        log.info("full migration of %s did not happen: %s", tag, _why(result))
+        return KVOutcome(stopped=False)
 
-    async def release(self, url: str, mig_id: str) -> None:
+    async def release(self, instance: str, mig_id: str) -> None:
         """Free a destination's reservation and staged blocks (best effort: both
         also expire on their own)."""
-        await self._post(url + wire.RELEASE, {"mig_id": mig_id})
+        await self.upstreams.post_json(instance, wire.RELEASE, {"mig_id": mig_id})
 
     def _count(self, reason: str, outcome: str) -> None:
         self.metrics.kv_migrations.labels(reason, outcome).inc()
 
-    async def _post(
-        self, url: str, body: dict[str, Any], timeout: float = 10.0
-    ) -> dict[str, Any] | None:
-        try:
-            async with self.session.post(
-                url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as resp:
-                answer = await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            log.warning("POST %s failed: %s: %s", url, type(exc).__name__, exc)
-            return None
-        return answer if isinstance(answer, dict) else None
 
-
-def _why(answer: dict[str, Any] | None) -> str:
-    if answer is None:
+def _why(answer: Any) -> str:
+    if not isinstance(answer, dict):
         return "no answer"
     error = answer.get("error")
     if isinstance(error, dict):

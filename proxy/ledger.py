@@ -7,7 +7,7 @@ scheduler reads it between scrapes, so a burst never piles onto an instance
 whose last scrape looked idle.
 
 `on_change(instance)` fires when something a view depends on changed: a
-request came or went, or one crossed a KV block boundary.
+request came or went, got its first token, or crossed a KV block boundary.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class Ledger:
         # Running totals per instance, so a view is built in O(1), not O(requests).
         self._blocks_total: dict[str, int] = {}
         self._high: dict[str, int] = {}
+        # Prompt tokens of the requests that have no token yet: the prefill still ahead.
+        self._queued_tokens: dict[str, int] = {}
 
     def set_block_size(self, instance: str, block_size: int) -> None:
         if block_size > 0 and self._block_size.get(instance) != block_size:
@@ -58,21 +60,34 @@ class Ledger:
         self._set_blocks(entry, self._blocks(entry))
         if priority is Priority.HIGH:
             self._high[instance] = self._high.get(instance, 0) + 1
+        self._add_queued(entry, prompt_tokens)
         self._on_change(instance)
         return entry
 
     def set_prompt_tokens(self, entry: LedgerEntry, tokens: int) -> None:
+        queued = not entry.generated_tokens and tokens != entry.prompt_tokens
+        if queued:
+            self._add_queued(entry, tokens - entry.prompt_tokens)
         entry.prompt_tokens = tokens
         entry.prompt_exact = True
         self._rebill(entry)
+        if queued and self._live(entry):
+            self._on_change(entry.instance)
 
     def add_generated(self, entry: LedgerEntry, tokens: int) -> None:
+        first = not entry.generated_tokens and tokens > 0
         entry.generated_tokens += tokens
+        if first:
+            self._add_queued(entry, -entry.prompt_tokens)
+            if self._live(entry):
+                self._on_change(entry.instance)
         self._rebill(entry)
 
     def release(self, entry: LedgerEntry) -> None:
         requests = self._by_instance.get(entry.instance)
-        if requests is not None and requests.pop(entry.id, None) is not None:
+        if requests is not None and entry.id in requests:
+            self._add_queued(entry, 0 if entry.generated_tokens else -entry.prompt_tokens)
+            del requests[entry.id]
             self._blocks_total[entry.instance] -= entry.blocks
             if entry.priority is Priority.HIGH:
                 self._high[entry.instance] -= 1
@@ -90,6 +105,18 @@ class Ledger:
 
     def high_priority(self, instance: str) -> int:
         return self._high.get(instance, 0)
+
+    def queued_tokens(self, instance: str) -> int:
+        """Prompt tokens of the instance's requests still waiting for their first token."""
+        return self._queued_tokens.get(instance, 0)
+
+    def _live(self, entry: LedgerEntry) -> bool:
+        return entry.id in self._by_instance.get(entry.instance, {})
+
+    def _add_queued(self, entry: LedgerEntry, tokens: int) -> None:
+        if tokens and self._live(entry):
+            total = self._queued_tokens.get(entry.instance, 0)
+            self._queued_tokens[entry.instance] = total + tokens
 
     def _blocks(self, entry: LedgerEntry) -> int:
         # 16 tokens is vLLM's GPU default, used until the first scrape says otherwise.

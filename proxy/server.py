@@ -22,22 +22,24 @@ from proxy import admin, openai_request
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig
 from proxy.errors import error_response, openai_errors
-from proxy.kv_migration import FullModeSettings
+from proxy.kv_migration import FullModeSettings, KVMigrator
 from proxy.metrics import FerryMetrics
+from proxy.migrator import Migrator
+from proxy.placement import Placement
 from proxy.policy import Priority, UsageSettings, make_policy
 from proxy.policy.migration import MigrationSettings
 from proxy.relay import Relay
 from proxy.rescheduler import Rescheduler
-from proxy.resumable import ANYWHERE
 from proxy.scraper import Scraper
+from proxy.upstream import Upstreams
 
 log = logging.getLogger("ferry")
 
 CLUSTER = web.AppKey("cluster", Cluster)
 METRICS = web.AppKey("metrics", FerryMetrics)
 RELAY = web.AppKey("relay", Relay)
+MIGRATOR = web.AppKey("migrator", Migrator)
 SCRAPER = web.AppKey("scraper", Scraper)
-BACKGROUND = web.AppKey("background", set)  # tasks the app owns (kept referenced)
 
 
 def build_app(config: FerryConfig) -> web.Application:
@@ -51,27 +53,38 @@ def build_app(config: FerryConfig) -> web.Application:
     metrics = FerryMetrics()
     app[CLUSTER] = cluster
     app[METRICS] = metrics
-    app[BACKGROUND] = set()
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: every client stream holds one upstream connection.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             policy_options = {"topk": sched.topk} if sched.policy == "llumnix" else {}
+            policy = make_policy(sched.policy, **policy_options)
+            placement = Placement(cluster, policy, metrics, random.Random(sched.seed))
+            upstreams = Upstreams(cluster, session, config.server)
+            full_mode = FullModeSettings(
+                max_stages=sched.migration_full_max_stages,
+                last_stage_blocks=sched.migration_full_last_stage_blocks,
+                bandwidth_mb_s=sched.migration_bandwidth_mb_s,
+            )
+            migrator = Migrator(
+                cluster,
+                placement,
+                upstreams,
+                KVMigrator(cluster, upstreams, metrics, full_mode),
+                max_concurrent=sched.migration_max_concurrent,
+                prewarm=sched.migration_prewarm,
+            )
+            app[MIGRATOR] = migrator
             app[RELAY] = Relay(
                 cluster,
-                make_policy(sched.policy, **policy_options),
+                placement,
+                upstreams,
+                migrator,
                 metrics,
-                session,
-                config.server,
-                random.Random(sched.seed),
+                time.monotonic,
+                retry_after_s=config.server.retry_after_s,
                 max_resumes=sched.migration_max_resumes,
-                prewarm=sched.migration_prewarm,
-                full_mode=FullModeSettings(
-                    max_stages=sched.migration_full_max_stages,
-                    last_stage_blocks=sched.migration_full_last_stage_blocks,
-                    bandwidth_mb_s=sched.migration_bandwidth_mb_s,
-                ),
             )
             scraper = Scraper(
                 cluster,
@@ -92,15 +105,13 @@ def build_app(config: FerryConfig) -> web.Application:
                     dest_above=sched.migration_dest_above,
                 )
                 rescheduler = Rescheduler(
-                    app[RELAY],
-                    settings,
-                    interval_s=sched.rebalance_interval_s,
-                    max_concurrent=sched.migration_max_concurrent,
+                    cluster, migrator, settings, interval_s=sched.rebalance_interval_s
                 )
                 rescheduler.start()
             yield
             if rescheduler is not None:
                 await rescheduler.stop()
+            await migrator.stop()
             await scraper.stop()
 
     app.cleanup_ctx.append(lifecycle)
@@ -110,19 +121,8 @@ def build_app(config: FerryConfig) -> web.Application:
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
-    admin.add_routes(app, cluster, config.admin_token, lambda name: _migrate_off(app, name))
+    admin.add_routes(app, cluster, config.admin_token, lambda name: app[MIGRATOR].drain(name))
     return app
-
-
-def _migrate_off(app: web.Application, name: str) -> int:
-    """Drain with migration: move every live stream off `name`, in the background."""
-    relay = app[RELAY]
-    streams = relay.streams_on(name)
-    for stream in streams:
-        task = asyncio.create_task(relay.move(stream, ANYWHERE, "drain"))
-        app[BACKGROUND].add(task)
-        task.add_done_callback(app[BACKGROUND].discard)
-    return len(streams)
 
 
 async def _first_look(scraper: Scraper, name: str) -> None:

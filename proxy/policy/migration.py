@@ -12,6 +12,31 @@ A move must pay: the source must be over its capacity (freeness below
 queue or preempt and recompute something there anyway), the destination must
 hold the request with `dest_reserve_blocks` to spare, and after the move the
 destination must still be freer than the source (no ping-pong).
+
+In lite mode a moved running request is not free: the destination prefills its
+prompt + generated tokens again (with pre-warm nearly all of that prefill still
+happens there, only earlier). `recompute_refusal` counts that cost against the
+stall the move saves and against the first-token wait of the destination's queue:
+
+    T       = P + G                                   tokens the destination recomputes
+    cost_s  = T / prefill_tokens_per_s                its prefill time for them
+    B       = the destination's batch (running + queued requests)
+    move only if
+      (1) cost_s * (1 + B) <= preemption_stall_s      the move pays for itself
+      (2) (queued_tokens + T) / prefill_tokens_per_s <= dest_ttft_slack_s
+      (3) the destination's engine queue is one the ledger can size
+
+(1): the prefill holds up every stream on the destination and the moved one by
+about cost_s; together that must stay below the stall of the one preemption the
+move spares the over-capacity source (its victim waits for memory, then
+recomputes). (2): requests queued on the destination, and whoever is dispatched
+there next, wait for its queued prefill plus the recompute; that must fit in the
+slack, so a move never pushes them past their TTFT (with an empty queue it bounds
+the recompute alone). (3): an engine reporting waiting requests while the ledger
+has none queued there (traffic that bypassed Ferry, its own preemptions, a stale
+scrape) has a queue of unknown size: no recompute goes there. Queued requests
+(no KV yet) and full-mode moves (`count_recompute=False`: the KV moves along)
+skip this test.
 """
 
 from __future__ import annotations
@@ -49,6 +74,25 @@ class MigrationSettings:
     dest_reserve_blocks: int = 2  # room left on the destination after the move
     max_per_round: int = 4  # migrations started per plan
     move_running: bool = True  # False: only queued requests move (no migration mode)
+    # Lite mode's cost model (the module docstring gives the formula).
+    count_recompute: bool = True  # False: the KV moves with the request (full mode)
+    # A destination's prefill rate, tokens/s. 10,000 is conservative for a 7-8B model
+    # on one data-center GPU (they prefill several times faster); too low only makes
+    # moves rarer.
+    prefill_tokens_per_s: float = 10_000.0
+    # The stall one preemption costs its victim on an over-capacity source: it waits
+    # for memory, then recomputes. Seconds, typically (bench_scale measures a P99
+    # worst stall of about 2 s without rebalancing).
+    preemption_stall_s: float = 1.0
+    # How much longer a move may make the destination's queued requests (and its next
+    # arrivals) wait for their first token, seconds.
+    dest_ttft_slack_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0 (got {self.prefill_tokens_per_s})")
+        if self.preemption_stall_s < 0 or self.dest_ttft_slack_s < 0:
+            raise ValueError("preemption_stall_s and dest_ttft_slack_s must be >= 0")
 
 
 def sources(view: ClusterView, settings: MigrationSettings) -> list[str]:
@@ -109,10 +153,34 @@ def _pick(
         )
         if dest_after < src_after:
             continue
+        if r.running and settings.count_recompute:
+            if recompute_refusal(r.tokens, dest, settings) is not None:
+                continue
         what = "queued" if not r.running else f"running, {r.priority.name.lower()} priority"
         reason = (
             f"{src.name} freeness {src.freeness:.1f} < {settings.source_below:g}; "
             f"{dest.name} freeness {dest.freeness:.1f}; {what} request of {r.tokens} tokens"
         )
+        if r.running and settings.count_recompute:
+            cost = r.tokens / settings.prefill_tokens_per_s
+            reason += f"; recompute {cost:.3f}s x {dest.batch + 1} streams"
         return Migration(r.id, src.name, dest.name, reason)
+    return None
+
+
+def recompute_refusal(tokens: int, dest: InstanceView, settings: MigrationSettings) -> str | None:
+    """Why recomputing `tokens` (P + G) on `dest` does not pay, or None when it does:
+    conditions (1)-(3) of the module docstring."""
+    rate = settings.prefill_tokens_per_s
+    cost_s = tokens / rate
+    if dest.engine_waiting > 0 and dest.queued_tokens <= 0:
+        return f"{dest.name} queues {dest.engine_waiting} requests of unknown size"
+    if cost_s * (1 + dest.batch) > settings.preemption_stall_s:
+        return (
+            f"recompute {cost_s:.3f}s x {dest.batch + 1} streams > "
+            f"{settings.preemption_stall_s:g}s preemption stall"
+        )
+    wait_s = (dest.queued_tokens + tokens) / rate
+    if wait_s > settings.dest_ttft_slack_s:
+        return f"{dest.name} queue + recompute {wait_s:.3f}s > {settings.dest_ttft_slack_s:g}s"
     return None

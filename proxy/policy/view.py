@@ -52,6 +52,9 @@ class InstanceView:
     kv_usage: float = 0.0  # scraped, 0..1
     engine_running: int = 0
     engine_waiting: int = 0
+    # Tokens of the requests here still waiting for their first token (ledger): the
+    # prefill ahead of the engine. A lite move's continuation counts its P + G here.
+    queued_tokens: int = 0
     healthy: bool = True
     draining: bool = False
     models: frozenset[str] = frozenset()

@@ -47,34 +47,3 @@ def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
     assert out["stream"] and out["return_token_ids"]
     assert out["stream_options"] == {"include_usage": True}
     assert "messages" not in out
-
-
-def test_chat_client_sees_its_own_stream_shape() -> None:
-    origin = cont.Origin("chatcmpl-1", 123, "m", "fp")
-    chunk = {
-        "id": "cmpl-9",
-        "object": "text_completion",
-        "created": 999,
-        "model": "m",
-        "choices": [{"index": 0, "text": " there", "token_ids": [5], "finish_reason": None}],
-    }
-    out = cont.client_chunk(chunk, "chat", origin, wants_ids=False)
-    assert out["id"] == "chatcmpl-1" and out["created"] == 123
-    assert out["object"] == "chat.completion.chunk" and out["system_fingerprint"] == "fp"
-    assert out["choices"][0]["delta"] == {"content": " there"}
-    assert out["choices"][0]["token_ids"] is None
-    done = cont.client_chunk(chunk, "completions", origin, wants_ids=True)
-    assert done["object"] == "text_completion" and done["choices"][0]["token_ids"] == [5]
-    assert cont.usage(10, 5) == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
-
-
-def test_stop_string_across_the_join() -> None:
-    stop = cont.StopAcrossJoin(["END!"], tail="text that ends in EN", include_stop=False)
-    assert stop.feed("D! and more") == ("", "END!")
-    stop = cont.StopAcrossJoin(["END!"], tail="... EN", include_stop=True)
-    assert stop.feed("D! more") == ("D!", "END!")
-    # Entirely after the join: the destination's own check finds it, not us.
-    stop = cont.StopAcrossJoin(["END!"], tail="nothing here", include_stop=False)
-    assert stop.feed("abcEND!") == ("abcEND!", None)
-    assert not stop.active
-    assert cont.stop_strings({"stop": "x"}) == ["x"] and cont.stop_strings({}) == []

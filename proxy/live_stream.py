@@ -1,0 +1,383 @@
+"""A client stream that can move between instances: the owner of one live request.
+
+The relay hands a streamed request on a migration-enabled instance to a
+`LiveStream`. It relays the upstream's events through its `Splicer`, which keeps
+the prompt ids P and the generated ids G. It goes on elsewhere from P + G when
+- the upstream breaks or stalls (failover: the stream resumes by itself), or
+- the migrator orders a move (drain, rebalance, priority; `order_move`).
+A move starts the continuation first and closes the source only once the
+destination has taken over, so a destination that fails costs nothing: the
+source goes on. The stream holds exactly one `Call` at a time (its ledger entry
+and upstream), and closes the last one when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from migration_shim import wire
+from proxy import continuation, sse
+from proxy.metrics import FerryMetrics
+from proxy.placement import Placement
+from proxy.policy import Priority
+from proxy.splicer import MAX_BACKOFF, REPLACEMENT, Join, Splicer, plan_join
+from proxy.upstream import Call, Upstreams
+
+log = logging.getLogger("ferry.migration")
+
+STOPPED_WAIT_S = 30.0  # full mode: how long a stopped source waits for its cut-over
+
+
+@dataclass
+class MoveOrder:
+    destination: str | None  # None: the policy picks
+    reason: str
+    load: dict[str, Any] | None = None  # full mode: KV staged at the destination
+    done: asyncio.Future[bool] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a stream needs of the client's request to start it again anywhere."""
+
+    id: int
+    body: dict[str, Any]
+    endpoint: str  # "chat" | "completions"
+    path: str
+    priority: Priority
+    model: str
+
+
+class LiveStream:
+    def __init__(
+        self,
+        request: Request,
+        call: Call,
+        splicer: Splicer,
+        *,
+        upstreams: Upstreams,
+        placement: Placement,
+        metrics: FerryMetrics,
+        timing: sse.TokenTiming,
+        clock: Callable[[], float],
+        max_resumes: int,
+        tag: str | None,
+    ) -> None:
+        self.request = request
+        self.call = call
+        self.splicer = splicer
+        self.upstreams = upstreams
+        self.placement = placement
+        self.metrics = metrics
+        self.timing = timing
+        self.clock = clock
+        self.max_resumes = max_resumes
+        self.tag = tag  # full mode: how the source's shim finds this request
+        self.resumes = 0
+        self.kv_moving = False  # a full-mode copy is under way (see migrator)
+        self._order: MoveOrder | None = None
+        self._pending = b""  # bytes read from the current upstream, not yet relayed
+        self._pump: asyncio.Task[str] | None = None
+        self._reading = False  # the pump waits for upstream bytes (safe to interrupt)
+        self._ordered = asyncio.Event()
+        self._source_stopped = False  # full mode: the source's shim stopped the request
+
+    @property
+    def instance(self) -> str:
+        return self.call.instance
+
+    @property
+    def movable(self) -> bool:
+        """Not finished, and no move under way."""
+        return self._order is None and not self.splicer.finished and not self.kv_moving
+
+    def order_move(
+        self, destination: str | None, reason: str, load: dict[str, Any] | None = None
+    ) -> asyncio.Future[bool]:
+        """Ask the stream to go on elsewhere; the future says whether it did."""
+        order = MoveOrder(destination, reason, load)
+        if self._order is not None or self.splicer.finished:
+            order.done.set_result(False)
+            return order.done
+        self._order = order
+        self._ordered.set()
+        if self._reading and self._pump is not None:
+            self._pump.cancel()  # it waits for bytes only: nothing is lost
+        return order.done
+
+    def expect_source_stop(self, expected: bool) -> None:
+        self.splicer.expect_source_stop = expected
+
+    # -- driving ------------------------------------------------------------------
+    async def run(self, request: web.Request) -> tuple[web.StreamResponse, str]:
+        response = await sse.open_response(request, self.instance)
+        try:
+            while True:
+                result = await self._relay(response)
+                if result == "done":
+                    await sse.finish(response)
+                    return response, "ok"
+                order, self._order = self._order, None
+                self._ordered.clear()
+                if result == "move":
+                    assert order is not None
+                    moved = await self._cut_over(order, response)
+                    order.done.set_result(moved == "moved")
+                    if moved == "done":
+                        return response, "ok"
+                    if moved == "moved" or not self._source_stopped:
+                        continue
+                    # The source's shim stopped it already: resume like a broken stream.
+                elif order is not None:
+                    order.done.set_result(False)  # broken first: failover takes it over
+                if self.resumes >= self.max_resumes:
+                    await self._fail(response, "too many resumes")
+                    return response, "stream_broken"
+                preferred = order.destination if order is not None else None
+                moved = await self._cut_over(MoveOrder(preferred, "failover"), response)
+                if moved == "done":
+                    return response, "ok"
+                if moved != "moved":
+                    await self._fail(response, "failover: no instance could continue")
+                    return response, "stream_broken"
+        except ConnectionResetError:
+            return response, "client_disconnect"
+        finally:
+            if self._order is not None and not self._order.done.done():
+                self._order.done.set_result(False)
+            self.call.close()
+
+    async def _relay(self, response: web.StreamResponse) -> str:
+        """Relay until the stream ends ("done"), breaks or stalls ("broken"), or a
+        move is ordered ("move"; unread bytes stay buffered for the source)."""
+        self._source_stopped = False
+        self._pump = asyncio.ensure_future(self._pump_events(response))
+        try:
+            result = await self._pump
+        except asyncio.CancelledError:
+            if self._pump.cancelled() and self._order is not None and not _cancelling():
+                result = "move"  # interrupted while waiting for bytes
+            else:
+                self._pump.cancel()
+                raise
+        finally:
+            self._pump = None
+        if result == "stopped":  # the shim stopped it: the cut-over is on its way
+            self._source_stopped = True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ordered.wait(), STOPPED_WAIT_S)
+            result = "move" if self._order is not None else "broken"
+        return result
+
+    async def _pump_events(self, response: web.StreamResponse) -> str:
+        upstream = self.call.response
+        assert upstream is not None
+        splicer = self.splicer
+        try:
+            while True:
+                if b"\n\n" not in self._pending:
+                    if self._order is not None:
+                        return "move"
+                    self._reading = True
+                    try:
+                        data = await upstream.content.readany()
+                    finally:
+                        self._reading = False
+                    if not data:
+                        break
+                    self._pending += data
+                events, self._pending = sse.split(self._pending)
+                out: list[bytes] = []
+                for i, event in enumerate(events):
+                    fed = splicer.feed(event)
+                    self._account(fed)
+                    if fed.stopped_by_source:
+                        self._pending = b""
+                        await self._write(response, out)
+                        return "stopped"
+                    out.append(fed.data)
+                    if fed.finished:
+                        self._pending = b"\n\n".join(events[i + 1 :])
+                        break
+                await self._write(response, out)
+                if splicer.finished:
+                    return "done"
+        except sse.STREAM_ERRORS as exc:
+            log.info("stream %s on %s broke: %s", self.request.id, self.instance, _why(exc))
+        return "done" if splicer.finished else "broken"
+
+    def _account(self, fed: Any) -> None:
+        ledger = self.call.cluster.ledger
+        if fed.prompt_tokens is not None:
+            ledger.set_prompt_tokens(self.call.entry, fed.prompt_tokens)
+        if fed.tokens:
+            ledger.add_generated(self.call.entry, fed.tokens)
+            self.timing.token()
+
+    @staticmethod
+    async def _write(response: web.StreamResponse, out: list[bytes]) -> None:
+        data = b"".join(out)
+        if data:
+            await response.write(data)
+
+    # -- the cut-over ---------------------------------------------------------------
+    async def _cut_over(self, order: MoveOrder, response: web.StreamResponse) -> str:
+        """Start the continuation and switch to it: "moved", "failed" (the stream
+        stays where it is), or "done" (nothing was left to generate)."""
+        splicer = self.splicer
+        source = self.instance
+        if splicer.prompt_ids is None and self.timing.first_token_seen:
+            self.metrics.migrations.labels(order.reason, "no_prompt_ids").inc()
+            return "failed"
+        budget = continuation.max_tokens(self.request.body)
+        if budget is not None and budget - len(splicer.generated) <= 0:
+            splicer.finished = True  # the source had sent its last token
+            await sse.finish(response, sse.DONE)
+            return "done"
+        self.timing.cut()
+        tried = {source}
+        preferred = order.destination
+        for _ in range(2):
+            tokens = splicer.continuation_tokens() or self.call.entry.prompt_tokens
+            dest = self.placement.destination(
+                self.request.model, tokens, self.request.priority, tried, preferred
+            )
+            if dest is None:
+                self.metrics.migrations.labels(order.reason, "no_destination").inc()
+                break
+            tried.add(dest)
+            preferred = None
+            load = order.load if order.load is not None and order.load["dest"] == dest else None
+            if await self._start(dest, load, response):
+                self.metrics.migrations.labels(order.reason, "ok").inc()
+                log.info(
+                    "request %s moved %s -> %s (%s) after %d tokens",
+                    splicer.origin.id if splicer.origin else self.request.id,
+                    source,
+                    dest,
+                    order.reason,
+                    len(splicer.generated),
+                )
+                if order.reason == "failover":
+                    self.resumes += 1
+                return "moved"
+            self.metrics.migrations.labels(order.reason, "destination_failed").inc()
+        self.timing.uncut()
+        return "failed"
+
+    async def _start(
+        self, dest: str, load: dict[str, Any] | None, response: web.StreamResponse
+    ) -> bool:
+        splicer, request = self.splicer, self.request
+        kv_params: dict[str, Any] = {}
+        if self.upstreams.cluster.instances[dest].migration_mode == "full":
+            kv_params[wire.TAG] = uuid.uuid4().hex
+        join: Join | None = None
+        if splicer.prompt_ids is None:
+            # Nothing generated yet (queued, or broken before the first token): start
+            # the original request over; the client sees no seam.
+            path, body = request.path, {**request.body, "return_token_ids": True}
+            tokens = self.call.entry.prompt_tokens
+        else:
+            join = await self._plan_join(dest)
+            path = "/v1/completions"
+            generated = splicer.generated[: join.keep]
+            body = continuation.continuation_body(
+                request.body, splicer.prompt_ids, generated, wants_usage=splicer.wants_usage
+            )
+            tokens = len(splicer.prompt_ids) + len(generated)
+            if load is not None:
+                # The source had the KV of its tokens but the last; the destination
+                # computes at least that one itself.
+                kv_params[wire.LOAD] = {
+                    "mig_id": load["mig_id"],
+                    "num_tokens": min(load["num_tokens"], tokens - 1),
+                }
+        if kv_params:
+            body = {
+                **body,
+                "kv_transfer_params": {**body.get("kv_transfer_params", {}), **kv_params},
+            }
+        call = self.upstreams.begin(dest, request.model, request.priority, tokens, self.clock())
+        try:
+            upstream = await self.upstreams.send(
+                call,
+                "POST",
+                path,
+                sse.dumps(body),
+                stream=True,
+                headers={"Content-Type": "application/json"},
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("continuation on %s failed: %s", dest, _why(exc))
+            await self._release_kv(dest, kv_params)
+            return False
+        if upstream.status != 200:
+            detail = (await upstream.read())[:300]
+            call.close()
+            log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
+            await self._release_kv(dest, kv_params)
+            return False
+        self.call.close()  # vLLM aborts the request on the source
+        self.call = call
+        self._pending = b""
+        self.tag = kv_params.get(wire.TAG)
+        if join is None:
+            splicer.restart()
+            return True
+        held = splicer.join(join)
+        if held:
+            await response.write(held)
+        return True
+
+    async def _plan_join(self, dest: str) -> Join:
+        """Where the continuation starts: the last whole-character boundary of G,
+        found with the destination's `/detokenize` (vLLM's; other engines: here)."""
+        generated = self.splicer.generated
+        texts: list[str | None] = [await self._detokenize(dest, generated)]
+        if texts[0] is not None and texts[0].endswith(REPLACEMENT):
+            backs = range(1, min(MAX_BACKOFF, len(generated)) + 1)
+            texts += await asyncio.gather(
+                *(self._detokenize(dest, generated[:-back]) for back in backs)
+            )
+        return plan_join(generated, self.splicer.sent, texts)
+
+    async def _detokenize(self, dest: str, tokens: list[int]) -> str | None:
+        if not tokens:
+            return ""
+        body = {"model": self.request.model, "tokens": tokens}
+        answer = await self.upstreams.post_json(dest, "/detokenize", body, timeout_s=5)
+        text = answer.get("prompt") if isinstance(answer, dict) else None
+        return text if isinstance(text, str) else None
+
+    async def _release_kv(self, dest: str, kv_params: dict[str, Any]) -> None:
+        """A continuation that did not start frees the KV moved for it at once,
+        rather than when its lease runs out."""
+        if wire.LOAD in kv_params:
+            mig_id = kv_params[wire.LOAD]["mig_id"]
+            await self.upstreams.post_json(dest, wire.RELEASE, {"mig_id": mig_id})
+
+    async def _fail(self, response: web.StreamResponse, why: str) -> None:
+        message = f"stream from {self.instance} broke and could not resume: {why}"
+        await sse.finish(response, sse.error_event(502, message))
+
+
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (Python 3.11+)."""
+    task = asyncio.current_task()
+    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,170 @@
+"""The migrator: the registry of live streams and the one place moves start.
+
+Drain, rebalance and priority ask it to move a stream (`submit`); it runs every
+such move as a task in one bounded set: at most `max_concurrent` at a time, the
+rest wait their turn in order. A move is full mode (KV copied through the shims)
+where both ends run migration_shim, else lite (recompute, after a pre-warm of
+the destination's prefix cache). Failover is the one move that does not queue:
+a stream whose upstream broke resumes at once, by itself (`LiveStream.run`),
+through the same placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from proxy.cluster import Cluster
+from proxy.kv_migration import KVMigrator
+from proxy.live_stream import LiveStream
+from proxy.placement import Placement
+from proxy.policy import InstanceView
+from proxy.policy.migration import RequestLoad
+from proxy.policy.priority import make_room_victim
+from proxy.upstream import Upstreams
+
+log = logging.getLogger("ferry.migration")
+
+
+class Migrator:
+    def __init__(
+        self,
+        cluster: Cluster,
+        placement: Placement,
+        upstreams: Upstreams,
+        kv: KVMigrator,
+        *,
+        max_concurrent: int,
+        prewarm: bool,
+    ) -> None:
+        self.cluster = cluster
+        self.placement = placement
+        self.upstreams = upstreams
+        self.kv = kv
+        self.prewarm = prewarm
+        self.streams: dict[int, LiveStream] = {}
+        self._ids = itertools.count(1)
+        self._slots = asyncio.Semaphore(max(1, max_concurrent))
+        self._max = max(1, max_concurrent)
+        self._moves: set[asyncio.Task[bool]] = set()
+
+    # -- the registry ----------------------------------------------------------------
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def register(self, stream: LiveStream) -> None:
+        self.streams[stream.request.id] = stream
+
+    def unregister(self, stream: LiveStream) -> None:
+        self.streams.pop(stream.request.id, None)
+
+    def streams_on(self, instance: str) -> list[LiveStream]:
+        return [s for s in self.streams.values() if s.instance == instance]
+
+    def candidates(self, instance: str) -> list[RequestLoad]:
+        """The movable streams on `instance`, as the policy core sees requests."""
+        return [
+            RequestLoad(
+                s.request.id,
+                s.splicer.continuation_tokens() or s.call.entry.prompt_tokens,
+                s.request.priority,
+                running=bool(s.splicer.generated),
+            )
+            for s in self.streams_on(instance)
+            if s.movable
+        ]
+
+    # -- starting moves -----------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        """Moves that would start at once (the rescheduler plans no more)."""
+        return max(0, self._max - len(self._moves))
+
+    def submit(self, stream: LiveStream, destination: str | None, reason: str) -> None:
+        task = asyncio.create_task(self._bounded(stream, destination, reason))
+        self._moves.add(task)
+        task.add_done_callback(self._moves.discard)
+
+    def drain(self, instance: str) -> int:
+        """Move every live stream off `instance`; returns how many."""
+        streams = self.streams_on(instance)
+        for stream in streams:
+            self.submit(stream, None, "drain")
+        return len(streams)
+
+    def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
+        """A high-priority request goes to `chosen`: move a lower one off if it
+        does not fit (the decision is the policy core's `make_room_victim`)."""
+        if chosen.name not in self.placement.migration_instances():
+            return False
+        victim = make_room_victim(chosen, blocks_needed, self.candidates(chosen.name))
+        if victim is None:
+            return False
+        self.submit(self.streams[victim], None, "priority")
+        return True
+
+    async def stop(self) -> None:
+        for task in self._moves:
+            task.cancel()
+        await asyncio.gather(*self._moves, return_exceptions=True)
+
+    async def _bounded(self, stream: LiveStream, destination: str | None, reason: str) -> bool:
+        async with self._slots:
+            return await self.move(stream, destination, reason)
+
+    async def move(self, stream: LiveStream, destination: str | None, reason: str) -> bool:
+        """Move one live stream now; False when it stays where it is."""
+        if not stream.movable:
+            return False
+        source = stream.instance
+        if destination is None:  # resolve now, so the destination can be pre-warmed
+            destination = self.placement.destination(
+                stream.request.model,
+                stream.splicer.continuation_tokens() or stream.call.entry.prompt_tokens,
+                stream.request.priority,
+                {source},
+            )
+        if destination is None:
+            return await stream.order_move(None, reason)
+        if stream.tag and stream.splicer.prompt_ids and self.kv.applies(source, destination):
+            return await self._move_kv(stream, source, destination, reason)
+        if self.prewarm:
+            await self._prewarm(stream, destination)
+        return await stream.order_move(destination, reason)
+
+    async def _move_kv(
+        self, stream: LiveStream, source: str, destination: str, reason: str
+    ) -> bool:
+        assert stream.tag is not None
+        stream.kv_moving = True
+        try:
+            outcome = await self.kv.move(
+                source,
+                destination,
+                stream.tag,
+                stream.splicer.continuation_tokens(),
+                reason,
+                stream.expect_source_stop,
+            )
+        finally:
+            stream.kv_moving = False
+        if not outcome.stopped:
+            return False
+        return await stream.order_move(destination, reason, outcome.load)
+
+    async def _prewarm(self, stream: LiveStream, destination: str) -> None:
+        """Lite pre-copy: P + G0 as a one-token request, so the destination's prefix
+        cache holds those blocks while the source keeps decoding."""
+        splicer = stream.splicer
+        if splicer.prompt_ids is None:
+            return
+        body = {
+            "model": stream.request.model,
+            "prompt": splicer.prompt_ids + splicer.generated,
+            "max_tokens": 1,
+        }
+        if "cache_salt" in stream.request.body:
+            body["cache_salt"] = stream.request.body["cache_salt"]
+        # An optimisation only: if it fails, the cut-over recomputes instead.
+        await self.upstreams.post_json(destination, "/v1/completions", body, timeout_s=30)

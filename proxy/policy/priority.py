@@ -1,0 +1,34 @@
+"""Priority: making room for a high-priority request on the instance it was given.
+
+Llumnix reserves headroom for high-priority requests in virtual usage, so
+dispatch already steers them to room. When no instance has room, the request
+still goes to the freest one as a high-priority request sees it; rather than
+let it wait for memory there, one lower-priority stream moves off that instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from proxy.policy.migration import RequestLoad
+from proxy.policy.view import InstanceView, Priority
+
+
+def make_room_victim(
+    chosen: InstanceView, blocks_needed: int, candidates: Sequence[RequestLoad]
+) -> int | None:
+    """The id of the request to move off `chosen` so that a high-priority request
+    of `blocks_needed` KV blocks fits, or None when it fits already, the capacity
+    is unknown, or nothing can move.
+
+    Room is M - V without the high-priority headroom (`freeness_high` x batch).
+    The victim is the lowest-priority, then shortest, movable request below high
+    priority: the cheapest to move and the one that least deserves to stay.
+    """
+    room = chosen.freeness_high * max(chosen.batch, 1)
+    if not chosen.capacity_blocks or room >= blocks_needed:
+        return None
+    victims = [r for r in candidates if r.priority < Priority.HIGH and r.migratable]
+    if not victims:
+        return None
+    return min(victims, key=lambda r: (r.priority, r.tokens, r.id)).id

@@ -1,0 +1,108 @@
+"""Server-sent events, the way both stream paths write them to the client.
+
+One module for what the plain relay and a movable stream share: the upstream
+failures that end a stream, splitting upstream bytes into events, framing,
+finishing a response whose client may be gone, and TTFT/ITL timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.errors import error_body
+from proxy.metrics import FerryMetrics
+
+# Failures that happen before the instance produced anything: safe to retry elsewhere.
+CONNECT_ERRORS = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+)
+# Failures of a response already under way (a dead instance, a stalled one).
+STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def event(obj: Any) -> bytes:
+    """One `data:` event."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def error_event(status: int, message: str) -> bytes:
+    return event(error_body(status, message))
+
+
+def split(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Whole events in `buffer` (without their blank line), and the unfinished rest."""
+    events = []
+    while (cut := buffer.find(b"\n\n")) >= 0:
+        events.append(buffer[:cut])
+        buffer = buffer[cut + 2 :]
+    return events, buffer
+
+
+async def open_response(request: web.Request, instance: str) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "x-ferry-instance": instance,
+        }
+    )
+    await response.prepare(request)
+    return response
+
+
+async def finish(response: web.StreamResponse, data: bytes | None = None) -> None:
+    """Write the last bytes and end a stream whose client may already be gone."""
+    try:
+        if data:
+            await response.write(data)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
+
+
+class TokenTiming:
+    """Records TTFT at the first token and inter-token gaps after it; a move's
+    downtime is the gap from the last token before the cut to the first after."""
+
+    __slots__ = ("metrics", "clock", "arrived", "last", "cut_at")
+
+    def __init__(self, metrics: FerryMetrics, clock: Callable[[], float], arrived: float) -> None:
+        self.metrics, self.clock, self.arrived = metrics, clock, arrived
+        self.last: float | None = None
+        self.cut_at: float | None = None
+
+    @property
+    def first_token_seen(self) -> bool:
+        return self.last is not None
+
+    def cut(self) -> None:
+        """A move starts: the next token's gap is downtime."""
+        self.cut_at = self.last if self.last is not None else self.clock()
+
+    def uncut(self) -> None:
+        self.cut_at = None
+
+    def token(self) -> None:
+        now = self.clock()
+        if self.cut_at is not None:
+            self.metrics.migration_downtime.observe(now - self.cut_at)
+            self.cut_at = None
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.arrived)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now

@@ -1,0 +1,133 @@
+"""Ferry's HTTP client to its instances, and the one place a ledger entry ends.
+
+Every request Ferry sends to an instance on a client's behalf is a `Call`: the
+ledger entry that bills the instance for it and, once connected, the upstream
+response. `Call.close()` closes the response (vLLM aborts a request whose
+connection closes) and releases the entry; it is idempotent, and nothing else
+releases ledger entries. A connect failure marks the instance unreachable until
+a scrape succeeds. Control calls (detokenize, pre-warm, the shim's routes) go
+through `post_json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from proxy import sse
+from proxy.cluster import Cluster
+from proxy.config import ServerConfig
+from proxy.ledger import LedgerEntry
+from proxy.policy import Priority
+
+log = logging.getLogger("ferry.upstream")
+
+
+class Call:
+    """One request on one instance, billed in the ledger until `close()`."""
+
+    __slots__ = ("cluster", "entry", "response", "_closed")
+
+    def __init__(self, cluster: Cluster, entry: LedgerEntry) -> None:
+        self.cluster = cluster
+        self.entry = entry
+        self.response: aiohttp.ClientResponse | None = None
+        self._closed = False
+
+    @property
+    def instance(self) -> str:
+        return self.entry.instance
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.response is not None:
+            self.response.close()  # a no-op after release(); aborts the upstream otherwise
+        self.cluster.ledger.release(self.entry)
+
+
+class Upstreams:
+    def __init__(
+        self, cluster: Cluster, session: aiohttp.ClientSession, server: ServerConfig
+    ) -> None:
+        self.cluster = cluster
+        self.session = session
+        # A whole (non-streamed) response may take as long as its generation.
+        self.whole_timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=server.upstream_connect_timeout_s,
+            sock_read=server.upstream_read_timeout_s,
+        )
+        # A stream that sends nothing for this long is broken (a hung engine, a
+        # dead peer behind a live socket), not slow: it resumes elsewhere.
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=server.upstream_connect_timeout_s,
+            sock_read=server.upstream_idle_timeout_s or server.upstream_read_timeout_s,
+        )
+
+    def url(self, instance: str) -> str:
+        return self.cluster.instances[instance].url
+
+    def begin(
+        self, instance: str, model: str, priority: Priority, prompt_tokens: int, now: float
+    ) -> Call:
+        """Bill `instance` for a request about to be sent (before the connect, so
+        a burst sees it at once)."""
+        return Call(
+            self.cluster, self.cluster.ledger.add(instance, model, priority, prompt_tokens, now)
+        )
+
+    async def send(
+        self,
+        call: Call,
+        method: str,
+        path: str,
+        data: bytes,
+        *,
+        stream: bool,
+        headers: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> aiohttp.ClientResponse:
+        """Send the call's request. A connect failure closes the call, marks the
+        instance unreachable and is raised (one of `sse.CONNECT_ERRORS`); any
+        other failure closes the call and is raised."""
+        try:
+            call.response = await self.session.request(
+                method,
+                self.url(call.instance) + path,
+                data=data,
+                headers=headers,
+                params=params,
+                timeout=self.stream_timeout if stream else self.whole_timeout,
+            )
+        except sse.CONNECT_ERRORS as exc:
+            call.close()
+            self.cluster.mark_unreachable(call.instance, f"{type(exc).__name__}: {exc}")
+            raise
+        except BaseException:
+            call.close()
+            raise
+        return call.response
+
+    async def post_json(
+        self, instance: str, path: str, body: dict[str, Any], timeout_s: float = 10.0
+    ) -> Any:
+        """A control call; its JSON answer, or None when it failed (logged)."""
+        try:
+            async with self.session.post(
+                self.url(instance) + path,
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                if resp.status == 404:
+                    return None
+                return await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.warning("POST %s%s failed: %s: %s", instance, path, type(exc).__name__, exc)
+            return None
