@@ -100,14 +100,14 @@ class LiveStream:
     @property
     def movable(self) -> bool:
         """Not finished, and no move under way."""
-        return self._order is None and not self.splicer.finished and not self.kv_moving
+        return self._order is None and not self.splicer.ended and not self.kv_moving
 
     def order_move(
         self, destination: str | None, reason: str, load: dict[str, Any] | None = None
     ) -> asyncio.Future[bool]:
         """Ask the stream to go on elsewhere; the future says whether it did."""
         order = MoveOrder(destination, reason, load)
-        if self._order is not None or self.splicer.finished:
+        if self._order is not None or self.splicer.ended:
             order.done.set_result(False)
             return order.done
         self._order = order
@@ -241,7 +241,7 @@ class LiveStream:
             self.metrics.migrations.labels(order.reason, "no_prompt_ids").inc()
             return "failed"
         budget = continuation.max_tokens(self.request.body)
-        if budget is not None and budget - len(splicer.generated) <= 0:
+        if splicer.ended or (budget is not None and budget - len(splicer.generated) <= 0):
             splicer.finished = True  # the source had sent its last token
             await sse.finish(response, sse.DONE)
             return "done"

@@ -102,20 +102,21 @@ class StopAcrossJoin:
         return bool(self.stops) and len(self.new) < self.longest
 
     def feed(self, text: str) -> tuple[str, str | None]:
-        """(text to pass on, the stop string hit or None)."""
+        """(text to pass on, the stop string hit or None). Of several, the one
+        that ends first wins, as in vLLM."""
         if not self.active:
             return text, None
         before = len(self.tail) + len(self.new)
         window = self.tail + self.new + text
         self.new += text
-        hit_at, hit = None, None
+        hit_end, hit = None, None
         for stop in self.stops:
             at = window.find(stop, max(0, len(self.tail) - len(stop) + 1))
-            if at != -1 and at < len(self.tail) and (hit_at is None or at < hit_at):
-                hit_at, hit = at, stop
-        if hit is None or hit_at is None:
+            if at != -1 and at < len(self.tail) and (hit_end is None or at + len(stop) < hit_end):
+                hit_end, hit = at + len(stop), stop
+        if hit is None or hit_end is None:
             return text, None
-        end = hit_at + len(hit) if self.include_stop else hit_at
+        end = hit_end if self.include_stop else hit_end - len(hit)
         return window[before:end] if end > before else "", hit
 
 
@@ -150,7 +151,8 @@ class Splicer:
         self.generated: list[int] = []
         self.sent = ""  # all generated text the client has
         self.segment = 0  # 0: the original request; n: the n-th continuation
-        self.finished = False
+        self.finished = False  # the client's stream is over
+        self.ended = False  # the generation is over (a finish reason came); [DONE] may follow
         self.expect_source_stop = False  # full mode: the source's abort is a hand-over
         self._role_sent = False
         self._stopper: StopAcrossJoin | None = None
@@ -176,6 +178,8 @@ class Splicer:
         choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
         if self.expect_source_stop and any(c.get("finish_reason") == "abort" for c in choices):
             return Fed(stopped_by_source=True)
+        if any(c.get("finish_reason") for c in choices):
+            self.ended = True
         if self.segment == 0:
             return self._original(chunk, choices, event)
         return self._continued(chunk, choices)
@@ -228,7 +232,7 @@ class Splicer:
             return Fed()  # only regenerated ids: nothing the client lacks
         data = sse.event(self._client_chunk(choices))
         if hit is not None:  # we end the stream the destination would not have ended
-            self.finished = True
+            self.finished = self.ended = True
             if self.wants_usage:
                 data += self._usage_event()
             return Fed(data + sse.DONE, len(new), finished=True)
@@ -236,8 +240,8 @@ class Splicer:
 
     def _drop_regenerated(self, ids: list[int]) -> list[int]:
         while ids and self._regenerated:
-            # Greedy decoding repeats them exactly; with sampling they may differ,
-            # and the client already has the source's, so the source's count.
+            # Greedy decoding repeats them exactly. With sampling they may differ;
+            # the client has the source's already, and those are what count.
             ids.pop(0)
             self._regenerated.pop(0)
         return ids
@@ -249,26 +253,19 @@ class Splicer:
 
     def join(self, plan: Join) -> bytes:
         """A continuation from P + G[:plan.keep] starts now; returns what the
-        client gets at once (the held text, cut at a stop string if one ends in it)."""
+        client gets at once: the held text. It cannot complete a stop string (the
+        source checked all of its text, held or not); stop strings that start
+        before the join and end after it are checked from here on."""
         assert self.origin is not None and self.prompt_ids is not None
         self.segment += 1
         self.expect_source_stop = False
         self._regenerated = self.generated[plan.keep :]
+        self.sent += plan.held
         self._stopper = StopAcrossJoin(self.stops, self.sent, self.include_stop)
         if not plan.held:
             return b""
-        text, hit = self._stopper.feed(plan.held)
-        self.sent += text
-        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": None}
-        if hit is not None:
-            choice.update(finish_reason="stop", stop_reason=hit)
-        data = sse.event(self._client_chunk([choice]))
-        if hit is not None:
-            self.finished = True
-            if self.wants_usage:
-                data += self._usage_event()
-            data += sse.DONE
-        return data
+        choice = {"index": 0, "text": plan.held, "finish_reason": None}
+        return sse.event(self._client_chunk([choice]))
 
     def continuation_tokens(self) -> int:
         return len(self.prompt_ids or ()) + len(self.generated)

@@ -1,0 +1,263 @@
+"""The pure splicer: a moved stream gives exactly the unmoved run's ids and text.
+
+The engine here is a model of vLLM 0.32's streaming detokenizer, close enough to
+break things the way vLLM does: a byte-level tokenizer whose tokens split
+multi-byte characters, a decode stream primed with the prompt that holds text
+back while a character is incomplete (and, when the prompt itself ends inside a
+character, emits the whole prompt's text with the character's last piece, as
+tokenizers' `DecodeStream(ids=...)` does), and stop strings checked on the new
+text with the last len(stop) - 1 characters held back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.splicer import MAX_BACKOFF, Join, Splicer, StopAcrossJoin, plan_join
+
+REPLACEMENT = "\ufffd"
+
+
+class Vocab:
+    """Token id -> bytes; ids are allocated as pieces are first seen."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.ids: dict[bytes, int] = {}
+
+    def id(self, piece: bytes) -> int:
+        if piece not in self.ids:
+            self.ids[piece] = len(self.pieces)
+            self.pieces.append(piece)
+        return self.ids[piece]
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class DecodeStream:
+    """tokenizers' DecodeStream primed with `prompt`, as vLLM uses it."""
+
+    def __init__(self, vocab: Vocab, prompt: list[int]) -> None:
+        self.vocab, self.ids = vocab, list(prompt)
+        text = vocab.decode(prompt)
+        # A prompt that ends inside a character leaves no clean prefix: the first
+        # text out is then the whole of it (what breaks a naive join).
+        self.prefix = "" if text.endswith(REPLACEMENT) else text
+
+    def step(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.vocab.decode(self.ids)
+        if len(text) > len(self.prefix) and not text.endswith(REPLACEMENT):
+            new, self.prefix = text[len(self.prefix) :], text
+            return new
+        return ""
+
+
+def engine(
+    vocab: Vocab,
+    prompt: list[int],
+    tokens: list[int],
+    stops: list[str],
+    include_stop: bool,
+    *,
+    chat: bool = False,
+    first: bool = True,
+) -> list[bytes]:
+    """vLLM's stream for a request that generates `tokens` (then hits max_tokens)."""
+    stream = DecodeStream(vocab, prompt)
+    out, sent, events = "", 0, []
+    hold = max((len(s) for s in stops), default=1) - 1
+    for n, token in enumerate(tokens):
+        before = len(out)
+        out += stream.step(token)
+        finish = None
+        best = None
+        for stop in stops:
+            at = out.find(stop, max(0, len(out) - (len(out) - before) - len(stop) + 1))
+            if len(out) > before and at != -1 and (best is None or at + len(stop) < best[0]):
+                best = (at + len(stop), stop, at)
+        if best is not None:
+            out = out[: best[0] if include_stop else best[2]]
+            finish = "stop"
+        elif n == len(tokens) - 1:
+            finish = "length"
+        end = len(out) - (0 if finish else hold)
+        text = out[sent:end] if end > sent else ""
+        sent = max(sent, end)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": [token]}
+        chunk: dict[str, Any] = {"id": "cmpl-1", "created": 1, "model": "m"}
+        if chat:
+            chunk["object"] = "chat.completion.chunk"
+            choice["delta"] = {"content": text}
+        else:
+            chunk["object"] = "text_completion"
+            choice["text"] = text
+            choice["prompt_token_ids"] = prompt if n == 0 and first else None
+        chunk["choices"] = [choice]
+        events.append(b"data: " + json.dumps(chunk).encode())
+        if finish:
+            break
+    return events + [b"data: [DONE]"]
+
+
+def client_view(data: bytes) -> tuple[str, list[int], str | None]:
+    text, ids, finish = "", [], None
+    for event in data.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        for choice in json.loads(event[6:])["choices"]:
+            delta = choice.get("delta")
+            text += (delta.get("content") if delta else choice.get("text")) or ""
+            ids += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+    return text, ids, finish
+
+
+def moved(
+    vocab: Vocab,
+    prompt: list[int],
+    tokens: list[int],
+    stops: list[str],
+    include_stop: bool,
+    cut: int,
+    chat: bool,
+) -> bytes:
+    """The client's bytes when the stream moves after `cut` source events."""
+    body = {"stop": stops, "include_stop_str_in_output": include_stop}
+    splicer = Splicer(body, "chat" if chat else "completions", wants_ids=True)
+    source = engine(vocab, prompt, tokens, stops, include_stop, chat=chat)
+    out = b""
+    for event in source[:cut]:
+        out += splicer.feed(event).data
+    if splicer.ended:  # nothing left to move: the source ends the stream
+        return out + b"".join(splicer.feed(event).data for event in source[cut:])
+    if chat:
+        splicer.prompt_ids = prompt  # chat reports them at the top level, role chunk first
+    generated = splicer.generated
+    texts = [vocab.decode(generated[: len(generated) - back]) for back in range(MAX_BACKOFF + 1)]
+    join = plan_join(generated, splicer.sent, texts[: len(generated) + 1])
+    out += splicer.join(join)
+    if splicer.finished:
+        return out
+    rest = tokens[join.keep :]
+    for event in engine(vocab, prompt + generated[: join.keep], rest, stops, include_stop):
+        fed = splicer.feed(event)
+        out += fed.data
+        if fed.finished:
+            break
+    return out
+
+
+# Text that tokenizes into pieces splitting multi-byte characters.
+_CHARS = st.sampled_from(list("ab .,!\n") + list("你好世界日本語") + ["🙂", "🚀", "é", "ß"])
+
+
+@st.composite
+def generation(draw: Any) -> tuple[Vocab, list[int], list[int], list[str], bool, int, bool]:
+    text = "".join(draw(st.lists(_CHARS, min_size=1, max_size=40)))
+    data = text.encode()
+    vocab = Vocab()
+    tokens, at = [], 0
+    while at < len(data):
+        size = draw(st.integers(1, 3))
+        tokens.append(vocab.id(data[at : at + size]))
+        at += size
+    prompt = [vocab.id(b"Q:"), vocab.id(b" ")]
+    stops = draw(st.lists(st.sampled_from(["!", "世界", "a b", "🙂.", "本語!"]), max_size=2))
+    cut = draw(st.integers(1, len(tokens)))
+    return vocab, prompt, tokens, stops, draw(st.booleans()), cut, draw(st.booleans())
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(generation())
+def test_a_moved_stream_is_the_unmoved_stream(
+    case: tuple[Vocab, list[int], list[int], list[str], bool, int, bool],
+) -> None:
+    vocab, prompt, tokens, stops, include_stop, cut, chat = case
+    splicer = Splicer({"stop": stops}, "chat" if chat else "completions", wants_ids=True)
+    unmoved = b"".join(
+        splicer.feed(e).data for e in engine(vocab, prompt, tokens, stops, include_stop, chat=chat)
+    )
+    expected = client_view(unmoved)
+    assert client_view(moved(vocab, prompt, tokens, stops, include_stop, cut, chat)) == expected
+
+
+def test_a_cut_inside_a_character_steps_back_to_its_start() -> None:
+    # "你" is three bytes; the client has "a", the source holds back the rest.
+    texts = ["a" + REPLACEMENT, "a" + REPLACEMENT, "a", "a"]
+    assert plan_join([1, 2, 3], "a", texts) == Join(keep=1, held="")
+    # A whole boundary: the held text is what the source had not sent yet.
+    assert plan_join([1, 2], "a", ["ab!", "a"]) == Join(keep=2, held="b!")
+    # No /detokenize: join where we are, with nothing held.
+    assert plan_join([1, 2], "a", [None]) == Join(keep=2, held="")
+
+
+def test_the_naive_join_is_wrong_in_this_engine_model() -> None:
+    """The model above breaks a join inside a character the way vLLM does (so the
+    property test would catch a splicer that joined there)."""
+    vocab = Vocab()
+    data = "好".encode()
+    prompt = [vocab.id(b"Q")]
+    tokens = [vocab.id(data[:1]), vocab.id(data[1:])]
+    events = engine(vocab, prompt + tokens[:1], tokens[1:], [], False)
+    assert client_view(b"\n\n".join(events))[0] == "Q好"
+
+
+def test_continuation_chunks_take_the_clients_identity_and_shape() -> None:
+    splicer = Splicer({"stream_options": {"include_usage": True}}, "chat", wants_ids=False)
+    role = {"id": "chatcmpl-1", "created": 123, "model": "m", "system_fingerprint": "fp"}
+    role["prompt_token_ids"] = [1, 2, 3]
+    role["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
+    assert splicer.feed(b"data: " + json.dumps(role).encode()).prompt_tokens == 3
+    splicer.join(Join(keep=0, held=""))
+    chunk = {"id": "cmpl-9", "created": 9, "model": "m", "object": "text_completion"}
+    chunk["choices"] = [{"index": 0, "text": " there", "token_ids": [5], "finish_reason": None}]
+    fed = splicer.feed(b"data: " + json.dumps(chunk).encode())
+    out = json.loads(fed.data[6:])
+    assert fed.tokens == 1
+    assert (out["id"], out["created"], out["object"]) == (
+        "chatcmpl-1",
+        123,
+        "chat.completion.chunk",
+    )
+    assert out["system_fingerprint"] == "fp"
+    assert out["choices"][0]["delta"] == {"content": " there"}
+    assert out["choices"][0]["token_ids"] is None
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":1}}'
+    total = json.loads(splicer.feed(usage).data[6:])["usage"]
+    assert total == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+
+def test_a_start_over_does_not_repeat_the_role_chunk() -> None:
+    splicer = Splicer({}, "chat", wants_ids=False)
+    role = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+    assert splicer.feed(role).data
+    splicer.restart()
+    assert splicer.feed(role).data == b""
+
+
+def test_a_full_mode_stop_is_not_relayed() -> None:
+    splicer = Splicer({}, "completions", wants_ids=False)
+    splicer.expect_source_stop = True
+    abort = b'data: {"id":"c","choices":[{"index":0,"text":"","finish_reason":"abort"}]}'
+    fed = splicer.feed(abort)
+    assert fed.stopped_by_source and fed.data == b""
+
+
+def test_stop_string_across_the_join() -> None:
+    stop = StopAcrossJoin(["END!"], tail="text that ends in EN", include_stop=False)
+    assert stop.feed("D! and more") == ("", "END!")
+    stop = StopAcrossJoin(["END!"], tail="... EN", include_stop=True)
+    assert stop.feed("D! more") == ("D!", "END!")
+    # Entirely after the join: the destination's own check finds it, not us.
+    stop = StopAcrossJoin(["END!"], tail="nothing here", include_stop=False)
+    assert stop.feed("abcEND!") == ("abcEND!", None)
+    assert not stop.active
+    # Of two, the one that ends first wins (vLLM's rule).
+    stop = StopAcrossJoin(["XYZwm", "Zw"], tail="..XYZ", include_stop=False)
+    assert stop.feed("wm more") == ("", "Zw")
