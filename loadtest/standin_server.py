@@ -37,6 +37,8 @@ class StandIn:
         self.served = 0
         self.fail_status: int | None = None  # tests: answer every request with this status
         self.break_after: int | None = None  # tests: drop the connection after n tokens
+        self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
+        self.stall_s = 3.0  # ... for this long
         self.seen_bodies: list[dict[str, Any]] = []
 
     def app(self) -> web.Application:
@@ -128,6 +130,8 @@ class StandIn:
                 choice["prompt_token_ids"] = [1, 2, 3] if ids and i == 0 else None
             choice["token_ids"] = [7] if ids else None
             chunk["choices"] = [choice]
+            if self.stall_after is not None and i == self.stall_after:
+                await asyncio.sleep(self.stall_s)  # a hung engine: the socket stays open
             if self.break_after is not None and i == self.break_after:
                 assert request.transport is not None
                 request.transport.abort()  # an instance dying mid-stream

@@ -139,3 +139,44 @@ def test_a_high_priority_request_makes_room_by_moving_a_lower_one(
         t.join(30)
     assert "".join(normal) == " tok" * 120  # both normal streams finished intact
     assert 'ferry_migrations_total{outcome="ok",reason="priority"} 1.0' in metrics(proxy.url)
+
+
+def test_a_stalled_stream_resumes_elsewhere(standins: Any, ferry: Any) -> None:
+    (stalled, a), (_, b) = standins(2, itl_s=0.001)
+    stalled.stall_after = 8
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+        server={"upstream_idle_timeout_s": 0.5},
+    )
+    started = time.monotonic()
+    chunks = list(
+        api(proxy.url).completions.create(model="standin", prompt="hi", max_tokens=30, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == " tok" * 30
+    assert time.monotonic() - started < 10
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+
+
+def test_a_stalled_stream_without_migration_ends_with_an_error_event(
+    standins: Any, ferry: Any
+) -> None:
+    [(stalled, a)] = standins(1, itl_s=0.001)
+    stalled.stall_after = 3
+    proxy = ferry([a.url], server={"upstream_idle_timeout_s": 0.5})
+    with urllib.request.urlopen(
+        urllib.request.Request(
+            proxy.url + "/v1/completions",
+            data=json.dumps(
+                {"model": "standin", "prompt": "x", "max_tokens": 10, "stream": True}
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        ),
+        timeout=10,
+    ) as resp:
+        body = resp.read().decode()
+    events = [e[6:] for e in body.split("\n\n") if e.startswith("data: {")]
+    assert len(events) == 4  # three tokens, then the error
+    error = json.loads(events[-1])["error"]
+    assert "idle timeout" in error["message"] and error["type"] == "upstream_error"
