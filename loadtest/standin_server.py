@@ -40,6 +40,8 @@ class StandIn:
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
         self.seen_bodies: list[dict[str, Any]] = []
+        self.dead = False  # tests: `kill()` was called
+        self._live: set[asyncio.BaseTransport] = set()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -81,7 +83,16 @@ class StandIn:
             }
         )
 
+    def kill(self) -> None:
+        """Tests: die like a process under kill -9: every connection in flight is
+        cut, and every later request is cut before it gets an answer."""
+        self.dead = True
+        for transport in self._live:
+            transport.abort()
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if self.dead and request.transport is not None:
+            request.transport.abort()
         body = await request.json()
         self.seen_bodies.append(body)
         if self.fail_status is not None:
@@ -94,6 +105,9 @@ class StandIn:
         ids = bool(body.get("return_token_ids"))
         self.running += 1
         self.served += 1
+        transport = request.transport
+        if transport is not None:
+            self._live.add(transport)
         try:
             if body.get("stream"):
                 return await self._stream(request, chat, n, ids)
@@ -101,6 +115,7 @@ class StandIn:
             return web.json_response(self._whole(chat, n, ids))
         finally:
             self.running -= 1
+            self._live.discard(transport)  # type: ignore[arg-type]
 
     async def _stream(
         self, request: web.Request, chat: bool, n: int, ids: bool

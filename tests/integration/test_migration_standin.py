@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 import urllib.request
 from typing import Any
 
 import openai
+import pytest
 
 
 def api(url: str) -> openai.OpenAI:
@@ -180,3 +182,36 @@ def test_a_stalled_stream_without_migration_ends_with_an_error_event(
     assert len(events) == 4  # three tokens, then the error
     error = json.loads(events[-1])["error"]
     assert "idle timeout" in error["message"] and error["type"] == "upstream_error"
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_failover_loses_no_stream_whenever_the_instance_dies(
+    trial: int, standins: Any, ferry: Any, loop_thread: Any
+) -> None:
+    """Twenty streams start over a second; the instance dies at a random moment:
+    before some have their first token, as others get it, mid-stream for the rest."""
+    rng = random.Random(trial)
+    (doomed, a), (_, b) = standins(2, itl_s=0.01, ttft_s=0.05)
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def one(delay: float) -> None:
+        time.sleep(delay)
+        try:
+            chunks = api(proxy.url).completions.create(
+                model="standin", prompt="hi", max_tokens=40, stream=True
+            )
+            results.append("".join(c.choices[0].text for c in chunks))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(rng.uniform(0, 1.0),)) for _ in range(20)]
+    for t in threads:
+        t.start()
+    time.sleep(rng.uniform(0.05, 0.9))
+    loop_thread.call(doomed.kill)
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert results == [" tok" * 40] * 20

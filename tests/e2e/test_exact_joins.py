@@ -1,0 +1,195 @@
+"""Moved streams give exactly the unmoved run's ids and text, at random cuts, on real vLLM.
+
+The servers run the CJK test model: a float32 tiny Llama whose byte-level BPE
+tokenizer splits Chinese, Japanese and emoji characters across tokens, so that
+its greedy output has token boundaries inside characters (where vLLM holds text
+back, and where a naive continuation gets its text wrong). Each trial streams
+one request through Ferry, drains its instance with migration at a random
+token count, and compares ids and text with the unmoved run, for completions
+and chat, in lite mode (with and without pre-warm) and in full mode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from loadtest.tiny_model import build_cjk
+from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
+from tests.helpers import free_port
+
+ROOT = Path(__file__).parent.parent.parent
+TOKEN = "joins"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROMPTS = ("负载均衡器把请求", "東京の空は青くて、", "Emoji: 😀🚀 and 调度器")
+MAX_TOKENS = 64
+TRIALS = 12  # per mode; three modes: 36 cuts
+
+
+@pytest.fixture(scope="module")
+def cjk_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
+    model = build_cjk(ROOT / ".ferry" / "tiny-cjk")
+    logs = tmp_path_factory.mktemp("vllm-cjk-logs")
+    servers = [start_vllm(model, free_port(), logs, shim_kv_port=free_port()) for _ in range(2)]
+    try:
+        wait_ready(servers)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+class Cuts(logging.Handler):
+    """The token counts at which Ferry cut streams over, from its log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.search(r"moved .* after (\d+) tokens", record.getMessage())
+        if found:
+            self.seen.append(int(found.group(1)))
+
+
+def stream(url: str, prompt: str, chat: bool, on_tokens: Any = None) -> tuple[list[int], str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    common: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        chunks: Any = client.chat.completions.create(messages=messages, **common)
+    else:
+        chunks = client.completions.create(prompt=prompt, **common)
+    ids: list[int] = []
+    text = ""
+    for chunk in chunks:
+        for choice in chunk.choices:
+            ids += getattr(choice, "token_ids", None) or []
+            text += (choice.delta.content if chat else choice.text) or ""
+        if on_tokens is not None:
+            on_tokens(len(ids))
+    return ids, text
+
+
+def post(url: str) -> Any:
+    request = urllib.request.Request(url, data=b"", method="POST", headers=AUTH)
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return json.load(resp)
+
+
+def detokenize(server: VLLMServer, ids: list[int]) -> str:
+    body = json.dumps({"model": "tiny", "tokens": ids}).encode()
+    request = urllib.request.Request(
+        server.url + "/detokenize", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return str(json.load(resp)["prompt"])
+
+
+def test_the_model_splits_characters_across_tokens(cjk_pair: list[VLLMServer]) -> None:
+    """The case under test occurs: prefixes of the output that end inside a character."""
+    ids, text = stream(cjk_pair[0].url, PROMPTS[0], chat=False)
+    inside = [n for n in range(1, len(ids)) if detokenize(cjk_pair[0], ids[:n]).endswith("\ufffd")]
+    assert len(ids) == MAX_TOKENS and re.search(r"[\u3040-\u30ff\u4e00-\u9fff]", text)
+    assert len(inside) >= 5, inside
+
+
+@pytest.mark.parametrize("mode", ["lite", "lite+prewarm", "full"])
+def test_moved_streams_are_exact_at_random_cuts(
+    mode: str, ferry: Any, cjk_pair: list[VLLMServer]
+) -> None:
+    proxy = ferry(
+        [s.url for s in cjk_pair],
+        instances_migration="full" if mode == "full" else "lite",
+        scheduler={"migration_prewarm": mode == "lite+prewarm"},
+        admin_token=TOKEN,
+    )
+    cuts = Cuts()
+    logging.getLogger("ferry.migration").addHandler(cuts)
+    logging.getLogger("ferry.migration").setLevel(logging.INFO)
+    rng = random.Random(f"cuts-{mode}")
+    reference = {(p, chat): stream(proxy.url, p, chat) for p in PROMPTS for chat in (False, True)}
+    inside = 0
+    try:
+        for trial in range(TRIALS):
+            prompt, chat = rng.choice(PROMPTS), trial % 2 == 1
+            at = rng.randint(1, MAX_TOKENS - 8)
+            fired = threading.Event()
+
+            def drain_at(n: int, at: int = at, fired: threading.Event = fired) -> None:
+                if n >= at and not fired.is_set():
+                    fired.set()
+                    rows = post_get(proxy.url + "/admin/instances")
+                    source = next(r["name"] for r in rows if r["inflight"])
+                    post(f"{proxy.url}/admin/instances/{source}/drain?migrate=true")
+
+            before = len(cuts.seen)
+            ids, text = stream(proxy.url, prompt, chat, on_tokens=drain_at)
+            for name in ("i0", "i1"):
+                post(f"{proxy.url}/admin/instances/{name}/undrain")
+            assert len(cuts.seen) == before + 1, f"trial {trial}: no move"
+            cut = cuts.seen[-1]
+            want_ids, want_text = reference[(prompt, chat)]
+            assert ids == want_ids, f"trial {trial}: ids differ after a cut at {cut}"
+            assert text == want_text, f"trial {trial}: text differs after a cut at {cut}"
+            inside += detokenize(cjk_pair[0], want_ids[:cut]).endswith("\ufffd")
+    finally:
+        logging.getLogger("ferry.migration").removeHandler(cuts)
+    print(f"{mode}: {TRIALS} cuts exact, {inside} of them inside a character")
+    assert inside >= 2, "no cut fell inside a character: the case was not exercised"
+
+
+def test_a_stop_string_across_the_join(ferry: Any, cjk_pair: list[VLLMServer]) -> None:
+    """A stop string that starts before the cut and ends after it ends the stream
+    where the unmoved run ended it."""
+    proxy = ferry([s.url for s in cjk_pair], instances_migration="lite", admin_token=TOKEN)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    _, full_text = stream(proxy.url, PROMPTS[1], chat=False)
+    # A stop string of 3 characters from the middle of the output.
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    common: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": PROMPTS[1],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stop": [stop],
+        "extra_body": {"ignore_eos": True},
+    }
+    want = client.completions.create(**common).choices[0]
+    for at in range(len(want.text) // 3, len(want.text), 3):
+        text, finish = "", None
+        fired = False
+        for chunk in client.completions.create(stream=True, **common):
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+            if len(text) >= at and not fired:
+                fired = True
+                rows = post_get(proxy.url + "/admin/instances")
+                source = next((r["name"] for r in rows if r["inflight"]), None)
+                if source:
+                    post(f"{proxy.url}/admin/instances/{source}/drain?migrate=true")
+        for name in ("i0", "i1"):
+            post(f"{proxy.url}/admin/instances/{name}/undrain")
+        assert (text, finish) == (want.text, want.finish_reason), at
+
+
+def post_get(url: str) -> Any:
+    request = urllib.request.Request(url, headers=AUTH)
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return json.load(resp)
