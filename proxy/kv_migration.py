@@ -39,17 +39,23 @@ class FullModeSettings:
     last_stage_blocks: int = 1
     bandwidth_mb_s: float = 0.0
     reserve_lease_s: float = 30.0
-    timeout_s: float = 120.0
+    # The whole copy, stages and stop; past it the move falls back to lite. KV of
+    # a few thousand tokens copies in milliseconds without a bandwidth cap.
+    timeout_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class KVOutcome:
     """How a full-mode copy ended. `stopped`: the source no longer runs the
     request, so it must continue somewhere; `load`: the KV staged for it at the
-    destination (None: the continuation recomputes)."""
+    destination (None: the continuation recomputes); `finished`: the request
+    ended at the source meanwhile (nothing left to move); `refused`: the
+    destination has no room for it (nor for a recompute)."""
 
     stopped: bool
     load: dict[str, Any] | None = None
+    finished: bool = False
+    refused: bool = False
 
 
 class KVMigrator:
@@ -78,7 +84,7 @@ class KVMigrator:
             log.info("full migration %s -> %s impossible: %s", source, destination, mismatch)
         return mismatch is None
 
-    async def move(
+    async def copy(
         self,
         source: str,
         destination: str,
@@ -102,7 +108,7 @@ class KVMigrator:
         if not isinstance(reserved, dict) or "error" in reserved:
             self._count(reason, "destination_full")
             log.info("full migration to %s refused: %s", destination, _why(reserved))
-            return KVOutcome(stopped=False)
+            return KVOutcome(stopped=False, refused=True)
         expect_stop(True)
         result = await self.upstreams.post_json(
             source,
@@ -151,9 +157,10 @@ class KVMigrator:
             # Known not stopped. With no answer at all it may have been: then an
             # abort from the source still counts as a stop, and the stream resumes.
             expect_stop(False)
-        self._count(reason, "source_finished" if outcome == wire.SOURCE_FINISHED else "rolled_back")
+        finished = outcome == wire.SOURCE_FINISHED
+        self._count(reason, "source_finished" if finished else "rolled_back")
         log.info("full migration of %s did not happen: %s", tag, _why(result))
-        return KVOutcome(stopped=False)
+        return KVOutcome(stopped=False, finished=finished)
 
     async def release(self, instance: str, mig_id: str) -> None:
         """Free a destination's reservation and staged blocks (best effort: both

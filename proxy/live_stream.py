@@ -29,7 +29,7 @@ from proxy import continuation, sse
 from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
 from proxy.policy import Priority
-from proxy.splicer import MAX_BACKOFF, REPLACEMENT, Join, Splicer, plan_join
+from proxy.splicer import MAX_BACKOFF, REPLACEMENT, Fed, Join, Splicer, plan_join
 from proxy.upstream import Call, Upstreams
 
 log = logging.getLogger("ferry.migration")
@@ -199,7 +199,7 @@ class LiveStream:
                     self._pending += data
                 events, self._pending = sse.split(self._pending)
                 out: list[bytes] = []
-                for i, event in enumerate(events):
+                for event in events:
                     fed = splicer.feed(event)
                     self._account(fed)
                     if fed.stopped_by_source:
@@ -208,7 +208,6 @@ class LiveStream:
                         return "stopped"
                     out.append(fed.data)
                     if fed.finished:
-                        self._pending = b"\n\n".join(events[i + 1 :])
                         break
                 await self._write(response, out)
                 if splicer.finished:
@@ -217,7 +216,7 @@ class LiveStream:
             log.info("stream %s on %s broke: %s", self.request.id, self.instance, _why(exc))
         return "done" if splicer.finished else "broken"
 
-    def _account(self, fed: Any) -> None:
+    def _account(self, fed: Fed) -> None:
         ledger = self.call.cluster.ledger
         if fed.prompt_tokens is not None:
             ledger.set_prompt_tokens(self.call.entry, fed.prompt_tokens)
@@ -351,7 +350,7 @@ class LiveStream:
             texts += await asyncio.gather(
                 *(self._detokenize(dest, generated[:-back]) for back in backs)
             )
-        return plan_join(generated, self.splicer.sent, texts)
+        return plan_join(generated, self.splicer.sent, texts, self.splicer.hold)
 
     async def _detokenize(self, dest: str, tokens: list[int]) -> str | None:
         if not tokens:

@@ -4,9 +4,10 @@ Drain, rebalance and priority ask it to move a stream (`submit`); it runs every
 such move as a task in one bounded set: at most `max_concurrent` at a time, the
 rest wait their turn in order. A move is full mode (KV copied through the shims)
 where both ends run migration_shim, else lite (recompute, after a pre-warm of
-the destination's prefix cache). Failover is the one move that does not queue:
-a stream whose upstream broke resumes at once, by itself (`LiveStream.run`),
-through the same placement.
+the destination's prefix cache); a full-mode copy that does not happen falls
+back to lite at once, so a move never waits on a copy that cannot finish.
+Failover is the one move that does not queue: a stream whose upstream broke
+resumes at once, by itself (`LiveStream.run`), through the same placement.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class Migrator:
         assert stream.tag is not None
         stream.kv_moving = True
         try:
-            outcome = await self.kv.move(
+            outcome = await self.kv.copy(
                 source,
                 destination,
                 stream.tag,
@@ -149,8 +150,10 @@ class Migrator:
             )
         finally:
             stream.kv_moving = False
-        if not outcome.stopped:
+        if outcome.finished or outcome.refused:
             return False
+        # Not copied (the request was queued or preempted, the copy failed or
+        # timed out): move it by recompute at once instead.
         return await stream.order_move(destination, reason, outcome.load)
 
     async def _prewarm(self, stream: LiveStream, destination: str) -> None:

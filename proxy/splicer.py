@@ -59,27 +59,35 @@ class Join:
     held: str
 
 
-def plan_join(generated: list[int], sent: str, detokenized: list[str | None]) -> Join:
+def plan_join(generated: list[int], sent: str, detokenized: list[str | None], hold: int) -> Join:
     """Choose the join of a continuation after `generated`, given the text the
-    client has (`sent`) and `detokenized[i]` = the text of generated[:len - i]
-    (None where unknown), i = 0..MAX_BACKOFF.
+    client has (`sent`), `detokenized[i]` = the text of generated[:len - i] (None
+    where unknown), i = 0..MAX_BACKOFF, and `hold`, the characters vLLM holds
+    back for stop strings (the longest stop string's length - 1, or 0).
 
     A prompt that ends inside a character breaks the destination's detokenizer:
     vLLM primes it with the prompt, cannot find a clean prefix, and emits the
     whole prompt's text with the character's first piece. So the join steps back
     to the last token boundary where the text is whole; the destination
-    regenerates the few tokens after it (they hold no text of their own).
+    regenerates the few tokens after it (they hold no text of their own). The
+    source's stream had flushed all text up to that boundary but the `hold`
+    characters kept for stop strings: those are owed to the client.
     """
     for back, text in enumerate(detokenized):
         if text is None:
             break
         if not text.endswith(REPLACEMENT):
-            return Join(len(generated) - back, _unsent(text, sent))
+            return Join(len(generated) - back, _held(text, sent, hold))
     return Join(len(generated), "")  # no whole boundary found: join where we are
 
 
-def _unsent(text: str, sent: str) -> str:
-    return text[len(sent) :] if text.startswith(sent) else ""
+def _held(text: str, sent: str, hold: int) -> str:
+    """The end of `text` the client lacks: at most `hold` characters. (`/detokenize`
+    keeps special tokens that the stream skips; then only the tail is trusted.)"""
+    if hold <= 0 or not text:
+        return ""
+    held = text[len(sent) :] if text.startswith(sent) else ""
+    return held if len(held) <= hold else text[-hold:]
 
 
 class StopAcrossJoin:
@@ -145,6 +153,7 @@ class Splicer:
         self.wants_ids = wants_ids
         self.wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.stops = stop_strings(body)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1  # vLLM's stop buffer
         self.include_stop = bool(body.get("include_stop_str_in_output"))
         self.origin: Origin | None = None
         self.prompt_ids: list[int] | None = None

@@ -140,7 +140,7 @@ def moved(
         splicer.prompt_ids = prompt  # chat reports them at the top level, role chunk first
     generated = splicer.generated
     texts = [vocab.decode(generated[: len(generated) - back]) for back in range(MAX_BACKOFF + 1)]
-    join = plan_join(generated, splicer.sent, texts[: len(generated) + 1])
+    join = plan_join(generated, splicer.sent, texts[: len(generated) + 1], splicer.hold)
     out += splicer.join(join)
     if splicer.finished:
         return out
@@ -190,11 +190,15 @@ def test_a_moved_stream_is_the_unmoved_stream(
 def test_a_cut_inside_a_character_steps_back_to_its_start() -> None:
     # "你" is three bytes; the client has "a", the source holds back the rest.
     texts = ["a" + REPLACEMENT, "a" + REPLACEMENT, "a", "a"]
-    assert plan_join([1, 2, 3], "a", texts) == Join(keep=1, held="")
-    # A whole boundary: the held text is what the source had not sent yet.
-    assert plan_join([1, 2], "a", ["ab!", "a"]) == Join(keep=2, held="b!")
+    assert plan_join([1, 2, 3], "a", texts, hold=0) == Join(keep=1, held="")
+    # A whole boundary: the source still holds back up to `hold` characters for
+    # stop strings, and those are owed.
+    assert plan_join([1, 2], "a", ["ab!", "a"], hold=2) == Join(keep=2, held="b!")
+    assert plan_join([1, 2], "ab!", ["ab!", "a"], hold=0) == Join(keep=2, held="")
+    # Special tokens the stream skipped but /detokenize shows: only the tail counts.
+    assert plan_join([4, 5], "", ["<|x|>ab", "<|x|>"], hold=2) == Join(keep=2, held="ab")
     # No /detokenize: join where we are, with nothing held.
-    assert plan_join([1, 2], "a", [None]) == Join(keep=2, held="")
+    assert plan_join([1, 2], "a", [None], hold=2) == Join(keep=2, held="")
 
 
 def test_the_naive_join_is_wrong_in_this_engine_model() -> None:
