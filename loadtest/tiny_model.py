@@ -6,6 +6,19 @@ weights were trained. The text it writes is gibberish; it is deterministic under
 greedy decoding in float32 (see shared/notes/vllm-cpu-facts.md).
 
     python -m loadtest.tiny_model --out .ferry/tiny-llama
+    python -m loadtest.tiny_model --corpus cjk          # -> .ferry/tiny-cjk
+
+The "cjk" variant trains its byte-level BPE on Chinese, Japanese and emoji text
+as well as English, with a vocabulary small enough that many tokens are pieces
+of a multi-byte UTF-8 character (its lead byte, or its tail plus the next
+character's lead byte). Its greedy output therefore contains token boundaries
+inside characters, where decoding a prefix of the ids ends in U+FFFD and a
+later id completes the character: the case where detokenization has to hold
+text back (and where a continuation's first text can go wrong). Its weights
+get 60 optimizer steps on that text (tens of seconds on a CPU), because random
+weights loop on lone bytes; fitted, it continues the corpus in valid CJK text.
+
+    python -m loadtest.tiny_model --corpus cjk --check 今天天气很好 --check "The quick"
 """
 
 from __future__ import annotations
@@ -29,11 +42,45 @@ Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in prompts, as do questions?
     * 50
 )
 
+# Mixed English / Chinese / Japanese / emoji. Repeated lines make BPE merge
+# frequent byte pairs, many of which sit inside or across multi-byte characters.
+_CJK_LINES = (
+    "负载均衡器把请求分配给多个推理服务器，缓存满了就迁移正在运行的请求。",
+    "今天天气很好，我们去公园散步吧。这只敏捷的棕色狐狸跳过了那只懒狗。",
+    "调度器每隔一段时间检查队列长度、显存占用和抢占次数，然后做出决定。",
+    "東京の空は青くて、桜の花がきれいに咲いています。猫が窓のそばで寝ている。",
+    "ロードバランサーは推論サーバーの前に置かれ、リクエストを振り分けます。",
+    "ひらがなとカタカナと漢字を混ぜて書くのが日本語の特徴です。ありがとう！",
+    "数字 0 1 2 3 4 5 6 7 8 9 十 百 千 万 億、そして質問はありますか？",
+    "Emoji: 😀😃😄😁😆 🚀🔥✨🎉 🐱🐶🦊 ❤️💙💚 👍👎 🍣🍜🍙 ☀️🌧️❄️",
+    "The quick brown fox 🦊 jumps over the lazy dog 🐶 while 调度器 moves work 🚀.",
+    "Requests arrive in bursts 请求突发到达, some are long 長い and some are short 短い.",
+)
+_CJK_CORPUS = "\n".join(_CJK_LINES * 40)
 
-def build(out: Path, *, hidden: int = 256, layers: int = 2, max_positions: int = 2048) -> Path:
-    """Write the model and tokenizer into `out` (idempotent) and return it."""
+# corpus name -> (training text, vocabulary size, default output folder, training steps)
+CORPORA = {
+    "ascii": (_CORPUS, 384, Path(".ferry/tiny-llama"), 0),
+    "cjk": (_CJK_CORPUS, 640, Path(".ferry/tiny-cjk"), 60),
+}
+
+
+def build(
+    out: Path,
+    *,
+    hidden: int = 256,
+    layers: int = 2,
+    max_positions: int = 2048,
+    corpus: str = "ascii",
+) -> Path:
+    """Write the model and tokenizer into `out` (idempotent) and return it.
+
+    `corpus` picks the tokenizer's training text: "ascii" (the default, English
+    only) or "cjk" (adds Chinese, Japanese and emoji; see the module docstring).
+    """
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
+    text, vocab_size, _, train_steps = CORPORA[corpus]
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -44,11 +91,11 @@ def build(out: Path, *, hidden: int = 256, layers: int = 2, max_positions: int =
     tok.decoder = decoders.ByteLevel()
     special = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=384,
+        vocab_size=vocab_size,
         special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    tok.train_from_iterator([text], trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
@@ -71,15 +118,83 @@ def build(out: Path, *, hidden: int = 256, layers: int = 2, max_positions: int =
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
+    if train_steps:
+        _fit(model, fast(text)["input_ids"], train_steps)
     model.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     return out
 
 
+def _fit(model: object, ids: list[int], steps: int, seq: int = 128, batch: int = 16) -> None:
+    """A few optimizer steps of next-token prediction on the corpus.
+
+    Random weights decode greedily into a loop of one or two tokens, mostly lone
+    bytes that never form a character. Briefly fitted, the model continues the
+    corpus instead: valid CJK/emoji text whose characters are split across
+    tokens. Outputs stay deterministic for the saved weights (float32).
+    """
+    import torch
+
+    data = torch.tensor(ids)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)  # type: ignore[attr-defined]
+    model.train()  # type: ignore[attr-defined]
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([data[s : s + seq] for s in starts])
+        loss = model(input_ids=x, labels=x).loss  # type: ignore[operator]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()  # type: ignore[attr-defined]
+
+
+def build_cjk(out: Path = CORPORA["cjk"][2], **kwargs: int) -> Path:
+    """The CJK/emoji variant of `build` (default folder .ferry/tiny-cjk)."""
+    return build(out, corpus="cjk", **kwargs)
+
+
+def split_cuts(model_dir: Path, prompt: str, max_new_tokens: int = 200) -> list[int]:
+    """Greedy-generate with transformers (CPU) and return the cuts k where the
+    text of G[:k] ends inside a character (decodes ending in U+FFFD) and a later
+    token completes it: where a streaming detokenizer holds text back."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tok(prompt)["input_ids"]
+    out = model.generate(  # type: ignore[misc]
+        torch.tensor([ids]),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+    gen = out[0, len(ids) :].tolist()
+    texts = [str(tok.decode(gen[:k])) for k in range(len(gen) + 1)]
+    return [
+        k
+        for k in range(1, len(gen))
+        if texts[k].endswith("\ufffd")
+        and any(
+            len(t) >= len(texts[k]) and t[len(texts[k]) - 1] != "\ufffd" for t in texts[k + 1 :]
+        )
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(".ferry/tiny-llama"))
-    print(build(parser.parse_args().out))
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default="ascii")
+    parser.add_argument("--out", type=Path, help="default: .ferry/tiny-llama, or .ferry/tiny-cjk")
+    parser.add_argument(
+        "--check", metavar="PROMPT", action="append", help="print split_cuts for PROMPT"
+    )
+    args = parser.parse_args()
+    out = build(args.out or CORPORA[args.corpus][2], corpus=args.corpus)
+    print(out)
+    for prompt in args.check or ():
+        cuts = split_cuts(out, prompt)
+        print(f"{prompt!r}: {len(cuts)} cuts inside a character, first {cuts[:15]}")
 
 
 if __name__ == "__main__":

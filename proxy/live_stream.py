@@ -341,16 +341,22 @@ class LiveStream:
         return True
 
     async def _plan_join(self, dest: str) -> Join:
-        """Where the continuation starts: the last whole-character boundary of G,
-        found with the destination's `/detokenize` (vLLM's; other engines: here)."""
-        generated = self.splicer.generated
+        """Where the continuation starts: the last whole-character boundary of G
+        (vLLM's last flush, checked with the destination's `/detokenize` unless
+        certain), and the text the client is owed there."""
+        splicer = self.splicer
+        keep, sure = splicer.join_point()
+        if sure:
+            return Join(keep, "")
+        generated = splicer.generated[:keep]
         texts: list[str | None] = [await self._detokenize(dest, generated)]
         if texts[0] is not None and texts[0].endswith(REPLACEMENT):
+            # The flush was inside a chunk of several tokens: step back to it.
             backs = range(1, min(MAX_BACKOFF, len(generated)) + 1)
             texts += await asyncio.gather(
                 *(self._detokenize(dest, generated[:-back]) for back in backs)
             )
-        return plan_join(generated, self.splicer.sent, texts, self.splicer.hold)
+        return plan_join(generated, splicer.sent, texts, splicer.hold)
 
     async def _detokenize(self, dest: str, tokens: list[int]) -> str | None:
         if not tokens:

@@ -22,7 +22,7 @@ from typing import Any
 from proxy import sse, token_ids
 
 REPLACEMENT = "\ufffd"  # what a detokenizer shows for bytes of an incomplete character
-MAX_BACKOFF = 8  # tokens a join may step back to reach a whole character
+MAX_BACKOFF = 16  # tokens a join may step back to find a whole character
 
 
 @dataclass
@@ -159,6 +159,11 @@ class Splicer:
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
         self.sent = ""  # all generated text the client has
+        # len(generated) after the last chunk that carried text: vLLM's detokenizer
+        # had flushed there, so the text of generated[:flushed] is whole. Sure only
+        # when that chunk carried one token (else the flush may be inside it).
+        self.flushed = 0
+        self.flushed_sure = True
         self.segment = 0  # 0: the original request; n: the n-th continuation
         self.finished = False  # the client's stream is over
         self.ended = False  # the generation is over (a finish reason came); [DONE] may follow
@@ -210,13 +215,14 @@ class Splicer:
                 return Fed(prompt_tokens=reported)  # a start-over repeats it
             self._role_sent = True
         new: list[int] = []
+        texts = ""
         for choice in choices:
             new.extend(choice.get("token_ids") or ())
             delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             if isinstance(text, str):
-                self.sent += text
-        self.generated.extend(new)
+                texts += text
+        self._credit(new, texts)
         # The engine's own bytes: no re-serialization on the hot path.
         data = raw if self.wants_ids else token_ids.hide(raw)
         return Fed(data + b"\n\n", len(new), reported)
@@ -226,6 +232,7 @@ class Splicer:
             return Fed(self._usage_event())
         hit = None
         new: list[int] = []
+        texts = ""
         for choice in choices:
             ids = self._drop_regenerated(list(choice.get("token_ids") or ()))
             new.extend(ids)
@@ -235,8 +242,8 @@ class Splicer:
                 if hit is not None:
                     choice["finish_reason"], choice["stop_reason"] = "stop", hit
             choice["text"], choice["token_ids"] = text, ids
-            self.sent += text
-        self.generated.extend(new)
+            texts += text
+        self._credit(new, texts)
         if not new and not any(c["text"] or c.get("finish_reason") for c in choices):
             return Fed()  # only regenerated ids: nothing the client lacks
         data = sse.event(self._client_chunk(choices))
@@ -246,6 +253,12 @@ class Splicer:
                 data += self._usage_event()
             return Fed(data + sse.DONE, len(new), finished=True)
         return Fed(data, len(new))
+
+    def _credit(self, new: list[int], text: str) -> None:
+        self.generated.extend(new)
+        self.sent += text
+        if text:
+            self.flushed, self.flushed_sure = len(self.generated), len(new) <= 1
 
     def _drop_regenerated(self, ids: list[int]) -> list[int]:
         while ids and self._regenerated:
@@ -269,12 +282,19 @@ class Splicer:
         self.segment += 1
         self.expect_source_stop = False
         self._regenerated = self.generated[plan.keep :]
+        self.flushed = plan.keep
         self.sent += plan.held
         self._stopper = StopAcrossJoin(self.stops, self.sent, self.include_stop)
         if not plan.held:
             return b""
         choice = {"index": 0, "text": plan.held, "finish_reason": None}
         return sse.event(self._client_chunk([choice]))
+
+    def join_point(self) -> tuple[int, bool]:
+        """Where a continuation should start (see `plan_join`), and whether that
+        is certain without asking `/detokenize`: the last flush, sure when it was
+        a one-token chunk and no text is held back for stop strings."""
+        return self.flushed, self.flushed_sure and self.hold == 0
 
     def continuation_tokens(self) -> int:
         return len(self.prompt_ids or ()) + len(self.generated)
