@@ -14,13 +14,8 @@ from typing import Any
 from adapters import EngineSnapshot
 from proxy.config import InstanceConfig
 from proxy.ledger import Ledger
-from proxy.policy import (
-    ClusterView,
-    InstanceView,
-    UsageSettings,
-    instance_freeness,
-    instance_virtual_usage,
-)
+from proxy.policy import ClusterView, InstanceView, UsageSettings
+from proxy.policy.virtual_usage import instance_view
 
 
 @dataclass(slots=True)
@@ -136,21 +131,14 @@ class Cluster:
         snap = state.snapshot
         name = state.name
         inflight = self.ledger.count(name)
-        real = state.external_blocks + self.ledger.blocks(name)
-        high = self.ledger.high_priority(name)
-        virtual = instance_virtual_usage(real, high, self.usage, for_high=False)
-        virtual_high = instance_virtual_usage(real, high, self.usage, for_high=True)
-        batch = inflight + state.external_requests
-        capacity = snap.kv_blocks_total if snap else 0
-        draining = state.draining
-        return InstanceView(
-            name=name,
-            freeness=instance_freeness(capacity, virtual, batch, draining=draining),
-            freeness_high=instance_freeness(capacity, virtual_high, batch, draining=draining),
+        return instance_view(
+            name,
+            capacity_blocks=snap.kv_blocks_total if snap else 0,
+            real_blocks=state.external_blocks + self.ledger.blocks(name),
+            high_priority_requests=self.ledger.high_priority(name),
+            batch=inflight + state.external_requests,
             inflight=inflight,
-            capacity_blocks=capacity,
-            virtual_blocks=virtual,
-            batch=batch,
+            settings=self.usage,
             kv_usage=snap.kv_usage if snap else 0.0,
             engine_running=snap.running if snap else 0,
             engine_waiting=snap.waiting if snap else 0,

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from proxy.policy.view import InstanceView
+
 
 @dataclass(frozen=True, slots=True)
 class UsageSettings:
@@ -61,3 +63,44 @@ def instance_freeness(
     if capacity_blocks <= 0:
         return -float(batch)
     return (capacity_blocks - virtual_blocks) / max(batch, 1)
+
+
+def instance_view(
+    name: str,
+    *,
+    capacity_blocks: int,
+    real_blocks: float,
+    high_priority_requests: int,
+    batch: int,
+    inflight: int,
+    settings: UsageSettings,
+    kv_usage: float = 0.0,
+    engine_running: int = 0,
+    engine_waiting: int = 0,
+    queued_tokens: int = 0,
+    healthy: bool = True,
+    draining: bool = False,
+    models: frozenset[str] = frozenset(),
+) -> InstanceView:
+    """One instance's view from its totals: the proxy (ledger + scrape) and the
+    simulator build their views with this, so both rank instances alike."""
+    virtual = instance_virtual_usage(real_blocks, high_priority_requests, settings, for_high=False)
+    virtual_high = instance_virtual_usage(
+        real_blocks, high_priority_requests, settings, for_high=True
+    )
+    return InstanceView(
+        name=name,
+        freeness=instance_freeness(capacity_blocks, virtual, batch, draining=draining),
+        freeness_high=instance_freeness(capacity_blocks, virtual_high, batch, draining=draining),
+        inflight=inflight,
+        capacity_blocks=capacity_blocks,
+        virtual_blocks=virtual,
+        batch=batch,
+        kv_usage=kv_usage,
+        engine_running=engine_running,
+        engine_waiting=engine_waiting,
+        queued_tokens=queued_tokens,
+        healthy=healthy,
+        draining=draining,
+        models=models,
+    )

@@ -31,7 +31,11 @@ from tests.helpers import free_port
 ROOT = Path(__file__).parent.parent.parent
 TOKEN = "joins"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-PROMPTS = ("负载均衡器把请求", "東京の空は青くて、", "Emoji: 😀🚀 and 调度器")
+PROMPTS = (
+    "今天天气很好，我们去公园散步吧。",
+    "Emoji: 😀🚀🔥",
+    "The quick brown fox jumps over the lazy dog.",
+)
 MAX_TOKENS = 64
 TRIALS = 12  # per mode; three modes: 36 cuts
 MOVE_BOUND_S = 2.0  # drain call to cut-over done, on a busy 2-core machine
