@@ -29,7 +29,7 @@ from proxy import continuation, sse
 from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
 from proxy.policy import Priority
-from proxy.splicer import MAX_BACKOFF, REPLACEMENT, Fed, Join, Splicer, plan_join
+from proxy.splicer import MAX_BACKOFF, Fed, Join, Splicer, plan_join
 from proxy.upstream import Call, Upstreams
 
 log = logging.getLogger("ferry.migration")
@@ -258,7 +258,7 @@ class LiveStream:
             tried.add(dest)
             preferred = None
             load = order.load if order.load is not None and order.load["dest"] == dest else None
-            if await self._start(dest, load, response):
+            if await self._start(dest, load):
                 self.metrics.migrations.labels(order.reason, "ok").inc()
                 log.info(
                     "request %s moved %s -> %s (%s) after %d tokens",
@@ -275,9 +275,7 @@ class LiveStream:
         self.timing.uncut()
         return "failed"
 
-    async def _start(
-        self, dest: str, load: dict[str, Any] | None, response: web.StreamResponse
-    ) -> bool:
+    async def _start(self, dest: str, load: dict[str, Any] | None) -> bool:
         splicer, request = self.splicer, self.request
         kv_params: dict[str, Any] = {}
         if self.upstreams.cluster.instances[dest].migration_mode == "full":
@@ -335,28 +333,24 @@ class LiveStream:
         if join is None:
             splicer.restart()
             return True
-        held = splicer.join(join)
-        if held:
-            await response.write(held)
+        splicer.join(join)
         return True
 
     async def _plan_join(self, dest: str) -> Join:
-        """Where the continuation starts: the last whole-character boundary of G
-        (vLLM's last flush, checked with the destination's `/detokenize` unless
-        certain), and the text the client is owed there."""
+        """Where the continuation starts (see `splicer.Join`): from the stream's
+        own flushes, or, when vLLM merged chunks so that none is near the cut,
+        from the destination's `/detokenize` of the last few prefixes of G."""
         splicer = self.splicer
-        keep, sure = splicer.join_point()
-        if sure:
-            return Join(keep, "")
-        generated = splicer.generated[:keep]
-        texts: list[str | None] = [await self._detokenize(dest, generated)]
-        if texts[0] is not None and texts[0].endswith(REPLACEMENT):
-            # The flush was inside a chunk of several tokens: step back to it.
-            backs = range(1, min(MAX_BACKOFF, len(generated)) + 1)
-            texts += await asyncio.gather(
-                *(self._detokenize(dest, generated[:-back]) for back in backs)
-            )
-        return plan_join(generated, splicer.sent, texts, splicer.hold)
+        join, near = splicer.join_point()
+        if near:
+            return join
+        generated = splicer.generated
+        backs = range(min(MAX_BACKOFF, len(generated) - join.keep) + 1)
+        texts = await asyncio.gather(
+            *(self._detokenize(dest, generated[: len(generated) - back]) for back in backs)
+        )
+        found = plan_join(generated, splicer.sent, list(texts), splicer.hold, splicer.lookback)
+        return found or join
 
     async def _detokenize(self, dest: str, tokens: list[int]) -> str | None:
         if not tokens:

@@ -6,9 +6,8 @@ prompt ids and the ids generated so far). The client must see one stream, the
 one an unmoved run would have given it:
 - the original id, created, model and system fingerprint; chat deltas for a
   chat request; the role chunk once; usage counted once, over all segments;
-- exactly the unmoved run's token ids and text at the join (see `plan_join`);
-- a stop string that starts before the join and ends after it honoured (the
-  destination cannot see text it did not generate).
+- exactly the unmoved run's token ids and text at the join, stop strings that
+  span it included (see `Join`).
 
 Nothing here does I/O: the live stream feeds events and writes what comes out.
 """
@@ -16,13 +15,14 @@ Nothing here does I/O: the live stream feeds events and writes what comes out.
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from proxy import sse, token_ids
 
 REPLACEMENT = "\ufffd"  # what a detokenizer shows for bytes of an incomplete character
-MAX_BACKOFF = 16  # tokens a join may step back to find a whole character
+MAX_BACKOFF = 16  # tokens a join steps back at most before asking /detokenize
 
 
 @dataclass
@@ -48,84 +48,43 @@ class Fed:
 
 @dataclass(frozen=True, slots=True)
 class Join:
-    """Where a continuation starts: P + G[:keep], and the text the client still lacks.
+    """Where a continuation starts: prompt P + G[:keep]. The destination first
+    regenerates G[keep:] (the splicer drops those ids), and the first `skip`
+    characters of its text are text the client already has.
 
-    `held` is text of G[:keep] the source never sent (vLLM holds back the tail of
-    its text while a character is incomplete or a stop string may be forming).
-    The destination regenerates G[keep:] first; the splicer drops those ids.
+    Why not simply P + G: vLLM's detokenizer, primed with a prompt that ends
+    inside a character, emits the whole prompt's text; and a stop string that
+    starts in text the destination sees as its prompt is never found. So the join
+    steps back to a point where vLLM had flushed its text (a whole character), at
+    least `lookback` characters (the longest stop string's, less one) before the
+    end of the text generated so far. The destination sees those characters as
+    its own output again: it holds them back and checks stop strings over them as
+    the unmoved run did, and ends the stream where it would have. It costs a few
+    decode steps on the destination.
     """
 
     keep: int
-    held: str
+    skip: int
 
 
-def plan_join(generated: list[int], sent: str, detokenized: list[str | None], hold: int) -> Join:
-    """Choose the join of a continuation after `generated`, given the text the
-    client has (`sent`), `detokenized[i]` = the text of generated[:len - i] (None
-    where unknown), i = 0..MAX_BACKOFF, and `hold`, the characters vLLM holds
-    back for stop strings (the longest stop string's length - 1, or 0).
-
-    A prompt that ends inside a character breaks the destination's detokenizer:
-    vLLM primes it with the prompt, cannot find a clean prefix, and emits the
-    whole prompt's text with the character's first piece. So the join steps back
-    to the last token boundary where the text is whole; the destination
-    regenerates the few tokens after it (they hold no text of their own). The
-    source's stream had flushed all text up to that boundary but the `hold`
-    characters kept for stop strings: those are owed to the client.
-    """
+def plan_join(
+    generated: list[int], sent: str, detokenized: list[str | None], hold: int, lookback: int
+) -> Join | None:
+    """A join found with `/detokenize`, for when the stream showed no flush near
+    the cut (vLLM merged chunks): `detokenized[i]` is the text of
+    generated[:len - i] (None: unknown), `sent` the text the client has, `hold`
+    what vLLM holds back of its text (`lookback`, or 0 when stop strings are
+    included in the output). None when no point in range will do."""
+    made = len(sent) + hold if sent else 0  # the text vLLM has made so far
     for back, text in enumerate(detokenized):
         if text is None:
-            break
-        if not text.endswith(REPLACEMENT):
-            return Join(len(generated) - back, _held(text, sent, hold))
-    return Join(len(generated), "")  # no whole boundary found: join where we are
-
-
-def _held(text: str, sent: str, hold: int) -> str:
-    """The end of `text` the client lacks: at most `hold` characters. (`/detokenize`
-    keeps special tokens that the stream skips; then only the tail is trusted.)"""
-    if hold <= 0 or not text:
-        return ""
-    held = text[len(sent) :] if text.startswith(sent) else ""
-    return held if len(held) <= hold else text[-hold:]
-
-
-class StopAcrossJoin:
-    """Finds a stop string that starts before the join and ends after it.
-
-    `tail` is the end of the text the client already has. Each piece of new text
-    is checked with the tail in front until the new text alone is as long as the
-    longest stop string; after that the destination's own check suffices.
-    """
-
-    def __init__(self, stops: list[str], tail: str, include_stop: bool) -> None:
-        self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
-        self.tail = tail[-self.longest :] if self.longest else ""
-        self.new = ""
-        self.include_stop = include_stop
-
-    @property
-    def active(self) -> bool:
-        return bool(self.stops) and len(self.new) < self.longest
-
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """(text to pass on, the stop string hit or None). Of several, the one
-        that ends first wins, as in vLLM."""
-        if not self.active:
-            return text, None
-        before = len(self.tail) + len(self.new)
-        window = self.tail + self.new + text
-        self.new += text
-        hit_end, hit = None, None
-        for stop in self.stops:
-            at = window.find(stop, max(0, len(self.tail) - len(stop) + 1))
-            if at != -1 and at < len(self.tail) and (hit_end is None or at + len(stop) < hit_end):
-                hit_end, hit = at + len(stop), stop
-        if hit is None or hit_end is None:
-            return text, None
-        end = hit_end if self.include_stop else hit_end - len(hit)
-        return window[before:end] if end > before else "", hit
+            return None
+        if text.endswith(REPLACEMENT) or len(text) > made - lookback:
+            continue
+        if not sent.startswith(text):  # special tokens: /detokenize shows them
+            return None
+        return Join(len(generated) - back, len(sent) - len(text))
+    return None
 
 
 def stop_strings(body: dict[str, Any]) -> list[str]:
@@ -152,25 +111,25 @@ class Splicer:
         self.endpoint = endpoint  # "chat" | "completions"
         self.wants_ids = wants_ids
         self.wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.stops = stop_strings(body)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1  # vLLM's stop buffer
-        self.include_stop = bool(body.get("include_stop_str_in_output"))
+        # vLLM holds back the last `lookback` characters of its text while a stop
+        # string may be forming, unless stop strings are included in the output.
+        self.lookback = max((len(s) for s in stop_strings(body) if s), default=1) - 1
+        self.hold = 0 if body.get("include_stop_str_in_output") else self.lookback
         self.origin: Origin | None = None
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
         self.sent = ""  # all generated text the client has
-        # len(generated) after the last chunk that carried text: vLLM's detokenizer
-        # had flushed there, so the text of generated[:flushed] is whole. Sure only
-        # when that chunk carried one token (else the flush may be inside it).
-        self.flushed = 0
-        self.flushed_sure = True
+        # (len(generated), len(sent)) after recent one-token chunks with text: vLLM's
+        # detokenizer flushed at that token, so its text there was whole, `hold`
+        # characters longer than what it had sent.
+        self.flushes: deque[tuple[int, int]] = deque(maxlen=256)
         self.segment = 0  # 0: the original request; n: the n-th continuation
         self.finished = False  # the client's stream is over
         self.ended = False  # the generation is over (a finish reason came); [DONE] may follow
         self.expect_source_stop = False  # full mode: the source's abort is a hand-over
         self._role_sent = False
-        self._stopper: StopAcrossJoin | None = None
         self._regenerated: list[int] = []  # ids the destination repeats before new ones
+        self._skip = 0  # characters of the destination's text the client has already
 
     # -- upstream events ---------------------------------------------------------
     def feed(self, event: bytes) -> Fed:
@@ -230,35 +189,26 @@ class Splicer:
     def _continued(self, chunk: dict[str, Any], choices: list[dict[str, Any]]) -> Fed:
         if not choices and "usage" in chunk:  # the continuation's own usage: ours instead
             return Fed(self._usage_event())
-        hit = None
         new: list[int] = []
         texts = ""
         for choice in choices:
             ids = self._drop_regenerated(list(choice.get("token_ids") or ()))
-            new.extend(ids)
             text = choice.get("text") or ""
-            if self._stopper is not None and self._stopper.active:
-                text, hit = self._stopper.feed(text)
-                if hit is not None:
-                    choice["finish_reason"], choice["stop_reason"] = "stop", hit
+            if self._skip:
+                text, self._skip = text[self._skip :], max(0, self._skip - len(text))
             choice["text"], choice["token_ids"] = text, ids
+            new.extend(ids)
             texts += text
         self._credit(new, texts)
         if not new and not any(c["text"] or c.get("finish_reason") for c in choices):
-            return Fed()  # only regenerated ids: nothing the client lacks
-        data = sse.event(self._client_chunk(choices))
-        if hit is not None:  # we end the stream the destination would not have ended
-            self.finished = self.ended = True
-            if self.wants_usage:
-                data += self._usage_event()
-            return Fed(data + sse.DONE, len(new), finished=True)
-        return Fed(data, len(new))
+            return Fed()  # only regenerated tokens: nothing the client lacks
+        return Fed(sse.event(self._client_chunk(choices)), len(new))
 
     def _credit(self, new: list[int], text: str) -> None:
         self.generated.extend(new)
         self.sent += text
-        if text:
-            self.flushed, self.flushed_sure = len(self.generated), len(new) <= 1
+        if text and len(new) == 1:
+            self.flushes.append((len(self.generated), len(self.sent)))
 
     def _drop_regenerated(self, ids: list[int]) -> list[int]:
         while ids and self._regenerated:
@@ -273,28 +223,24 @@ class Splicer:
         """The original request starts over elsewhere (nothing was generated)."""
         self.expect_source_stop = False
 
-    def join(self, plan: Join) -> bytes:
-        """A continuation from P + G[:plan.keep] starts now; returns what the
-        client gets at once: the held text. It cannot complete a stop string (the
-        source checked all of its text, held or not); stop strings that start
-        before the join and end after it are checked from here on."""
+    def join_point(self) -> tuple[Join, bool]:
+        """The join from the stream's own flushes (see `Join`), and whether it is
+        near the cut (within MAX_BACKOFF tokens; else `plan_join` may do better)."""
+        target = len(self.sent) - self.lookback
+        keep, whole = 0, 0  # the start, where the text is empty and whole
+        for tokens, sent in reversed(self.flushes):
+            if sent <= target:
+                keep, whole = tokens, sent + self.hold
+                break
+        return Join(keep, len(self.sent) - whole), len(self.generated) - keep <= MAX_BACKOFF
+
+    def join(self, plan: Join) -> None:
+        """A continuation from P + G[:plan.keep] takes over now."""
         assert self.origin is not None and self.prompt_ids is not None
         self.segment += 1
         self.expect_source_stop = False
         self._regenerated = self.generated[plan.keep :]
-        self.flushed = plan.keep
-        self.sent += plan.held
-        self._stopper = StopAcrossJoin(self.stops, self.sent, self.include_stop)
-        if not plan.held:
-            return b""
-        choice = {"index": 0, "text": plan.held, "finish_reason": None}
-        return sse.event(self._client_chunk([choice]))
-
-    def join_point(self) -> tuple[int, bool]:
-        """Where a continuation should start (see `plan_join`), and whether that
-        is certain without asking `/detokenize`: the last flush, sure when it was
-        a one-token chunk and no text is held back for stop strings."""
-        return self.flushed, self.flushed_sure and self.hold == 0
+        self._skip = plan.skip
 
     def continuation_tokens(self) -> int:
         return len(self.prompt_ids or ()) + len(self.generated)

@@ -140,6 +140,8 @@ def _pick(
         (r for r in candidates if r.running and r.migratable),
         key=lambda r: (r.priority, r.tokens),
     )
+    if settings.count_recompute and not preemption_due(src, running, block_size):
+        running = []  # only queued work makes it over capacity: nothing running is at risk
     for r in queued + (running if settings.move_running else []):
         blocks = request_blocks(r.tokens + 1, block_size)
         room = dest.capacity_blocks - dest.virtual_blocks - settings.dest_reserve_blocks
@@ -166,6 +168,15 @@ def _pick(
             reason += f"; recompute {cost:.3f}s x {dest.batch + 1} streams"
         return Migration(r.id, src.name, dest.name, reason)
     return None
+
+
+def preemption_due(src: InstanceView, running: Sequence[RequestLoad], block_size: int) -> bool:
+    """Whether the source's running requests alone will soon outgrow its KV memory,
+    so that the engine preempts (and later recomputes) one of them: their blocks,
+    plus one more block each (what they need within about `block_size` steps),
+    exceed its capacity. Queued requests (no token yet) hold no KV; they only wait."""
+    queued_blocks = src.queued_tokens / block_size
+    return src.virtual_blocks - queued_blocks + len(running) > src.capacity_blocks
 
 
 def recompute_refusal(tokens: int, dest: InstanceView, settings: MigrationSettings) -> str | None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.splicer import MAX_BACKOFF, Join, Splicer, StopAcrossJoin, plan_join
+from proxy.splicer import MAX_BACKOFF, Join, Splicer, plan_join
 
 REPLACEMENT = "\ufffd"
 
@@ -71,7 +72,7 @@ def engine(
     """vLLM's stream for a request that generates `tokens` (then hits max_tokens)."""
     stream = DecodeStream(vocab, prompt)
     out, sent, events = "", 0, []
-    hold = max((len(s) for s in stops), default=1) - 1
+    hold = 0 if include_stop else max((len(s) for s in stops), default=1) - 1
     for n, token in enumerate(tokens):
         before = len(out)
         out += stream.step(token)
@@ -162,18 +163,17 @@ def moved(
         return out + b"".join(splicer.feed(event).data for event in source[cut:])
     if chat:
         splicer.prompt_ids = prompt  # chat reports them at the top level, role chunk first
-    keep, sure = splicer.join_point()
-    generated = splicer.generated[:keep]
-    texts = [vocab.decode(generated[: len(generated) - back]) for back in range(MAX_BACKOFF + 1)]
-    if sure:
-        join = Join(keep, "")
-    else:
-        join = plan_join(generated, splicer.sent, texts[: len(generated) + 1], splicer.hold)
-    out += splicer.join(join)
-    if splicer.finished:
-        return out
+    join, near = splicer.join_point()
+    if not near:
+        generated = splicer.generated
+        texts = [vocab.decode(generated[: len(generated) - b]) for b in range(MAX_BACKOFF + 1)]
+        texts = texts[: len(generated) - join.keep + 1]
+        found = plan_join(generated, splicer.sent, list(texts), splicer.hold, splicer.lookback)
+        join = found or join
+    splicer.join(join)
     rest = tokens[join.keep :]
-    for event in engine(vocab, prompt + tokens[: join.keep], rest, stops, include_stop):
+    events = engine(vocab, prompt + tokens[: join.keep], rest, stops, include_stop)
+    for event in coalesce(events, sizes):
         fed = splicer.feed(event)
         out += fed.data
         if fed.finished:
@@ -182,7 +182,10 @@ def moved(
 
 
 # Text that tokenizes into pieces splitting multi-byte characters.
-_CHARS = st.sampled_from(list("ab .,!\n") + list("你好世界日本語") + ["🙂", "🚀", "é", "ß"])
+_STOPS = ["!", "世界", "a b", "🙂.", "本語!"]
+_CHARS = st.sampled_from(
+    list("ab .,!\n") + list("你好世界日本語") + ["🙂", "🚀", "é", "ß"] + _STOPS
+)
 
 
 @st.composite
@@ -197,7 +200,7 @@ def generation(draw: Any) -> tuple[Any, ...]:
         tokens.append(vocab.id(data[at : at + size]))
         at += size
     prompt = [vocab.id(b"Q:"), vocab.id(b" ")]
-    stops = draw(st.lists(st.sampled_from(["!", "世界", "a b", "🙂.", "本語!"]), max_size=2))
+    stops = draw(st.lists(st.sampled_from(_STOPS), max_size=2))
     cut = draw(st.integers(1, len(tokens)))
     sizes = draw(st.lists(st.integers(1, 4), max_size=3))  # tokens per source chunk
     return vocab, prompt, tokens, stops, draw(st.booleans()), cut, draw(st.booleans()), sizes
@@ -216,18 +219,34 @@ def test_a_moved_stream_is_the_unmoved_stream(case: tuple[Any, ...]) -> None:
     assert client_view(after) == expected
 
 
-def test_a_cut_inside_a_character_steps_back_to_its_start() -> None:
-    # "你" is three bytes; the client has "a", the source holds back the rest.
+def test_the_join_steps_back_to_a_whole_character_before_any_stop_string() -> None:
+    vocab = Vocab()
+    data = "ab好cd".encode()  # 好 is three bytes
+    tokens = [vocab.id(data[i : i + 1]) for i in range(len(data))]
+    splicer = Splicer({}, "completions", wants_ids=True)
+    for event in engine(vocab, [vocab.id(b"Q")], tokens, [], False)[:4]:  # a b, 2 of 好
+        splicer.feed(event)
+    assert splicer.sent == "ab"
+    assert splicer.join_point() == (Join(keep=2, skip=0), True)
+    # With a stop string of three characters, vLLM holds back two: the join goes
+    # back two more characters, and the destination's first two are the client's.
+    splicer = Splicer({"stop": ["xyz"]}, "completions", wants_ids=True)
+    for event in engine(vocab, [vocab.id(b"Q")], tokens, ["xyz"], False):
+        splicer.feed(event)
+        if len(splicer.generated) == 6:
+            break
+    assert splicer.sent == "ab"  # 好c held back
+    assert splicer.join_point() == (Join(keep=0, skip=2), True)
+
+
+def test_plan_join_from_detokenize() -> None:
     texts = ["a" + REPLACEMENT, "a" + REPLACEMENT, "a", "a"]
-    assert plan_join([1, 2, 3], "a", texts, hold=0) == Join(keep=1, held="")
-    # A whole boundary: the source still holds back up to `hold` characters for
-    # stop strings, and those are owed.
-    assert plan_join([1, 2], "a", ["ab!", "a"], hold=2) == Join(keep=2, held="b!")
-    assert plan_join([1, 2], "ab!", ["ab!", "a"], hold=0) == Join(keep=2, held="")
-    # Special tokens the stream skipped but /detokenize shows: only the tail counts.
-    assert plan_join([4, 5], "", ["<|x|>ab", "<|x|>"], hold=2) == Join(keep=2, held="ab")
-    # No /detokenize: join where we are, with nothing held.
-    assert plan_join([1, 2], "a", [None], hold=2) == Join(keep=2, held="")
+    assert plan_join([1, 2, 3], "a", texts, hold=0, lookback=0) == Join(keep=1, skip=0)
+    # A stop string of 3 characters: two are held back; step back past them.
+    assert plan_join([1, 2, 3], "abcd", ["abcdef", "abcde", "abcd"], 2, 2) == Join(1, 0)
+    # Special tokens the stream skipped but /detokenize shows: no usable point.
+    assert plan_join([4, 5], "ab", ["<|x|>ab", "<|x|>a"], hold=0, lookback=0) is None
+    assert plan_join([1, 2], "a", [None], hold=2, lookback=2) is None
 
 
 def test_the_naive_join_is_wrong_in_this_engine_model() -> None:
@@ -247,7 +266,7 @@ def test_continuation_chunks_take_the_clients_identity_and_shape() -> None:
     role["prompt_token_ids"] = [1, 2, 3]
     role["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
     assert splicer.feed(b"data: " + json.dumps(role).encode()).prompt_tokens == 3
-    splicer.join(Join(keep=0, held=""))
+    splicer.join(Join(keep=0, skip=0))
     chunk = {"id": "cmpl-9", "created": 9, "model": "m", "object": "text_completion"}
     chunk["choices"] = [{"index": 0, "text": " there", "token_ids": [5], "finish_reason": None}]
     fed = splicer.feed(b"data: " + json.dumps(chunk).encode())
@@ -282,15 +301,19 @@ def test_a_full_mode_stop_is_not_relayed() -> None:
     assert fed.stopped_by_source and fed.data == b""
 
 
-def test_stop_string_across_the_join() -> None:
-    stop = StopAcrossJoin(["END!"], tail="text that ends in EN", include_stop=False)
-    assert stop.feed("D! and more") == ("", "END!")
-    stop = StopAcrossJoin(["END!"], tail="... EN", include_stop=True)
-    assert stop.feed("D! more") == ("D!", "END!")
-    # Entirely after the join: the destination's own check finds it, not us.
-    stop = StopAcrossJoin(["END!"], tail="nothing here", include_stop=False)
-    assert stop.feed("abcEND!") == ("abcEND!", None)
-    assert not stop.active
-    # Of two, the one that ends first wins (vLLM's rule).
-    stop = StopAcrossJoin(["XYZwm", "Zw"], tail="..XYZ", include_stop=False)
-    assert stop.feed("wm more") == ("", "Zw")
+@pytest.mark.parametrize("cut", range(1, 7))
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_string_across_the_join_ends_the_stream_where_it_would_have(
+    cut: int, include_stop: bool
+) -> None:
+    vocab = Vocab()
+    prompt = [vocab.id(b"Q")]
+    tokens = [vocab.id(c.encode()) for c in "ab世界cdef"]
+    stops = ["世界", "xyzw"]
+    splicer = Splicer({"stop": stops}, "completions", wants_ids=True)
+    unmoved = b"".join(
+        splicer.feed(e).data for e in engine(vocab, prompt, tokens, stops, include_stop)
+    )
+    want = ("ab世界" if include_stop else "ab", [1, 2, 3, 4], "stop")
+    assert client_view(unmoved) == want
+    assert client_view(moved(vocab, prompt, tokens, stops, include_stop, cut, False, [])) == want
