@@ -79,7 +79,13 @@ def plan_join(
     for back, text in enumerate(detokenized):
         if text is None:
             return None
-        if text.endswith(REPLACEMENT) or len(text) > made - lookback:
+        if text.endswith(REPLACEMENT):
+            continue
+        if not lookback:
+            # No stop strings: vLLM had sent all text up to the last whole point.
+            # (Lengths are not compared: /detokenize shows special tokens.)
+            return Join(len(generated) - back, 0)
+        if len(text) > made - lookback:
             continue
         if not sent.startswith(text):  # special tokens: /detokenize shows them
             return None

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from loadtest.paged_standin import DEFAULT_PROFILE, PagedStandIn
 from loadtest.standin_server import StandIn
 from tests.helpers import Ferry, LoopThread, Site, ferry_config, start_site
 
@@ -26,6 +28,29 @@ def standins(loop_thread: LoopThread) -> Iterator[Callable[..., list[tuple[Stand
         for _ in range(n):
             standin = StandIn(**options)
             site = loop_thread.run(start_site(standin.app()))
+            started.append(site)
+            result.append((standin, site))
+        return result
+
+    yield make
+    for site in started:
+        loop_thread.run(site.runner.cleanup())
+
+
+@pytest.fixture
+def paged_standins(
+    loop_thread: LoopThread,
+) -> Iterator[Callable[..., list[tuple[PagedStandIn, Site]]]]:
+    """Factory: start n paged-KV stand-in engines (not vLLM); other options override
+    the fields of their `loadtest.sim.profile.Profile`."""
+    started: list[Site] = []
+
+    def make(n: int, stream_interval: int = 1, **profile: Any) -> list[tuple[PagedStandIn, Site]]:
+        result = []
+        for _ in range(n):
+            engine = dataclasses.replace(DEFAULT_PROFILE, **profile)
+            standin = PagedStandIn(engine, stream_interval=stream_interval)
+            site = loop_thread.run(start_site(standin.app(), handler_cancellation=True))
             started.append(site)
             result.append((standin, site))
         return result

@@ -8,8 +8,10 @@ not fit blocks the queue, as in vLLM); the step takes `profile.step_time` of
 its tokens; at its end every request in it has one more token.
 
 Invariant: a running request holds blocks for tokens + 1 (its next token).
-The instance also keeps the totals the proxy's ledger would: requests assigned
-and their blocks (prompt + generated), so views are built in O(1).
+The instance also keeps the totals the proxy's ledger would: requests assigned,
+their blocks (prompt + generated), and the tokens of those still waiting for
+their first token here (a lite move's continuation counts its P + G), so views
+are built in O(1). Each request records its worst gap between two tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ class SimRequest:
         "cut_to",
         "migrations",
         "demand",
+        "queued",
         "klass",
+        "last_token",
+        "worst_gap",
     )
 
     def __init__(
@@ -69,6 +74,9 @@ class SimRequest:
         self.cut_to: tuple[str, Instance, int] | None = None
         self.migrations = 0
         self.demand = 0  # blocks counted in its instance's ledger total
+        self.queued = 0  # tokens counted in its instance's queued total (no token there yet)
+        self.last_token: float | None = None  # when the previous token was produced
+        self.worst_gap = 0.0  # longest wait between two of its tokens, seconds
 
     @property
     def tokens(self) -> int:
@@ -92,6 +100,7 @@ class Instance:
         self.count = 0
         self.demand = 0
         self.high = 0
+        self.queued_tokens = 0
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.bs)
@@ -102,12 +111,16 @@ class Instance:
         r.demand = self.blocks_for(r.tokens)
         self.count += 1
         self.demand += r.demand
+        r.queued = r.tokens
+        self.queued_tokens += r.queued
         if r.priority is Priority.HIGH:
             self.high += 1
 
     def unassign(self, r: SimRequest) -> None:
         self.count -= 1
         self.demand -= r.demand
+        self.queued_tokens -= r.queued
+        r.queued = 0
         if r.priority is Priority.HIGH:
             self.high -= 1
         r.instance = None
@@ -216,6 +229,12 @@ class Instance:
             r.generated += 1
             if r.first_token is None:
                 r.first_token = now + self.profile.request_overhead_s
+            elif r.last_token is not None:
+                r.worst_gap = max(r.worst_gap, now - r.last_token)
+            r.last_token = now
+            if r.queued:
+                self.queued_tokens -= r.queued
+                r.queued = 0
             demand = self.blocks_for(r.tokens)
             if demand != r.demand:
                 self.demand += demand - r.demand

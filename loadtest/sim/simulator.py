@@ -7,11 +7,15 @@ sequence number, owned by the simulator, keeps the order deterministic.
 
 Dispatch and rescheduling call the proxy's policy core on views built exactly
 as the proxy builds them (ledger totals, plus scraped fields refreshed every
-`scrape_interval_s`).
+`scrape_interval_s`). Rescheduling runs `plan_migrations` with its lite-mode cost
+model on (`count_recompute`) when moves recompute; a lite move enqueues the
+request on the destination with prompt + generated tokens, which it prefills
+again, delaying its own queue and batch as the model charges.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import random
@@ -81,6 +85,11 @@ class Simulator:
                 SimRequest(t.id, t.arrival_s, t.prompt_tokens, t.output_tokens, seen, klass)
             )
         self.by_id = {r.id: r for r in self.requests}
+        # Lite moves recompute on the destination; full moves carry their KV.
+        ms = settings.migration_settings
+        self.migration_settings = dataclasses.replace(
+            ms, count_recompute=ms.count_recompute and settings.migration == "lite"
+        )
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.dispatches = 0
@@ -137,6 +146,7 @@ class Simulator:
             kv_usage=kv,
             engine_running=running,
             engine_waiting=waiting,
+            queued_tokens=inst.queued_tokens,
             models=frozenset({MODEL}),
         )
 
@@ -174,7 +184,7 @@ class Simulator:
     def _reschedule(self, _: None) -> None:
         self.push(self.now + self.settings.reschedule_interval_s, Kind.RESCHEDULE, None)
         view = self.view()
-        ms = self.settings.migration_settings
+        ms = self.migration_settings
         names = sources(view, ms)
         if not names:
             return
@@ -244,4 +254,6 @@ class Simulator:
 
 
 def _load(r: SimRequest) -> RequestLoad:
-    return RequestLoad(r.id, r.tokens, r.priority, r.running)
+    # "Running" as the proxy's ledger sees it: it has streamed tokens (a request the
+    # engine preempted is still running to the proxy, and a move recomputes it).
+    return RequestLoad(r.id, r.tokens, r.priority, running=r.generated > 0)

@@ -1,7 +1,9 @@
 """Summaries of a simulated (or replayed) run: latency percentiles, SLOs, costs.
 
 Decode latency is per request: (finish - first token) / (tokens - 1), the mean
-time per output token after the first, as in the Llumnix paper.
+time per output token after the first, as in the Llumnix paper. A stream's
+stall is its worst gap between two tokens (a preemption or a move shows here,
+however short the rest of its gaps); `stall_p99` is the P99 over streams.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, Any]:
     timed = [t for t in map(_times, requests) if t is not None]
     ttft = [t[0] for t in timed]
     decode = [t[1] for t in timed if t[1] is not None]
+    stalls = [r.worst_gap for r in requests if r.finish is not None and r.generated > 1]
     met = sum(
         1
         for ttft_s, decode_s, _ in timed
@@ -51,6 +54,8 @@ def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, Any]:
         "decode_p50": percentile(decode, 50),
         "decode_p99": percentile(decode, 99),
         "e2e_p99": percentile([t[2] for t in timed], 99),
+        "stall_p50": percentile(stalls, 50),
+        "stall_p99": percentile(stalls, 99),
         "slo_attainment": met / len(requests) if requests else float("nan"),
         "preemptions": sum(r.preemptions for r in requests),
         "migrations": sum(r.migrations for r in requests),

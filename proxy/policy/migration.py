@@ -15,20 +15,27 @@ destination must still be freer than the source (no ping-pong).
 
 In lite mode a moved running request is not free: the destination prefills its
 prompt + generated tokens again (with pre-warm nearly all of that prefill still
-happens there, only earlier). `recompute_refusal` counts that cost against the
-stall the move saves and against the first-token wait of the destination's queue:
+happens there, only earlier). `preemption_due` and `recompute_refusal` count that
+cost against the stall the move saves and the first-token wait of the
+destination's queue:
 
     T       = P + G                                   tokens the destination recomputes
     cost_s  = T / prefill_tokens_per_s                its prefill time for them
     B       = the destination's batch (running + queued requests)
+    R       = the source's running requests (they have streamed tokens)
     move only if
+      (0) virtual_blocks - queued_tokens / block_size + |R| > capacity   (the source's)
       (1) cost_s * (1 + B) <= preemption_stall_s      the move pays for itself
       (2) (queued_tokens + T) / prefill_tokens_per_s <= dest_ttft_slack_s
       (3) the destination's engine queue is one the ledger can size
 
-(1): the prefill holds up every stream on the destination and the moved one by
-about cost_s; together that must stay below the stall of the one preemption the
-move spares the over-capacity source (its victim waits for memory, then
+(0): there is a stall to save only when the running requests alone will outgrow
+the source's memory within about `block_size` steps (each needs one more block),
+so that the engine preempts one of them and recomputes it later; a source over
+capacity only by its queued requests (no KV yet) makes them wait, and moving
+those is free. (1): the prefill holds up every stream on the destination and the
+moved one by about cost_s; together that must stay below the stall of the one
+preemption the move spares the source (its victim waits for memory, then
 recomputes). (2): requests queued on the destination, and whoever is dispatched
 there next, wait for its queued prefill plus the recompute; that must fit in the
 slack, so a move never pushes them past their TTFT (with an empty queue it bounds
@@ -36,7 +43,7 @@ the recompute alone). (3): an engine reporting waiting requests while the ledger
 has none queued there (traffic that bypassed Ferry, its own preemptions, a stale
 scrape) has a queue of unknown size: no recompute goes there. Queued requests
 (no KV yet) and full-mode moves (`count_recompute=False`: the KV moves along)
-skip this test.
+skip these tests.
 """
 
 from __future__ import annotations

@@ -62,6 +62,21 @@ def test_ledger_tokens_move_freeness_at_block_boundaries() -> None:
     assert cluster.instance_view("a").inflight == 0
 
 
+def test_queued_tokens_count_prompts_until_their_first_token() -> None:
+    cluster = make_cluster("a")
+    first = cluster.ledger.add("a", "m", Priority.NORMAL, 10, now=0.0)
+    second = cluster.ledger.add("a", "m", Priority.NORMAL, 30, now=0.0)
+    assert cluster.instance_view("a").queued_tokens == 40
+    cluster.ledger.set_prompt_tokens(first, 12)  # the engine's exact count
+    assert cluster.instance_view("a").queued_tokens == 42
+    cluster.ledger.add_generated(first, 1)  # prefilled: no longer ahead of the engine
+    cluster.ledger.add_generated(first, 1)
+    assert cluster.instance_view("a").queued_tokens == 30
+    cluster.ledger.release(first)
+    cluster.ledger.release(second)  # gave up before its first token
+    assert cluster.instance_view("a").queued_tokens == 0
+
+
 def test_high_priority_reserves_headroom() -> None:
     cluster = make_cluster("a", "b", headroom=20)
     cluster.ledger.add("a", "m", Priority.HIGH, 16, now=0.0)

@@ -77,3 +77,87 @@ def test_pairs_least_free_with_freest() -> None:
     two = [RequestLoad(2, 30, Priority.NORMAL, running=False)]
     moves = plan(view, {"hot1": one, "hot2": two})
     assert {(m.source, m.destination) for m in moves} == {("hot2", "cold1"), ("hot1", "cold2")}
+
+
+# Lite mode's cost model: the destination recomputes P + G of a moved running request.
+# At 1,000 prefill tokens/s a request of T tokens costs T ms of destination prefill.
+COST = {"prefill_tokens_per_s": 1000.0, "preemption_stall_s": 1.0, "dest_ttft_slack_s": 0.5}
+
+
+def running(id: int, tokens: int) -> RequestLoad:
+    return RequestLoad(id, tokens, Priority.NORMAL, running=True)
+
+
+def test_a_recompute_that_costs_more_than_the_stall_it_saves_is_not_planned() -> None:
+    hot = inst("hot", 1000, 1100, 4)
+    idle = inst("cold", 1000, 0, 0)
+    # 0.4 s of prefill for the moved stream alone: under the 1 s stall it saves.
+    [move] = plan(ClusterView((hot, idle)), {"hot": [running(1, 400)]}, **COST)
+    assert move.request_id == 1 and "recompute 0.400s x 1 streams" in move.reason
+    # 0.6 s exceeds the 0.5 s slack; with more slack it still moves.
+    assert plan(ClusterView((hot, idle)), {"hot": [running(1, 600)]}, **COST) == []
+    roomy = {**COST, "dest_ttft_slack_s": 5.0}
+    assert len(plan(ClusterView((hot, idle)), {"hot": [running(1, 600)]}, **roomy)) == 1
+    # 1.2 s of prefill is more than the preemption it spares: never worth it...
+    assert plan(ClusterView((hot, idle)), {"hot": [running(1, 1200)]}, **roomy) == []
+    # ...unless the KV moves along (full mode), when nothing is recomputed.
+    full = {**roomy, "count_recompute": False}
+    assert len(plan(ClusterView((hot, idle)), {"hot": [running(1, 1200)]}, **full)) == 1
+
+
+def test_the_recompute_is_charged_to_every_stream_on_the_destination() -> None:
+    hot = inst("hot", 1000, 1100, 4)
+    # 0.3 s x (1 + 1) streams fits in the 1 s stall; 0.3 s x (1 + 4) does not.
+    light = inst("cold", 1000, 40, 1)
+    busy = inst("cold", 1000, 160, 4)
+    assert len(plan(ClusterView((hot, light)), {"hot": [running(1, 300)]}, **COST)) == 1
+    assert plan(ClusterView((hot, busy)), {"hot": [running(1, 300)]}, **COST) == []
+    # The cheaper candidate is still taken where the dearer one would not pay.
+    [move] = plan(ClusterView((hot, busy)), {"hot": [running(1, 300), running(2, 150)]}, **COST)
+    assert move.request_id == 2
+
+
+def test_no_recompute_pushes_the_destination_queue_past_its_ttft() -> None:
+    hot = inst("hot", 1000, 1100, 4)
+    # 300 queued tokens + 100 recomputed = 0.4 s of prefill: within the 0.5 s slack.
+    short_queue = inst("cold", 1000, 20, 1, engine_waiting=1, queued_tokens=300)
+    long_queue = inst("cold", 1000, 30, 1, engine_waiting=1, queued_tokens=450)
+    assert len(plan(ClusterView((hot, short_queue)), {"hot": [running(1, 100)]}, **COST)) == 1
+    assert plan(ClusterView((hot, long_queue)), {"hot": [running(1, 100)]}, **COST) == []
+    # A queued request (no KV yet) is prefilled wherever it runs: it still moves.
+    queued = RequestLoad(2, 100, Priority.NORMAL, running=False)
+    [move] = plan(ClusterView((hot, long_queue)), {"hot": [running(1, 100), queued]}, **COST)
+    assert move.request_id == 2
+
+
+def test_a_destination_queue_the_ledger_cannot_size_takes_no_recompute() -> None:
+    hot = inst("hot", 1000, 1100, 4)
+    unknown = inst("cold", 1000, 20, 1, engine_waiting=2)  # e.g. traffic bypassing Ferry
+    assert plan(ClusterView((hot, unknown)), {"hot": [running(1, 10)]}, **COST) == []
+
+
+def test_cost_settings_are_validated() -> None:
+    for bad in ({"prefill_tokens_per_s": 0.0}, {"dest_ttft_slack_s": -1.0}):
+        try:
+            MigrationSettings(**bad)  # type: ignore[arg-type]
+        except ValueError as exc:
+            assert next(iter(bad)) in str(exc)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+
+def test_running_requests_stay_when_only_queued_work_overloads_the_source() -> None:
+    cold = inst("cold", 100, 0, 0)
+    queue = RequestLoad(3, 320, Priority.NORMAL, running=False)
+    # 130 blocks of demand on 100, but 64 of them are queued prompts (1,024 tokens):
+    # the two running requests hold 66 blocks and will not be preempted.
+    waiting = inst("hot", 100, 130, 4, queued_tokens=1024)
+    reqs = [running(1, 40), running(2, 60), queue]
+    [move] = plan(ClusterView((waiting, cold)), {"hot": reqs})
+    assert move.request_id == 3  # the queued one moves (free)...
+    assert plan(ClusterView((waiting, cold)), {"hot": reqs[:2]}) == []  # ...running ones stay
+    # With the same demand all running, one of them is about to be preempted: it moves.
+    full = inst("hot", 100, 130, 4)
+    assert plan(ClusterView((full, cold)), {"hot": reqs[:2]})[0].request_id == 1
+    # Full mode moves carry their KV: they are not held to the recompute test.
+    assert len(plan(ClusterView((waiting, cold)), {"hot": reqs[:2]}, count_recompute=False)) == 1

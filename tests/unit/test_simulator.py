@@ -12,6 +12,7 @@ from loadtest.sim.profile import LLAMA7B_A10, Profile, load, save
 from loadtest.sim.run import simulate
 from loadtest.sim.simulator import SimSettings, Simulator
 from loadtest.trace import TraceRequest, TraceSpec, generate, write
+from proxy.policy.migration import MigrationSettings
 
 SMALL = dataclasses.replace(LLAMA7B_A10, name="small", kv_blocks=60)  # 960 tokens
 
@@ -83,6 +84,54 @@ def test_full_migration_moves_running_requests_without_recompute() -> None:
     moved_running = [r for r in done if r.migrations and r.first_token is not None]
     assert sim.migrations["done"] > 0 and moved_running
     assert all(r.generated == r.output for r in done)
+
+
+def test_a_preemption_shows_as_a_stream_stall() -> None:
+    trace = generate(TraceSpec(requests=300, rate=40, seed=1, max_len=400))
+    done = Simulator(trace, SMALL, SimSettings(3, "round_robin")).run()
+    preempted = [r for r in done if r.preemptions and r.generated > 1]
+    calm = [r for r in done if not r.preemptions and r.generated > 1]
+    assert preempted and calm
+    # A stream preempted after its first token waits for memory and its recompute.
+    assert max(r.worst_gap for r in preempted) > 10 * max(r.worst_gap for r in calm)
+    summary = simulate(trace, SMALL, SimSettings(3, "round_robin"))
+    assert summary["stall_p99"] > 5 * summary["decode_p99"]
+
+
+def running_moves(migration: str, settings: MigrationSettings) -> list[int]:
+    """Ids of requests moved after their first token: round-robin sends four long
+    requests to i0, which outgrow its memory, and four short ones to i1."""
+    trace = [
+        TraceRequest(i, i * 0.001, 100 if i % 2 == 0 else 10, 400 if i % 2 == 0 else 2)
+        for i in range(8)
+    ]
+    sim = Simulator(
+        trace, SMALL, SimSettings(2, "round_robin", migration, migration_settings=settings)
+    )
+    moved: list[int] = []
+    start = sim._start_migration
+
+    def spy(request_id: int, source: str, destination: str) -> None:
+        if sim.by_id[request_id].generated:
+            moved.append(request_id)
+        start(request_id, source, destination)
+
+    sim._start_migration = spy  # type: ignore[method-assign]
+    sim.run()
+    return moved
+
+
+def test_lite_moves_pay_for_the_destination_recompute_and_full_moves_do_not() -> None:
+    assert running_moves("lite", MigrationSettings())
+    # At 20 prefill tokens/s a request of 240+ tokens costs 12+ s of destination
+    # prefill, far more than the preemption stall it would save.
+    slow = MigrationSettings(prefill_tokens_per_s=20.0)
+    assert running_moves("lite", slow) == []
+    assert running_moves(
+        "lite", MigrationSettings(prefill_tokens_per_s=20.0, count_recompute=False)
+    )
+    # The KV moves along in full mode: nothing to recompute, nothing to charge.
+    assert running_moves("full", slow) == running_moves("full", MigrationSettings())
 
 
 def test_priorities_are_reported_by_class() -> None:

@@ -244,8 +244,10 @@ def test_plan_join_from_detokenize() -> None:
     assert plan_join([1, 2, 3], "a", texts, hold=0, lookback=0) == Join(keep=1, skip=0)
     # A stop string of 3 characters: two are held back; step back past them.
     assert plan_join([1, 2, 3], "abcd", ["abcdef", "abcde", "abcd"], 2, 2) == Join(1, 0)
-    # Special tokens the stream skipped but /detokenize shows: no usable point.
-    assert plan_join([4, 5], "ab", ["<|x|>ab", "<|x|>a"], hold=0, lookback=0) is None
+    # Special tokens the stream skipped but /detokenize shows: without stop
+    # strings only the end matters; with them, no usable point.
+    assert plan_join([4, 5], "ab", ["<|x|>ab", "<|x|>a"], hold=0, lookback=0) == Join(2, 0)
+    assert plan_join([4, 5], "ab", ["<|x|>ab", "<|x|>a"], hold=1, lookback=1) is None
     assert plan_join([1, 2], "a", [None], hold=2, lookback=2) is None
 
 

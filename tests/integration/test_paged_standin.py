@@ -1,0 +1,153 @@
+"""The paged-KV stand-in engine (not vLLM): preemption by recompute, prefix
+caching, token-exact continuation from a token-id prompt, and a lite move
+through Ferry between two of them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import openai
+
+from adapters.vllm import parse_metrics
+
+# Small and fast: 12 blocks of 4 tokens (47 tokens of context), 2 ms steps.
+TINY = {"kv_blocks": 12, "block_size": 4, "step_base_s": 0.002, "step_per_seq_s": 0.0}
+
+
+def api(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def stream_ids(
+    url: str, prompt: Any, max_tokens: int, sizes: list[int] | None = None
+) -> tuple[list[int], list[int], str]:
+    """(prompt ids the engine reported, generated ids, text) of one streamed
+    completion; `sizes` collects the tokens of each chunk."""
+    prompt_ids: list[int] = []
+    ids: list[int] = []
+    text = ""
+    for chunk in api(url).completions.create(
+        model="standin",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    ):
+        choice = chunk.choices[0]
+        extra = choice.model_extra or {}
+        prompt_ids = prompt_ids or extra.get("prompt_token_ids") or []
+        ids += extra["token_ids"]
+        text += choice.text
+        if sizes is not None:
+            sizes.append(len(extra["token_ids"]))
+    return prompt_ids, ids, text
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def test_preempts_when_blocks_run_out_and_every_stream_still_ends_exact(
+    paged_standins: Any,
+) -> None:
+    # Slower steps, so that the three requests below surely run at once.
+    [(_, site)] = paged_standins(1, **{**TINY, "step_base_s": 0.02})
+    alone = stream_ids(site.url, [11, 12, 13, 14, 15, 16, 17, 18], 12)
+    assert len(alone[1]) == 12 and alone[0] == [11, 12, 13, 14, 15, 16, 17, 18]
+    # Three requests of up to 20 tokens = 5 blocks each: 15 blocks wanted, 12 exist.
+    prompts = [[11, 12, 13, 14, 15, 16, 17, 18], [21] * 8, [31] * 8]
+    results: dict[int, Any] = {}
+    together = threading.Barrier(3)
+
+    def run(i: int) -> None:
+        together.wait()
+        results[i] = stream_ids(site.url, prompts[i], 12)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    snap = parse_metrics(scrape(site.url))
+    assert snap.preemptions_total > 0
+    assert (snap.block_size, snap.kv_blocks_total, snap.running, snap.waiting) == (4, 12, 0, 0)
+    assert results[0] == alone  # recomputed after its preemption, token for token
+    assert all(len(results[i][1]) == 12 for i in range(3))
+
+
+def test_a_token_id_prompt_continues_exactly_and_reuses_cached_blocks(
+    paged_standins: Any,
+) -> None:
+    [(standin, site)] = paged_standins(1, **TINY)
+    prompt = [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    _, generated, text = stream_ids(site.url, prompt, 14)
+    # Ferry's lite move: the prompt + the first 6 generated ids, 8 tokens to go.
+    shown, rest, rest_text = stream_ids(site.url, prompt + generated[:6], 8)
+    assert shown == prompt + generated[:6]
+    assert rest == generated[6:]
+    assert text.endswith(rest_text) and rest_text
+    # The first request's blocks were still cached: only the tail was prefilled.
+    assert standin.engine.cached_tokens >= 12
+    detokenized = urllib.request.Request(
+        site.url + "/detokenize",
+        data=json.dumps({"model": "standin", "tokens": generated[:6]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(detokenized, timeout=5) as resp:
+        assert text == json.load(resp)["prompt"] + rest_text
+    # Chat takes the same engine; a prompt the engine cannot hold is a 400, not a hang.
+    chat = api(site.url).chat.completions.create(
+        model="standin", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert chat.choices[0].message.content and chat.usage and chat.usage.completion_tokens == 3
+    try:
+        api(site.url).completions.create(model="standin", prompt=[1] * 40, max_tokens=10)
+    except openai.BadRequestError as exc:
+        assert "max_model_len" in str(exc)
+    else:
+        raise AssertionError("an oversized request was accepted")
+
+
+def test_ferry_moves_a_stream_between_paged_engines_token_exactly(
+    paged_standins: Any, ferry: Any
+) -> None:
+    slow = {"step_base_s": 0.02, "kv_blocks": 64, "block_size": 4}
+    # Two tokens per chunk after the first, as vLLM's --stream-interval 2 sends them.
+    (source, a), (dest, b) = paged_standins(2, stream_interval=2, **slow)
+    prompt = list(range(100, 120))
+    sizes: list[int] = []
+    _, unmoved, _ = stream_ids(a.url, prompt, 40, sizes)
+    assert sizes[:3] == [1, 2, 2] and sum(sizes) == 40
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin"},
+    )
+    got: list[Any] = []
+    client = threading.Thread(target=lambda: got.append(stream_ids(proxy.url, prompt, 40)))
+    client.start()
+    deadline = time.monotonic() + 10
+    while not source.engine.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # some tokens streamed from the source
+    request = urllib.request.Request(
+        proxy.url + "/admin/instances/i0/drain?migrate=true",
+        data=b"",
+        method="POST",
+        headers={"Authorization": "Bearer t"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        assert json.load(resp)["migrating"] == 1
+    client.join(20)
+    [(_, ids, _)] = got
+    assert ids == unmoved
+    # The destination was pre-warmed, then continued from prompt + generated ids.
+    continuation = dest.seen_bodies[-1]
+    assert continuation["prompt"][: len(prompt)] == prompt and len(continuation["prompt"]) > 20
+    assert dest.engine.cached_tokens > 0
