@@ -50,6 +50,11 @@ class SchedulerConfig:
     migration_max_concurrent: int = 2  # moves in flight at once (rebalancing)
     migration_source_below: float = 0.0  # freeness under which an instance sheds requests
     migration_dest_above: float = 4.0  # freeness a destination must have
+    # Lite moves recompute P + G on the destination; the planner weighs that
+    # (see proxy/policy/migration.py).
+    migration_prefill_tokens_per_s: float = 10_000.0  # a destination's prefill speed
+    migration_preemption_stall_s: float = 1.0  # the stall one preemption costs a stream
+    migration_dest_ttft_slack_s: float = 0.2  # how much a move may delay the destination's queue
     # Full mode (instances running migration_shim): the paper's staged pre-copy.
     migration_full_max_stages: int = 3  # pre-copy stages before the stop-and-copy
     migration_full_last_stage_blocks: int = 1  # stop once at most this many blocks wait
@@ -176,6 +181,13 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         raise ConfigError("scheduler.unhealthy_after_failures: must be at least 1")
     if s.topk < 1:
         raise ConfigError("scheduler.topk: must be at least 1")
+    for key in (
+        "migration_prefill_tokens_per_s",
+        "migration_preemption_stall_s",
+        "migration_dest_ttft_slack_s",
+    ):
+        if getattr(s, key) <= 0:
+            raise ConfigError(f"scheduler.{key}: must be positive")
     if s.rebalance_interval_s < 0 or s.migration_max_concurrent < 1:
         raise ConfigError(
             "scheduler.rebalance_interval_s: must not be negative;"

@@ -103,6 +103,11 @@ def build_app(config: FerryConfig) -> web.Application:
                 settings = MigrationSettings(
                     source_below=sched.migration_source_below,
                     dest_above=sched.migration_dest_above,
+                    # Only lite moves recompute: all-full clusters move the KV.
+                    count_recompute=any(i.migration == "lite" for i in config.instances),
+                    prefill_tokens_per_s=sched.migration_prefill_tokens_per_s,
+                    preemption_stall_s=sched.migration_preemption_stall_s,
+                    dest_ttft_slack_s=sched.migration_dest_ttft_slack_s,
                 )
                 rescheduler = Rescheduler(
                     cluster, migrator, settings, interval_s=sched.rebalance_interval_s

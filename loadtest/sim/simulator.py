@@ -30,14 +30,15 @@ from proxy.policy import (
     ClusterView,
     DispatchRequest,
     InstanceView,
+    NoCandidate,
     Priority,
     UsageSettings,
     dispatch,
-    instance_freeness,
-    instance_virtual_usage,
     make_policy,
 )
 from proxy.policy.migration import MigrationSettings, RequestLoad, plan_migrations, sources
+from proxy.policy.priority import make_room_victim
+from proxy.policy.virtual_usage import instance_view, request_blocks
 
 MODES = ("off", "lite", "full")
 MODEL = "m"
@@ -93,7 +94,7 @@ class Simulator:
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.dispatches = 0
-        self.migrations: dict[str, int] = {"started": 0, "done": 0, "aborted": 0}
+        self.migrations: dict[str, int] = {"started": 0, "done": 0, "aborted": 0, "for_priority": 0}
         self.scraped = {i.name: (0.0, 0, 0) for i in self.instances}  # kv_usage, running, waiting
         self.done = 0
         self.now = 0.0
@@ -132,17 +133,14 @@ class Simulator:
 
     def _instance_view(self, inst: Instance) -> InstanceView:
         kv, running, waiting = self.scraped[inst.name]
-        real = sum(inst.reserved.values()) + inst.demand
-        virtual = instance_virtual_usage(real, inst.high, self.usage, for_high=False)
-        virtual_high = instance_virtual_usage(real, inst.high, self.usage, for_high=True)
-        return InstanceView(
-            name=inst.name,
-            freeness=instance_freeness(inst.capacity, virtual, inst.count),
-            freeness_high=instance_freeness(inst.capacity, virtual_high, inst.count),
-            inflight=inst.count,
+        return instance_view(
+            inst.name,
             capacity_blocks=inst.capacity,
-            virtual_blocks=virtual,
+            real_blocks=sum(inst.reserved.values()) + inst.demand,
+            high_priority_requests=inst.high,
             batch=inst.count,
+            inflight=inst.count,
+            settings=self.usage,
             kv_usage=kv,
             engine_running=running,
             engine_waiting=waiting,
@@ -153,11 +151,33 @@ class Simulator:
     # events -----------------------------------------------------------------
     def _arrival(self, r: SimRequest) -> None:
         request = DispatchRequest(MODEL, r.prompt, r.priority)
-        chosen = dispatch(self.policy, request, self.view(), self.rng)
+        view = self.view()
+        chosen = dispatch(self.policy, request, view, self.rng)
         self.dispatches += 1
         inst = self.by_name[chosen.name]
+        if r.priority is Priority.HIGH and self.settings.migration != "off":
+            self._make_room(view, chosen, request_blocks(r.prompt, self.profile.block_size))
         inst.enqueue(r)
         self._kick(inst)
+
+    def _make_room(self, view: ClusterView, chosen: InstanceView, blocks: int) -> None:
+        """As the proxy's migrator: the policy core picks a victim on `chosen`, and
+        it moves to the freest other instance."""
+        inst = self.by_name[chosen.name]
+        candidates = [_load(r) for r in self._movable(inst)]
+        victim = make_room_victim(chosen, blocks, candidates)
+        if victim is None:
+            return
+        victim_load = self.by_id[victim]
+        others = DispatchRequest(
+            MODEL, victim_load.tokens, victim_load.priority, frozenset({chosen.name})
+        )
+        try:
+            dest = dispatch(self.policy, others, view, self.rng)
+        except NoCandidate:
+            return
+        self.migrations["for_priority"] += 1
+        self._start_migration(victim, chosen.name, dest.name)
 
     def _kick(self, inst: Instance) -> None:
         if not inst.busy:

@@ -210,3 +210,16 @@ def test_cli_trace_and_sim_json(tmp_path: Path) -> None:
         check=True,
     )
     assert "wrote 50 requests" in made.stdout
+
+
+def test_high_priority_arrivals_make_room_as_the_proxy_does() -> None:
+    """The simulator runs the policy core's make-room choice (`make_room_victim`):
+    with migration on, a high-priority request placed where it does not fit moves
+    a lower-priority one away; with migration off, nothing moves."""
+    trace = generate(TraceSpec(requests=200, rate=40, seed=1, max_len=300, high_priority=0.2))
+    moved = Simulator(trace, SMALL, SimSettings(2, "llumnix", "lite"))
+    moved.run()
+    still = Simulator(trace, SMALL, SimSettings(2, "llumnix", "off"))
+    still.run()
+    assert moved.migrations["for_priority"] > 0
+    assert still.migrations["for_priority"] == 0
