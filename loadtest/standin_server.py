@@ -41,10 +41,11 @@ class StandIn:
         self.stall_s = 3.0  # ... for this long
         self.seen_bodies: list[dict[str, Any]] = []
         self.dead = False  # tests: `kill()` was called
+        self.api_key: str | None = None  # tests: refuse calls without this bearer key
         self._live: set[asyncio.BaseTransport] = set()
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/embeddings", self._embeddings)
@@ -52,6 +53,13 @@ class StandIn:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "bad key", "type": "auth"}}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -8,7 +8,8 @@ Loading has no side effects; reload is all-or-nothing (load, then swap).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+import re
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -32,6 +33,17 @@ class InstanceConfig:
     engine: str = "vllm"
     labels: dict[str, str] = field(default_factory=dict)
     migration: str = "off"
+    # Sent on every call Ferry makes to the instance; `${VAR}` reads the
+    # environment. Kept out of reprs, so out of logs.
+    api_key: str | None = field(default=None, repr=False)
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def auth_headers(self) -> dict[str, str]:
+        """The headers every call to this instance carries."""
+        out = dict(self.headers)
+        if self.api_key:
+            out["Authorization"] = f"Bearer {self.api_key}"
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +114,7 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
     env = dict(os.environ) if env is None else env
     top = _mapping(raw, "(top level)")
     _reject_unknown(top, {"instances", "scheduler", "server", "admin_token"}, "")
-    instances = _instances(top.get("instances"))
+    instances = _instances(top.get("instances"), env)
     scheduler = _section(SchedulerConfig, top.get("scheduler", {}), "scheduler")
     server = _section(ServerConfig, top.get("server", {}), "server")
     _check_scheduler(scheduler)
@@ -135,7 +147,7 @@ def config_from_backends(
     return parse_config(raw)
 
 
-def _instances(raw: Any) -> tuple[InstanceConfig, ...]:
+def _instances(raw: Any, env: dict[str, str]) -> tuple[InstanceConfig, ...]:
     if not isinstance(raw, list) or not raw:
         raise ConfigError("instances: must be a non-empty list of {name, url, engine}")
     result: list[InstanceConfig] = []
@@ -164,8 +176,31 @@ def _instances(raw: Any) -> tuple[InstanceConfig, ...]:
             )
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.labels.items()):
             raise ConfigError(f"{where}.labels: must map strings to strings")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.headers.items()):
+            raise ConfigError(f"{where}.headers: must map strings to strings")
+        inst = replace(
+            inst,
+            api_key=_expand(inst.api_key, f"{where}.api_key", env),
+            headers={
+                k: _expand(v, f"{where}.headers.{k}", env) or "" for k, v in inst.headers.items()
+            },
+        )
         result.append(inst)
     return tuple(result)
+
+
+def _expand(value: str | None, where: str, env: dict[str, str]) -> str | None:
+    """`${VAR}` in a value becomes the environment variable VAR."""
+    if value is None:
+        return None
+
+    def lookup(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in env:
+            raise ConfigError(f"{where}: environment variable {name} is not set")
+        return env[name]
+
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lookup, value)
 
 
 def _check_scheduler(s: SchedulerConfig) -> None:
@@ -242,6 +277,7 @@ _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "float": (int, float),
     "int | None": (int, type(None)),
+    "str | None": (str, type(None)),
     "dict[str, str]": (dict,),
 }
 

@@ -56,7 +56,9 @@ class Scraper:
     async def scrape_once(self, name: str) -> None:
         state = self.cluster.instances[name]
         try:
-            async with self.session.get(state.url + METRICS_PATH, timeout=self.timeout) as resp:
+            async with self.session.get(
+                state.url + METRICS_PATH, headers=state.config.auth_headers(), timeout=self.timeout
+            ) as resp:
                 if resp.status != 200:
                     raise MetricsParseError(f"GET {METRICS_PATH} returned HTTP {resp.status}")
                 text = await resp.text()
@@ -70,7 +72,9 @@ class Scraper:
     async def refresh_models(self, name: str) -> bool:
         state = self.cluster.instances[name]
         try:
-            async with self.session.get(state.url + "/v1/models", timeout=self.timeout) as resp:
+            async with self.session.get(
+                state.url + "/v1/models", headers=state.config.auth_headers(), timeout=self.timeout
+            ) as resp:
                 if resp.status != 200:
                     return False
                 body = await resp.json()
@@ -85,7 +89,9 @@ class Scraper:
         state = self.cluster.instances[name]
         info: Any = None
         try:
-            async with self.session.get(state.url + wire.INFO, timeout=self.timeout) as resp:
+            async with self.session.get(
+                state.url + wire.INFO, headers=state.config.auth_headers(), timeout=self.timeout
+            ) as resp:
                 if resp.status == 200:
                     info = await resp.json()
                 why = f"GET {wire.INFO}: HTTP {resp.status} (shim not loaded)"

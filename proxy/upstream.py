@@ -97,6 +97,11 @@ class Upstreams:
         """Send the call's request. A connect failure closes the call, marks the
         instance unreachable and is raised (one of `sse.CONNECT_ERRORS`); any
         other failure closes the call and is raised."""
+        auth = self.cluster.instances[call.instance].config.auth_headers()
+        if auth:  # the instance's own credentials replace the client's
+            names = {k.lower() for k in auth}
+            headers = {k: v for k, v in (headers or {}).items() if k.lower() not in names}
+            headers.update(auth)
         try:
             call.response = await self.session.request(
                 method,
@@ -123,6 +128,7 @@ class Upstreams:
             async with self.session.post(
                 self.url(instance) + path,
                 json=body,
+                headers=self.cluster.instances[instance].config.auth_headers(),
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 if resp.status == 404:
