@@ -102,3 +102,8 @@ def test_quick_start_names_backends_by_host_port() -> None:
     )
     assert [i.name for i in config.instances] == ["127.0.0.1:8001", "10.0.0.2:9000"]
     assert config.scheduler.policy == "least_kv"
+
+
+def test_the_example_config_loads() -> None:
+    config = load_config(Path(__file__).parent.parent.parent / "configs" / "example.yaml")
+    assert config.instances[0].auth_headers() == {"X-Team": "serving"}
