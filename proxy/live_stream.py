@@ -42,6 +42,7 @@ class MoveOrder:
     destination: str | None  # None: the policy picks
     reason: str
     load: dict[str, Any] | None = None  # full mode: KV staged at the destination
+    source_stopped: bool = False  # full mode: the source's shim no longer runs it
     done: asyncio.Future[bool] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -103,10 +104,15 @@ class LiveStream:
         return self._order is None and not self.splicer.ended and not self.kv_moving
 
     def order_move(
-        self, destination: str | None, reason: str, load: dict[str, Any] | None = None
+        self,
+        destination: str | None,
+        reason: str,
+        load: dict[str, Any] | None = None,
+        *,
+        source_stopped: bool = False,
     ) -> asyncio.Future[bool]:
         """Ask the stream to go on elsewhere; the future says whether it did."""
-        order = MoveOrder(destination, reason, load)
+        order = MoveOrder(destination, reason, load, source_stopped)
         if self._order is not None or self.splicer.ended:
             order.done.set_result(False)
             return order.done
@@ -136,7 +142,7 @@ class LiveStream:
                     order.done.set_result(moved == "moved")
                     if moved == "done":
                         return response, "ok"
-                    if moved == "moved" or not self._source_stopped:
+                    if moved == "moved" or not (self._source_stopped or order.source_stopped):
                         continue
                     # The source's shim stopped it already: resume like a broken stream.
                 elif order is not None:

@@ -154,7 +154,9 @@ class Migrator:
             return False
         # Not copied (the request was queued or preempted, the copy failed or
         # timed out): move it by recompute at once instead.
-        return await stream.order_move(destination, reason, outcome.load)
+        return await stream.order_move(
+            destination, reason, outcome.load, source_stopped=outcome.stopped
+        )
 
     async def _prewarm(self, stream: LiveStream, destination: str) -> None:
         """Lite pre-copy: P + G0 as a one-token request, so the destination's prefix

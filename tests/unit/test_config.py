@@ -61,7 +61,8 @@ def test_admin_token_from_environment() -> None:
         ),
         (
             base(instances=[{"name": "a", "url": "http://h:1", "weight": 2}]),
-            r"^instances\[0\]\.weight: unknown key; allowed: api_key, engine, headers, labels, migration, name, url",
+            r"^instances\[0\]\.weight: unknown key; allowed: api_key, engine, headers, labels,"
+            r" migration, name, url",
         ),
         (
             base(scheduler={"policy": "fastest"}),
