@@ -16,6 +16,7 @@ from proxy.policy import POLICIES
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ferry", description="Llumnix-style LLM load balancer")
+    parser.add_argument("--version", action="version", version=f"ferry {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the proxy")
@@ -84,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     return _status(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llm-ferry")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def _serve(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -93,7 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.server import serve
 
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         if args.config:

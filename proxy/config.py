@@ -87,6 +87,11 @@ class ServerConfig:
     # through). It counts from the headers, so queueing counts; 0 turns it off.
     upstream_idle_timeout_s: float = 60.0
     retry_after_s: int = 1  # told to clients with 503
+    # On SIGTERM: /readyz turns 503 at once, new requests are still served for
+    # `shutdown_delay_s` (load balancers notice), then in-flight requests get up
+    # to `shutdown_grace_s` to finish before Ferry exits.
+    shutdown_delay_s: float = 5.0
+    shutdown_grace_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +255,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.upstream_*_timeout_s: must be positive")
     if s.upstream_idle_timeout_s < 0:
         raise ConfigError("server.upstream_idle_timeout_s: must be 0 (off) or positive")
+    if s.shutdown_delay_s < 0 or s.shutdown_grace_s < 0:
+        raise ConfigError("server.shutdown_delay_s, shutdown_grace_s: must not be negative")
 
 
 def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> Any:

@@ -1,7 +1,8 @@
 """The Ferry HTTP service: built in one place, opened and closed with the app.
 
 Routes: the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-other `/v1/*` passed through), `/health`, `/metrics` and `/admin/*`.
+other `/v1/*` passed through), `/health`, `/livez`, `/readyz`, `/metrics` and
+`/admin/*`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ METRICS = web.AppKey("metrics", FerryMetrics)
 RELAY = web.AppKey("relay", Relay)
 MIGRATOR = web.AppKey("migrator", Migrator)
 SCRAPER = web.AppKey("scraper", Scraper)
+SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)  # set on SIGTERM
 
 
 def build_app(config: FerryConfig) -> web.Application:
@@ -53,6 +55,7 @@ def build_app(config: FerryConfig) -> web.Application:
     metrics = FerryMetrics()
     app[CLUSTER] = cluster
     app[METRICS] = metrics
+    app[SHUTTING_DOWN] = asyncio.Event()
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: every client stream holds one upstream connection.
@@ -125,6 +128,8 @@ def build_app(config: FerryConfig) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     app.router.add_get("/health", _health)
+    app.router.add_get("/livez", _livez)
+    app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     admin.add_routes(app, cluster, config.admin_token, lambda name: app[MIGRATOR].drain(name))
     return app
@@ -201,17 +206,38 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
+async def _livez(request: web.Request) -> web.Response:
+    """Liveness: the process serves. Backends being down is no reason to restart it."""
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    """Readiness: an instance can take traffic and Ferry is not shutting down."""
+    if request.app[SHUTTING_DOWN].is_set():
+        return web.json_response({"status": "shutting down"}, status=503)
+    ready = sum(1 for v in request.app[CLUSTER].view().instances if v.dispatchable)
+    status = 200 if ready else 503
+    return web.json_response({"status": "ok" if ready else "unavailable"}, status=status)
+
+
 async def _metrics(request: web.Request) -> web.Response:
     text = request.app[METRICS].render(request.app[CLUSTER])
     return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 async def serve(config: FerryConfig) -> None:
-    """Run until SIGINT/SIGTERM (or cancellation)."""
+    """Run until SIGINT/SIGTERM (or cancellation), then shut down gracefully:
+    not ready at once, still serving for `shutdown_delay_s`, then no new
+    connections while in-flight requests get `shutdown_grace_s` to finish."""
     app = build_app(config)
     # handler_cancellation: a client that hangs up cancels its handler, which
     # closes the upstream connection, which makes vLLM abort the request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=config.server.shutdown_grace_s,
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, backlog=1024)
     await site.start()
@@ -231,5 +257,13 @@ async def serve(config: FerryConfig) -> None:
             pass
     try:
         await stop.wait()
+        app[SHUTTING_DOWN].set()
+        log.info(
+            "shutting down: not ready; serving %.1f s more, then up to %.1f s for %d requests",
+            config.server.shutdown_delay_s,
+            config.server.shutdown_grace_s,
+            sum(app[CLUSTER].ledger.count(n) for n in app[CLUSTER].instances),
+        )
+        await asyncio.sleep(config.server.shutdown_delay_s)
     finally:
         await runner.cleanup()
