@@ -46,6 +46,8 @@ def parse(raw: bytes, endpoint: str, priority_header: str | None) -> OpenAIReque
         raise BadRequest("request body is empty; expected a JSON object")
     try:
         body = json.loads(raw)
+    except RecursionError:  # hostile nesting: json's C parser recurses per level
+        raise BadRequest("request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

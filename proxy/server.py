@@ -174,7 +174,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
     if raw and request.content_type == "application/json":
         try:
             body = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return error_response(400, "request body is not valid JSON")
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             model = body["model"]

@@ -284,3 +284,20 @@ def test_full_mode_without_the_shim_runs_lite_and_says_why(standins: Any, ferry:
     assert row["migration"] == "lite" and row["migration_configured"] == "full"
     assert row["shim"] is None and "shim not loaded" in row["shim_error"]
     assert "lite (no shim)" in format_table(rows)
+
+
+def test_a_body_nested_fifty_thousand_deep_is_a_400(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url])
+    hostile = b'{"model": "standin", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    for path in ("/v1/completions", "/v1/embeddings"):
+        request = urllib.request.Request(
+            proxy.url + path, data=hostile, headers={"Content-Type": "application/json"}
+        )
+        try:
+            urllib.request.urlopen(request, timeout=10).close()
+            raise AssertionError("accepted")
+        except urllib.error.HTTPError as exc:
+            with exc:
+                assert exc.code == 400, path
+                assert json.load(exc)["error"]["type"] == "invalid_request_error"
