@@ -25,6 +25,7 @@ from tests.helpers import wait_until
 
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="%s"}'
 BLOCK = 128
+KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 4  # layers, KV heads, head dim, K and V, float32
 
 
 def by_source(server: VLLMServer) -> dict[str, float]:
@@ -151,15 +152,22 @@ def test_full_move_is_token_exact_and_loads_the_kv(
 
 
 def test_precopy_runs_in_several_stages(full: Any, vllm_pair: list[VLLMServer]) -> None:
-    # A slow channel: new blocks fill while a stage is on the wire. Two stages of
-    # ~1.3 s each, moved at 300 of 980 tokens: ~4 s of decoding are left for them.
+    # A slow channel: new blocks fill while a stage is on the wire. Moved at 300
+    # of 980 tokens, the first stage sends two full blocks; the channel is paced
+    # so that the second takes as long as decoding one block's worth of tokens
+    # (measured here: this machine decodes 60-250 tokens/s), so the next block
+    # fills during the first stage and a second stage copies it, with ~2x that
+    # time left before the request ends.
+    started = time.monotonic()
+    reference, _, _ = stream_ids(api(vllm_pair[0].url), False, 980, on_chunk=lambda n: None)
+    tokens_per_s = 980 / (time.monotonic() - started)
+    block_bytes = BLOCK * KV_BYTES_PER_TOKEN
     proxy = full(
         vllm_pair,
-        migration_bandwidth_mb_s=0.4,
+        migration_bandwidth_mb_s=block_bytes * tokens_per_s / BLOCK / 1e6,
         migration_full_last_stage_blocks=0,
         migration_full_max_stages=2,
     )
-    reference, _, _ = stream_ids(api(proxy.url), False, 980, on_chunk=lambda n: None)
     ids, _, _ = stream_ids(api(proxy.url), False, 980, on_chunk=once_at(300, drain_source(proxy)))
     undrain(proxy)
     assert ids == reference
