@@ -33,11 +33,13 @@ def tiny_model() -> Path:
 def vllm_pair(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[VLLMServer]]:
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    # With migration_shim on: full-mode tests need it, and lite mode ignores it.
-    servers = [
-        start_vllm(tiny_model, free_port(), logs, shim_kv_port=free_port()) for _ in range(2)
-    ]
+    yield from shim_pair(tiny_model, tmp_path_factory.mktemp("vllm-logs"))
+
+
+def shim_pair(model: Path, logs: Path) -> Iterator[list[VLLMServer]]:
+    """Two servers of `model` with migration_shim on (full-mode tests need it, and
+    lite mode ignores it), stopped when the caller's fixture ends."""
+    servers = [start_vllm(model, free_port(), logs, shim_kv_port=free_port()) for _ in range(2)]
     try:
         wait_ready(servers)
         yield servers

@@ -25,8 +25,8 @@ import openai
 import pytest
 
 from loadtest.tiny_model import build_cjk
-from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
-from tests.helpers import free_port
+from loadtest.vllm_servers import VLLMServer
+from tests.e2e.conftest import shim_pair
 
 ROOT = Path(__file__).parent.parent.parent
 TOKEN = "joins"
@@ -44,14 +44,7 @@ MOVE_BOUND_S = 2.0  # drain call to cut-over done, on a busy 2-core machine
 @pytest.fixture(scope="module")
 def cjk_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
     model = build_cjk(ROOT / ".ferry" / "tiny-cjk")
-    logs = tmp_path_factory.mktemp("vllm-cjk-logs")
-    servers = [start_vllm(model, free_port(), logs, shim_kv_port=free_port()) for _ in range(2)]
-    try:
-        wait_ready(servers)
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
+    yield from shim_pair(model, tmp_path_factory.mktemp("vllm-cjk-logs"))
 
 
 class Cuts(logging.Handler):
