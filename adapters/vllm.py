@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapters.engine import EngineAdapter
 from adapters.snapshot import EngineSnapshot, MetricsParseError
 
 METRICS_PATH = "/metrics"
@@ -116,3 +117,13 @@ _FIELD_BY_NAME = {
 # Sample lines of interest start with one of these; histogram lines are skipped
 # without parsing (a vLLM scrape is ~600 lines, mostly histogram buckets).
 _LOAD_PREFIXES = tuple(_FIELD_BY_NAME)
+
+
+ADAPTER = EngineAdapter(
+    name="vllm",
+    metrics_path=METRICS_PATH,
+    parse_metrics=parse_metrics,
+    token_id_request_fields=TOKEN_ID_REQUEST_FIELDS,
+    returns_token_ids=True,
+    runs_shim=True,
+)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from adapters import EngineSnapshot
+from adapters import EngineAdapter, EngineSnapshot, get_adapter
 from proxy.config import InstanceConfig
 from proxy.ledger import Ledger
 from proxy.policy import ClusterView, InstanceView, UsageSettings
@@ -44,6 +44,11 @@ class InstanceState:
     @property
     def url(self) -> str:
         return self.config.url.rstrip("/")
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        """What the instance's engine exposes (its `engine:`, checked at config load)."""
+        return get_adapter(self.config.engine)
 
     @property
     def migration_mode(self) -> str:
@@ -93,6 +98,15 @@ class Cluster:
         state.external_requests = max(
             0, snapshot.running + snapshot.waiting - self.ledger.count(name)
         )
+        self._invalidate(name)
+
+    def record_alive(self, name: str, now: float) -> None:
+        """A good health probe of an engine without metrics: healthy, and its load
+        is Ferry's ledger alone (no snapshot, so capacity 0: fewest in flight first)."""
+        state = self.instances[name]
+        state.snapshot_at = now
+        state.failures, state.last_error, state.healthy = 0, None, True
+        state.external_blocks, state.external_requests = 0.0, 0
         self._invalidate(name)
 
     def record_scrape_failure(self, name: str, error: str) -> None:

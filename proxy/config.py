@@ -16,9 +16,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from adapters import ADAPTERS
 from proxy.policy import POLICIES
 
-ENGINES = ("vllm",)
+ENGINES = tuple(ADAPTERS)  # the `engine:` names: one per adapter in `adapters/`
 MIGRATION_MODES = ("off", "lite", "full")
 
 
@@ -173,11 +174,18 @@ def _instances(raw: Any, env: dict[str, str]) -> tuple[InstanceConfig, ...]:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{where}.url: must be an http(s) base URL (got {inst.url!r})")
         if inst.engine not in ENGINES:
-            raise ConfigError(f"{where}.engine: must be one of {', '.join(ENGINES)}")
+            raise ConfigError(
+                f"{where}.engine: must be one of {', '.join(ENGINES)} (got {inst.engine!r})"
+            )
         if inst.migration not in MIGRATION_MODES:
             raise ConfigError(
                 f"{where}.migration: must be one of {', '.join(MIGRATION_MODES)} "
                 f"(got {inst.migration!r})"
+            )
+        if inst.migration != "off" and not ADAPTERS[inst.engine].returns_token_ids:
+            raise ConfigError(
+                f"{where}.migration: must be off for engine {inst.engine} (got {inst.migration!r}):"
+                " a moved stream goes on from its token ids, and this engine returns none"
             )
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.labels.items()):
             raise ConfigError(f"{where}.labels: must map strings to strings")

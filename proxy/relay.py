@@ -76,8 +76,6 @@ class Relay:
     ) -> web.StreamResponse:
         """Relay a request to the instance the policy picks. `body` is None for a
         pass-through call whose body Ferry does not read."""
-        upstream_body, wants_ids = (None, True) if body is None else token_ids.upstream_body(body)
-        send = raw if upstream_body is None else sse.dumps(upstream_body)
         stream = bool(body and body.get("stream"))
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         if request.content_type:
@@ -98,7 +96,9 @@ class Relay:
             if priority is Priority.HIGH:
                 blocks = request_blocks(prompt_estimate, self.cluster.block_size(name))
                 self.migrator.make_room(chosen, blocks)
-            data, tag = send, None
+            upstream_body, wants_ids = self._upstream_body(name, body)
+            data = raw if upstream_body is None else sse.dumps(upstream_body)
+            tag = None
             if stream and upstream_body and self.cluster.instances[name].migration_mode == "full":
                 # Full mode: the tag lets the instance's shim find this request later.
                 tag = uuid.uuid4().hex
@@ -155,6 +155,17 @@ class Relay:
             headers={"Retry-After": self.retry_after},
         )
 
+    def _upstream_body(
+        self, name: str, body: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """The body for `name` (None: a pass-through, sent as it came) and whether
+        its answer goes to the client as it comes: its engine's adapter says what
+        makes it report token ids, and an engine without them is sent nothing extra."""
+        if body is None:
+            return None, True
+        fields = self.cluster.instances[name].adapter.token_id_request_fields
+        return token_ids.upstream_body(body, fields)
+
     def _live(
         self,
         call: Call,
@@ -165,9 +176,11 @@ class Relay:
         tag: str | None,
         arrived: float,
     ) -> LiveStream | None:
-        """A movable stream, or None where migration does not apply."""
+        """A movable stream, or None where migration does not apply (a move
+        continues from the token ids, so the engine must report them)."""
         name = call.instance
-        if body is None or self.cluster.instances[name].config.migration == "off":
+        state = self.cluster.instances[name]
+        if body is None or state.config.migration == "off" or not state.adapter.returns_token_ids:
             return None
         endpoint = "chat" if path.endswith("/chat/completions") else "completions"
         why = continuation.not_migratable(body, endpoint)
@@ -221,7 +234,9 @@ class Relay:
         return response, outcome
 
     def _account_whole(self, raw: bytes, call: Call, wants_ids: bool) -> bytes:
-        prompt, generated, _ = token_ids.scan(raw)
+        prompt, generated, seen = token_ids.scan(raw)
+        if not seen:  # an engine that reports no token ids: estimate them
+            prompt, generated, _ = token_ids.estimate(raw, call.entry.generated_tokens)
         if prompt is not None:
             self.cluster.ledger.set_prompt_tokens(call.entry, prompt)
         self.cluster.ledger.add_generated(call.entry, generated)
@@ -260,13 +275,15 @@ class Relay:
         if not event.startswith(b"data: {"):  # [DONE], comments, other fields
             return event + b"\n\n"
         prompt, generated, seen = token_ids.scan(event)
+        token = generated > 0
+        if not seen:  # an engine that reports no token ids: estimate them
+            prompt, generated, token = token_ids.estimate(event[6:], call.entry.generated_tokens)
         if prompt is not None:
             self.cluster.ledger.set_prompt_tokens(call.entry, prompt)
         if generated:
             self.cluster.ledger.add_generated(call.entry, generated)
+        if token:
             timing.token()
-        elif not seen and token_ids.has_text(event[6:]):
-            timing.token()  # an engine that does not report token ids
         if wants_ids or not seen:
             return event + b"\n\n"
         return token_ids.hide(event) + b"\n\n"

@@ -1,4 +1,9 @@
-"""Background scrape loop: one task per instance, polling `/metrics` and `/v1/models`.
+"""Background scrape loop: one task per instance, polling its engine's metrics
+and `/v1/models`.
+
+The instance's adapter (`engine:`) says where its metrics are and parses them;
+an engine without metrics is healthy while `GET /v1/models` answers, and its
+load is Ferry's ledger alone.
 
 Contract: `start()` launches the tasks and returns at once; `stop()` cancels and
 awaits them. The HTTP session, the clock and all intervals are passed in, so
@@ -16,7 +21,6 @@ from typing import Any
 import aiohttp
 
 from adapters import MetricsParseError
-from adapters.vllm import METRICS_PATH, parse_metrics
 from migration_shim import wire
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
@@ -54,15 +58,26 @@ class Scraper:
         self._tasks.clear()
 
     async def scrape_once(self, name: str) -> None:
+        """One look at the instance: its engine's metrics, parsed by its adapter;
+        for an engine without metrics, `GET /v1/models` (success is health)."""
         state = self.cluster.instances[name]
+        path, parse = state.adapter.metrics_path, state.adapter.parse_metrics
+        if path is None or parse is None:
+            error = await self._models(name)
+            if error is not None:
+                self.metrics.scrape_errors.labels(name).inc()
+                self.cluster.record_scrape_failure(name, error)
+            else:
+                self.cluster.record_alive(name, self.clock())
+            return
         try:
             async with self.session.get(
-                state.url + METRICS_PATH, headers=state.config.auth_headers(), timeout=self.timeout
+                state.url + path, headers=state.config.auth_headers(), timeout=self.timeout
             ) as resp:
                 if resp.status != 200:
-                    raise MetricsParseError(f"GET {METRICS_PATH} returned HTTP {resp.status}")
+                    raise MetricsParseError(f"GET {path} returned HTTP {resp.status}")
                 text = await resp.text()
-            snapshot = parse_metrics(text)
+            snapshot = parse(text)
         except (aiohttp.ClientError, asyncio.TimeoutError, MetricsParseError) as exc:
             self.metrics.scrape_errors.labels(name).inc()
             self.cluster.record_scrape_failure(name, _describe(exc))
@@ -70,23 +85,30 @@ class Scraper:
         self.cluster.record_scrape(name, snapshot, self.clock())
 
     async def refresh_models(self, name: str) -> bool:
+        return await self._models(name) is None
+
+    async def _models(self, name: str) -> str | None:
+        """Read the instance's `/v1/models` into the cluster; None, or what failed."""
         state = self.cluster.instances[name]
         try:
             async with self.session.get(
                 state.url + "/v1/models", headers=state.config.auth_headers(), timeout=self.timeout
             ) as resp:
                 if resp.status != 200:
-                    return False
+                    return f"GET /v1/models returned HTTP {resp.status}"
                 body = await resp.json()
             cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
-            return False
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
+            return f"GET /v1/models: {_describe(exc)}"
         self.cluster.record_models(name, cards)
-        return True
+        return None
 
     async def refresh_shim(self, name: str) -> None:
         """Full mode needs migration_shim on the instance: ask it, and say why not."""
         state = self.cluster.instances[name]
+        if not state.adapter.runs_shim:
+            state.shim, state.shim_error = None, f"engine {state.config.engine} runs no shim"
+            return
         info: Any = None
         try:
             async with self.session.get(

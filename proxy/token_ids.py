@@ -1,11 +1,14 @@
-"""Reading and hiding the token ids vLLM reports when asked (`return_token_ids`).
+"""Token counts for the ledger: read from the token ids an engine reports when
+asked, else estimated from the text.
 
-Ferry asks every request for token ids so its ledger counts tokens exactly
-(a chunk can carry a token with empty text, so text is no measure). Where the
-client did not ask for them, the fields are set back to null: exactly what
-vLLM sends without the flag.
+An engine whose adapter has `token_id_request_fields` (vLLM: `return_token_ids`)
+is asked for ids on every request, so the ledger counts tokens exactly (a chunk
+can carry a token with empty text, so text is no measure). Where the client did
+not ask for them, the fields are set back to null: exactly what the engine sends
+without the flag. An engine that reports no ids (`engine: openai`) gets nothing
+extra, and its tokens are estimated from the text and the `usage` block.
 
-This runs once per relayed chunk, so it works on the bytes with one regular
+`scan` runs once per relayed chunk, so it works on the bytes with one regular
 expression instead of a JSON round trip (4-5x cheaper per chunk). It is exact
 for JSON: inside a JSON string a quote is escaped, so `"token_ids":[` can only
 match a real key, and the arrays hold integers only.
@@ -15,19 +18,35 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
-
-from adapters.vllm import TOKEN_ID_REQUEST_FIELDS
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 _IDS = re.compile(rb'"(prompt_token_ids|token_ids)"\s*:\s*\[([^\]]*)\]')
 _NULLED = rb'"\1":null'
+# OpenAI's rule of thumb for English: about 4 characters a token. Only engines
+# that report no ids are counted this way; a wrong guess shifts their block
+# count, not which requests they hold.
+CHARS_PER_TOKEN = 4
+# Where generated text sits in a choice: a stream's delta, a chat message, or
+# the choice itself (completions); reasoning text fills the KV cache too.
+_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "text")
 
 
-def upstream_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The body to send upstream, and whether the client asked for token ids itself."""
-    if body.get("return_token_ids"):
+class Estimate(NamedTuple):
+    prompt_tokens: int | None  # the `usage` block's count, when present
+    generated_tokens: int  # tokens to add to what was counted so far
+    has_text: bool  # the data carries generated text (a token for timing)
+
+
+def upstream_body(
+    body: dict[str, Any], token_id_fields: Mapping[str, Any]
+) -> tuple[dict[str, Any], bool]:
+    """The body to send to an engine whose adapter asks for ids with
+    `token_id_fields`, and whether the answer goes to the client as it comes:
+    true when the client asked for the ids itself, or when nothing was added."""
+    if all(body.get(key) == value for key, value in token_id_fields.items()):
         return body, True
-    return {**body, **TOKEN_ID_REQUEST_FIELDS}, False
+    return {**body, **token_id_fields}, False
 
 
 def scan(data: bytes) -> tuple[int | None, int, bool]:
@@ -52,16 +71,42 @@ def hide(data: bytes) -> bytes:
     return _IDS.sub(_NULLED, data)
 
 
-def has_text(data: bytes) -> bool:
-    """Whether a chunk carries generated text (for engines that report no ids)."""
+def estimate(data: bytes, counted: int) -> Estimate:
+    """Tokens in one stream chunk or whole response of an engine that reports no
+    ids, `counted` being what the ledger has for the request so far.
+
+    A `usage` block is the engine's own count: the generated tokens become its
+    `completion_tokens` (never fewer than counted). Otherwise each choice's text
+    counts ceil(characters / 4) tokens, at least one where there is any text.
+    """
     try:
         obj = json.loads(data)
-    except ValueError:
-        return False
-    for choice in obj.get("choices") or () if isinstance(obj, dict) else ():
+    except (ValueError, RecursionError):
+        return Estimate(None, 0, False)
+    if not isinstance(obj, dict):
+        return Estimate(None, 0, False)
+    chars, has_text = 0, False
+    for choice in obj.get("choices") or ():
         if isinstance(choice, dict):
-            delta = choice.get("delta")
-            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-            if text:
-                return True
-    return False
+            for part in (choice.get("delta"), choice.get("message"), choice):
+                n = _text_chars(part)
+                chars += n
+                has_text = has_text or n > 0
+    usage = obj.get("usage")
+    prompt = completion = None
+    if isinstance(usage, dict):
+        prompt = _count(usage.get("prompt_tokens"))
+        completion = _count(usage.get("completion_tokens"))
+    if completion is not None:
+        return Estimate(prompt, max(0, completion - counted), has_text)
+    return Estimate(prompt, -(-chars // CHARS_PER_TOKEN), has_text)
+
+
+def _text_chars(part: Any) -> int:
+    if not isinstance(part, dict):
+        return 0
+    return sum(len(v) for k in _TEXT_KEYS if isinstance(v := part.get(k), str))
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

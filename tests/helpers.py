@@ -78,10 +78,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ferry_config(urls: list[str], instances_migration: str = "off", **sections: Any) -> FerryConfig:
+def ferry_config(
+    urls: list[str],
+    instances_migration: str = "off",
+    instances_engine: str = "vllm",
+    **sections: Any,
+) -> FerryConfig:
     raw: dict[str, Any] = {
         "instances": [
-            {"name": f"i{n}", "url": u, "migration": instances_migration}
+            {
+                "name": f"i{n}",
+                "url": u,
+                "migration": instances_migration,
+                "engine": instances_engine,
+            }
             for n, u in enumerate(urls)
         ],
         "scheduler": {"scrape_interval_s": 0.05, "seed": 1, **sections.pop("scheduler", {})},

@@ -5,7 +5,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config import ConfigError, config_from_backends, load_config, parse_config
+from adapters import ADAPTERS
+from proxy.config import ENGINES, ConfigError, config_from_backends, load_config, parse_config
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -47,7 +48,23 @@ def test_admin_token_from_environment() -> None:
         (base(instances=[{"name": "a", "url": "h:1"}]), r"^instances\[0\]\.url: must be an http"),
         (
             base(instances=[{"name": "a", "url": "http://h:1", "engine": "tgi"}]),
-            r"^instances\[0\]\.engine: must be one of vllm",
+            r"^instances\[0\]\.engine: must be one of vllm, openai \(got 'tgi'\)",
+        ),
+        (
+            base(
+                instances=[
+                    {"name": "a", "url": "http://h:1", "engine": "openai", "migration": "lite"}
+                ]
+            ),
+            r"^instances\[0\]\.migration: must be off for engine openai \(got 'lite'\)",
+        ),
+        (
+            base(
+                instances=[
+                    {"name": "a", "url": "http://h:1", "engine": "openai", "migration": "full"}
+                ]
+            ),
+            r"^instances\[0\]\.migration: must be off for engine openai \(got 'full'\)",
         ),
         (
             base(instances=[{"name": "a", "url": "http://h:1", "migration": "on"}]),
@@ -108,3 +125,13 @@ def test_quick_start_names_backends_by_host_port() -> None:
 def test_the_example_config_loads() -> None:
     config = load_config(Path(__file__).parent.parent.parent / "configs" / "example.yaml")
     assert config.instances[0].auth_headers() == {"X-Team": "serving"}
+
+
+def test_engines_come_from_the_adapter_registry() -> None:
+    assert ENGINES == tuple(ADAPTERS) == ("vllm", "openai")
+    raw = base(
+        instances=[{"name": "a", "url": "http://h:1", "engine": "openai", "migration": False}]
+    )
+    (instance,) = parse_config(raw, env={}).instances
+    assert (instance.engine, instance.migration) == ("openai", "off")
+    assert parse_config(base(), env={}).instances[0].engine == "vllm"  # the default

@@ -56,8 +56,3 @@ def test_token_ids_are_counted_and_hidden() -> None:
     tricky = b'{"choices":[{"text":"\\"token_ids\\":[1,2]","token_ids":[]}]}'
     assert token_ids.scan(tricky) == (None, 0, True)
     assert token_ids.scan(b'{"choices":[{"text":"hi","token_ids":null}]}') == (None, 0, False)
-    assert token_ids.has_text(b'{"choices":[{"text":"hi"}]}')
-    assert not token_ids.has_text(b'{"choices":[{"delta":{"content":""}}]}')
-    body, wants = token_ids.upstream_body({"model": "m"})
-    assert body["return_token_ids"] is True and not wants
-    assert token_ids.upstream_body({"return_token_ids": True})[1]

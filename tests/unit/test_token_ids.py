@@ -1,0 +1,45 @@
+"""Token counts for the ledger: asked-for ids, and estimates where an engine has none."""
+
+from __future__ import annotations
+
+from adapters import get_adapter
+from proxy import token_ids
+
+
+def test_ids_are_asked_for_only_where_the_adapter_has_a_field() -> None:
+    vllm = get_adapter("vllm").token_id_request_fields
+    body, as_is = token_ids.upstream_body({"model": "m"}, vllm)
+    assert body == {"model": "m", "return_token_ids": True} and not as_is
+    assert token_ids.upstream_body({"model": "m", "return_token_ids": True}, vllm)[1]
+    generic = get_adapter("openai").token_id_request_fields
+    original = {"model": "m", "prompt": "x"}
+    body, as_is = token_ids.upstream_body(original, generic)
+    assert body is original and as_is  # nothing added, nothing to hide
+
+
+def test_text_is_estimated_at_four_characters_a_token() -> None:
+    chunk = b'{"choices":[{"index":0,"text":"hello"}]}'  # 5 characters: 2 tokens
+    assert token_ids.estimate(chunk, 0) == (None, 2, True)
+    chat = b'{"choices":[{"delta":{"content":" tok"}}]}'
+    assert token_ids.estimate(chat, 7) == (None, 1, True)
+    whole = b'{"choices":[{"message":{"role":"assistant","content":"abcdefghi"}}]}'
+    assert token_ids.estimate(whole, 0) == (None, 3, True)
+    role_only = b'{"choices":[{"delta":{"role":"assistant","content":""}}]}'
+    assert token_ids.estimate(role_only, 0) == (None, 0, False)
+    assert token_ids.estimate(b"not json", 0) == (None, 0, False)
+    assert token_ids.estimate(b"[1, 2]", 0) == (None, 0, False)
+
+
+def test_a_usage_block_is_the_engines_own_count() -> None:
+    whole = (
+        b'{"choices":[{"text":"abcdefgh"}],'
+        b'"usage":{"prompt_tokens":11,"completion_tokens":5,"total_tokens":16}}'
+    )
+    assert token_ids.estimate(whole, 0) == (11, 5, True)
+    # A stream's last chunk: usage only. It tops the text estimate up to the count...
+    last = b'{"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":5}}'
+    assert token_ids.estimate(last, 3) == (11, 2, False)
+    # ...and never takes tokens back.
+    assert token_ids.estimate(last, 9) == (11, 0, False)
+    odd = b'{"choices":[],"usage":{"prompt_tokens":"x","completion_tokens":true}}'
+    assert token_ids.estimate(odd, 0) == (None, 0, False)
