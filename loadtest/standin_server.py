@@ -5,7 +5,10 @@ gap and answers `/v1/models` and `/metrics` in vLLM 0.32's format (its running
 count is real: the requests it is serving right now), so the proxy's whole path
 (dispatch, ledger, SSE relay, scraping) runs against it. Use it where real vLLM
 cannot run or would be the bottleneck: measuring the proxy's own overhead, or
-many instances at once.
+many instances at once. It also answers the rest of vLLM's surface in outline
+(`/v1/responses`, streamed or whole; `/v1/embeddings`; `/tokenize`,
+`/detokenize`; pooling and scoring routes, which say which route and model
+answered), and refuses bad bodies with a 4xx as vLLM does.
 
     python -m loadtest.standin_server --port 9001 --itl-ms 10
 """
@@ -16,7 +19,7 @@ import argparse
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from aiohttp import web
 
@@ -42,13 +45,22 @@ class StandIn:
         self.seen_bodies: list[dict[str, Any]] = []
         self.dead = False  # tests: `kill()` was called
         self.api_key: str | None = None  # tests: refuse calls without this bearer key
+        # tests: a streamed /v1/responses waits for this after its first delta
+        self.responses_gate: asyncio.Event | None = None
+        self.answers: list[tuple[str, int]] = []  # (path, status) of each POST answered
         self._live: set[asyncio.BaseTransport] = set()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth])
+        app.on_response_prepare.append(self._note_answer)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        for path in POOLING_ROUTES:
+            app.router.add_post(path, self._pooling)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
@@ -58,8 +70,35 @@ class StandIn:
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": {"message": "bad key", "type": "auth"}}, status=401)
-        response: web.StreamResponse = await handler(request)
+        try:
+            response: web.StreamResponse = await handler(request)
+        except _Refused as refused:
+            return refused.response
         return response
+
+    async def _note_answer(self, request: web.Request, response: web.StreamResponse) -> None:
+        if request.method == "POST":  # recorded before the client can see the answer
+            self.answers.append((request.path, response.status))
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The JSON object a route takes, or a 4xx as vLLM answers it (it checks
+        the media type, then the JSON, then the model)."""
+        if request.content_type != "application/json":
+            _refuse(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, RecursionError):
+            _refuse(400, "request body is not valid JSON")
+        if not isinstance(body, dict):
+            _refuse(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            _refuse(404, f"The model `{model}` does not exist.", param="model")
+        return body
+
+    def _refuse_if_told(self) -> None:
+        if self.fail_status is not None:
+            _refuse(self.fail_status, "stand-in told to fail")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -82,14 +121,119 @@ class StandIn:
         return web.Response(text=text)
 
     async def _embeddings(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        await self._body(request)
+        self._refuse_if_told()
         return web.json_response(
             {
                 "object": "list",
-                "model": body.get("model"),
+                "model": self.model,
                 "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}],
             }
         )
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        self._refuse_if_told()
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            _refuse(400, "'prompt' must be a string", param="prompt")
+        tokens = [TOKEN_ID] * len(text.split())  # one " tok" per word
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        self._refuse_if_told()
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            _refuse(400, "'tokens' must be a list of integers", param="tokens")
+        return web.json_response({"prompt": "".join(TOKEN_TEXT for t in tokens if t == TOKEN_ID)})
+
+    async def _pooling(self, request: web.Request) -> web.Response:
+        """Pooling and scoring routes in outline: which route and model answered."""
+        await self._body(request)
+        self._refuse_if_told()
+        route = request.path
+        return web.json_response(
+            {"object": "standin" + route.replace("/", "."), "model": self.model, "route": route}
+        )
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API in outline: `max_output_tokens` tokens of " tok"."""
+        body = await self._body(request)
+        self._refuse_if_told()
+        n = _tokens(body, "max_output_tokens")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            _refuse(400, "'stream' must be a boolean", param="stream")
+        self.served += 1
+        self.running += 1
+        try:
+            return await self._respond(request, f"resp_standin{self.served}", n, bool(stream))
+        finally:
+            self.running -= 1
+
+    async def _respond(
+        self, request: web.Request, rid: str, n: int, stream: bool
+    ) -> web.StreamResponse:
+        if not stream:
+            await asyncio.sleep(self.ttft_s + self.itl_s * n)
+            return web.json_response(self._response(rid, "completed", TOKEN_TEXT * n, n))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        events = 0
+
+        async def send(kind: str, **fields: Any) -> None:
+            nonlocal events
+            data = json.dumps({"type": kind, "sequence_number": events, **fields})
+            events += 1
+            await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+
+        await send("response.created", response=self._response(rid, "in_progress", "", 0))
+        await asyncio.sleep(self.ttft_s)
+        item = {"item_id": f"msg_{rid}", "output_index": 0, "content_index": 0, "logprobs": []}
+        for i in range(n):
+            if i:
+                await asyncio.sleep(self.itl_s)
+            if self.break_after is not None and i == self.break_after:
+                assert request.transport is not None
+                request.transport.abort()  # an instance dying mid-stream
+                return resp
+            await send("response.output_text.delta", delta=TOKEN_TEXT, **item)
+            if i == 0 and self.responses_gate is not None:
+                await self.responses_gate.wait()
+        await send("response.output_text.done", text=TOKEN_TEXT * n, **item)
+        await send(
+            "response.completed", response=self._response(rid, "completed", TOKEN_TEXT * n, n)
+        )
+        await resp.write_eof()
+        return resp
+
+    def _response(self, rid: str, status: str, text: str, n: int) -> dict[str, Any]:
+        message = {
+            "type": "message",
+            "id": f"msg_{rid}",
+            "status": status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+        return {
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": self.model,
+            "status": status,
+            "output": [message] if text else [],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": 3,
+                "output_tokens": n,
+                "total_tokens": n + 3,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+        }
 
     def kill(self) -> None:
         """Tests: die like a process under kill -9: every connection in flight is
@@ -101,15 +245,11 @@ class StandIn:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         if self.dead and request.transport is not None:
             request.transport.abort()
-        body = await request.json()
+        body = await self._body(request)
         self.seen_bodies.append(body)
-        if self.fail_status is not None:
-            error = {
-                "error": {"message": "stand-in told to fail", "type": "x", "code": self.fail_status}
-            }
-            return web.json_response(error, status=self.fail_status)
+        self._refuse_if_told()
         chat = request.path.endswith("/chat/completions")
-        n = int(body.get("max_tokens") or 16)
+        n = _tokens(body, "max_tokens")
         ids = bool(body.get("return_token_ids"))
         self.running += 1
         self.served += 1
@@ -188,6 +328,41 @@ class StandIn:
         if chat:
             out["prompt_token_ids"] = [1, 2, 3] if ids else None
         return out
+
+
+TOKEN_ID, TOKEN_TEXT = 7, " tok"  # the one token the stand-in generates
+# vLLM 0.32's pooling and scoring routes, answered in outline.
+POOLING_ROUTES = (
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/v2/embed",
+)
+
+
+class _Refused(Exception):
+    def __init__(self, response: web.Response) -> None:
+        self.response = response
+
+
+def _refuse(status: int, message: str, *, param: str | None = None) -> NoReturn:
+    """Answer with an error in vLLM's shape (the OpenAI shape, `code` the status)."""
+    error = {"message": message, "type": "BadRequestError", "param": param, "code": status}
+    raise _Refused(web.json_response({"error": error}, status=status))
+
+
+def _tokens(body: dict[str, Any], key: str) -> int:
+    """The token budget `body[key]` (16 when absent), or a 400 as vLLM gives."""
+    value = body.get(key)
+    if value is None:
+        return 16
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 100_000:
+        _refuse(400, f"'{key}' must be an integer from 1 to 100000", param=key)
+    return value
 
 
 def main() -> None:

@@ -52,13 +52,17 @@ def error_response(
 
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn aiohttp's own HTTP errors (404 route, 405, 413) into the OpenAI shape."""
+    """Turn aiohttp's own HTTP errors (404 route, 405, 413) and a body it cannot
+    read (a Content-Encoding that does not decode) into the OpenAI shape."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         return error_response(exc.status, exc.reason, headers=_keep_headers(exc))
+    except web.RequestPayloadError as exc:
+        why = getattr(exc.__cause__, "message", None) or str(exc)
+        return error_response(400, f"request body could not be read: {why}")
 
 
 def _keep_headers(exc: web.HTTPException) -> dict[str, str]:

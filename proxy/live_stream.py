@@ -310,7 +310,7 @@ class LiveStream:
         if kv_params:
             body = {
                 **body,
-                "kv_transfer_params": {**body.get("kv_transfer_params", {}), **kv_params},
+                "kv_transfer_params": {**(body.get("kv_transfer_params") or {}), **kv_params},
             }
         call = self.upstreams.begin(dest, request.model, request.priority, tokens, self.clock())
         try:

@@ -1,23 +1,40 @@
 """Validating an OpenAI request body before it is dispatched.
 
 Only what Ferry needs is checked (it is a proxy, not the engine): a JSON object,
-a string `model`, and the field each endpoint cannot do without. Everything
-else is the engine's to judge, and its 4xx answers pass through unchanged.
+a string `model`, the field each endpoint cannot do without, and the type of the
+fields Ferry itself reads. Everything else is the engine's to judge, and its 4xx
+answers pass through unchanged. Bodies are read strictly (`read_object`), so
+that whatever Ferry accepts it can also re-encode and inspect without failing.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.policy import Priority
 
 PRIORITY_HEADER = "x-ferry-priority"
+JSON = "application/json"
 
 # Characters per token when a prompt arrives as text. Byte-level BPE vocabularies
 # average 3-4; the estimate only lasts until the engine reports the exact count.
 CHARS_PER_TOKEN = 3
+# Nesting levels a body may have. JSON Schemas in `tools` and `response_format`
+# nest tens of levels; json's C parser and encoder recurse once per level and hit
+# Python's stack limit (1000 frames, shared with the handler's) near 980.
+MAX_DEPTH = 128
+# Fields Ferry reads itself (migration, usage): a wrong type is the client's 400.
+_FIELD_KINDS: dict[str, tuple[type, str]] = {
+    "n": (int, "an integer"),
+    "best_of": (int, "an integer"),
+    "stream_options": (dict, "an object"),
+    "kv_transfer_params": (dict, "an object"),
+}
 
 
 class BadRequest(ValueError):
@@ -34,24 +51,29 @@ class OpenAIRequest:
     prompt_estimate: int
 
 
-def parse(raw: bytes, endpoint: str, priority_header: str | None) -> OpenAIRequest:
-    """`endpoint` is "completions" or "chat"."""
+@dataclass(frozen=True, slots=True)
+class PassThrough:
+    """What Ferry reads of a body it sends on as it came."""
+
+    model: str | None  # None: any instance will do
+    stream: bool  # the body asks for a stream (an idle timeout applies)
+
+
+def parse(
+    raw: bytes, endpoint: str, priority_header: str | None, content_type: str = JSON
+) -> OpenAIRequest:
+    """`endpoint` is "completions" or "chat"; `content_type` the media type alone."""
     priority = Priority.NORMAL
     if priority_header is not None:
         try:
             priority = Priority.parse(priority_header)
         except ValueError as exc:
             raise BadRequest(f"header {PRIORITY_HEADER}: {exc}") from None
+    if content_type != JSON:
+        raise BadRequest(f"Content-Type must be {JSON}, not {content_type}", status=415)
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except RecursionError:  # hostile nesting: json's C parser recurses per level
-        raise BadRequest("request body is nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = read_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
@@ -68,7 +90,86 @@ def parse(raw: bytes, endpoint: str, priority_header: str | None) -> OpenAIReque
         estimate = _prompt_tokens(body["prompt"])
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
+    for key, (kind, name) in _FIELD_KINDS.items():
+        value = body.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise BadRequest(f"'{key}' must be {name}", param=key)
     return OpenAIRequest(body, model, priority, max(1, estimate))
+
+
+def parse_passthrough(raw: bytes, content_type: str) -> PassThrough:
+    """A body Ferry sends on unchanged. A JSON one is read (strictly, as by
+    `parse`) for its `model`; any other (a multipart upload, none at all) is
+    not read and goes to any instance."""
+    if not raw or content_type != JSON:
+        return PassThrough(None, False)
+    body = read_object(raw)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    return PassThrough(model, body.get("stream") is True)
+
+
+def read_object(raw: bytes) -> dict[str, Any]:
+    """`raw` as a JSON object, read strictly (RFC 8259): UTF-8, a leading byte
+    order mark ignored; no NaN, Infinity or numbers that overflow to them; no
+    duplicate keys (which one would an engine take?); at most `MAX_DEPTH` levels."""
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise BadRequest(
+            f"request body is not UTF-8 (byte {exc.start}: {exc.reason}); JSON must be UTF-8"
+        ) from None
+    try:
+        body = json.loads(
+            text, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite
+        )
+    except RecursionError:  # hostile nesting: json's C parser recurses per level
+        raise BadRequest("request body is nested too deeply") from None
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if _deeper_than(MAX_DEPTH, raw, body):
+        raise BadRequest(f"request body is nested more than {MAX_DEPTH} levels deep")
+    return body
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        counts = Counter(k for k, _ in pairs)
+        duplicate = next(k for k, n in counts.items() if n > 1)
+        raise ValueError(f"duplicate key {duplicate!r}")
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"number {literal[:20]} is out of range")
+    return value
+
+
+def _deeper_than(limit: int, raw: bytes, value: Any) -> bool:
+    # Fast path at C speed: a body cannot nest deeper than it has brackets.
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
 
 
 def _prompt_tokens(prompt: Any) -> int:

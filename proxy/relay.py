@@ -73,13 +73,20 @@ class Relay:
         priority: Priority,
         prompt_estimate: int,
         arrived: float,
+        stream: bool = False,
     ) -> web.StreamResponse:
         """Relay a request to the instance the policy picks. `body` is None for a
-        pass-through call whose body Ferry does not read."""
-        stream = bool(body and body.get("stream"))
+        pass-through call, sent as it came and answered as the instance answers;
+        `stream` says whether its body asked for a stream (an idle timeout applies)."""
+        stream = stream if body is None else bool(body.get("stream"))
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-        if request.content_type:
-            headers["Content-Type"] = request.content_type
+        # A body Ferry read goes on as the JSON it re-encodes; any other as it
+        # came, Content-Type and all (a charset, a multipart boundary).
+        content_type = (
+            "application/json" if body is not None else request.headers.get("Content-Type")
+        )
+        if content_type:
+            headers["Content-Type"] = content_type
         tried: set[str] = set()
         for _ in range(_ATTEMPTS):
             try:
@@ -102,7 +109,7 @@ class Relay:
             if stream and upstream_body and self.cluster.instances[name].migration_mode == "full":
                 # Full mode: the tag lets the instance's shim find this request later.
                 tag = uuid.uuid4().hex
-                params = {**upstream_body.get("kv_transfer_params", {}), wire.TAG: tag}
+                params = {**(upstream_body.get("kv_transfer_params") or {}), wire.TAG: tag}
                 data = sse.dumps({**upstream_body, "kv_transfer_params": params})
             call = self.upstreams.begin(name, model or "", priority, prompt_estimate, arrived)
             try:
@@ -135,6 +142,8 @@ class Relay:
                     finally:
                         self.migrator.unregister(live)
                         name = live.instance
+                elif body is None:
+                    response, outcome = await self._pass_on(request, upstream, call)
                 elif stream:
                     response, outcome = await self._stream(
                         request, upstream, call, wants_ids, arrived
@@ -251,18 +260,45 @@ class Relay:
         arrived: float,
     ) -> tuple[web.StreamResponse, str]:
         """A stream that cannot move: relay its events as they come."""
-        response = await sse.open_response(request, call.instance)
         timing = sse.TokenTiming(self.metrics, self.clock, arrived)
         pending = b""
+
+        def relay(data: bytes) -> bytes:
+            nonlocal pending
+            events, pending = sse.split(pending + data)
+            return b"".join(self._relay_event(event, call, wants_ids, timing) for event in events)
+
+        return await self._pipe(request, upstream, call, relay)
+
+    async def _pass_on(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, call: Call
+    ) -> tuple[web.StreamResponse, str]:
+        """A pass-through answer: an event stream (a streamed `/v1/responses`)
+        relayed byte for byte as it comes, anything else whole."""
+        if upstream.content_type != "text/event-stream":
+            return await self._whole(upstream, call, True, passthrough=True)
+        return await self._pipe(request, upstream, call, lambda data: data)
+
+    async def _pipe(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        call: Call,
+        relay: Callable[[bytes], bytes],
+    ) -> tuple[web.StreamResponse, str]:
+        """Write what `relay` makes of the upstream's bytes to the client as they come."""
+        response = await sse.open_response(request, call.instance)
+        whole = True  # what the client has ends with a whole event
         try:
             async for data in upstream.content.iter_any():
-                events, pending = sse.split(pending + data)
-                out = [self._relay_event(event, call, wants_ids, timing) for event in events]
+                out = relay(data)
                 if out:
-                    await response.write(b"".join(out))
+                    await response.write(out)
+                    whole = out.endswith(b"\n\n")
         except sse.STREAM_ERRORS as exc:
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
-            await sse.finish(response, sse.error_event(502, message))
+            cut = b"" if whole else b"\n\n"  # end the event the break cut in half
+            await sse.finish(response, cut + sse.error_event(502, message))
             return response, "stream_broken"
         except ConnectionResetError:
             return response, "client_disconnect"

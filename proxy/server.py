@@ -1,14 +1,21 @@
 """The Ferry HTTP service: built in one place, opened and closed with the app.
 
-Routes: the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-other `/v1/*` passed through), `/health`, `/livez`, `/readyz`, `/metrics` and
-`/admin/*`.
+Routes:
+- the OpenAI API: `/v1/completions` and `/v1/chat/completions` (read, placed,
+  movable), `/v1/models` (the cluster's), and every other `/v1/*`
+  (`/v1/responses`, `/v1/embeddings`, `/v1/score`, `/v1/rerank`, ...) passed through;
+- vLLM's routes outside `/v1` (`ENGINE_ROUTES`: `/tokenize`, `/detokenize`,
+  `/pooling`, `/classify`, `/score`, `/rerank`, `/v2/rerank`, `/v2/embed`, ...),
+  passed through;
+- `/health`, `/livez`, `/readyz`, `/metrics` and `/admin/*`.
+A pass-through call goes to an instance serving its JSON body's `model` (any
+instance when it names none) and is answered as the instance answers: a stream
+as it comes, byte for byte, anything else whole.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import signal
@@ -42,6 +49,19 @@ RELAY = web.AppKey("relay", Relay)
 MIGRATOR = web.AppKey("migrator", Migrator)
 SCRAPER = web.AppKey("scraper", Scraper)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)  # set on SIGTERM
+
+# vLLM's model-routed POST routes outside /v1 (vLLM 0.32's api_server).
+ENGINE_ROUTES = (
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/v2/rerank",
+    "/v2/embed",
+    "/generative_scoring",
+)
 
 
 def build_app(config: FerryConfig) -> web.Application:
@@ -127,6 +147,8 @@ def build_app(config: FerryConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", _openai_handler("chat"))
     app.router.add_get("/v1/models", _models)
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
+    for path in ENGINE_ROUTES:
+        app.router.add_post(path, _passthrough)
     app.router.add_get("/health", _health)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
@@ -148,7 +170,10 @@ def _openai_handler(endpoint: str) -> Any:
         raw = await request.read()
         try:
             parsed = openai_request.parse(
-                raw, endpoint, request.headers.get(openai_request.PRIORITY_HEADER)
+                raw,
+                endpoint,
+                request.headers.get(openai_request.PRIORITY_HEADER),
+                request.content_type,
             )
         except openai_request.BadRequest as exc:
             return error_response(exc.status, exc.message, param=exc.param)
@@ -167,26 +192,23 @@ def _openai_handler(endpoint: str) -> Any:
 
 
 async def _passthrough(request: web.Request) -> web.StreamResponse:
-    """Any other `/v1/*` call goes to an instance serving its `model`, if it names one."""
+    """Any other call goes to an instance serving its `model`, if it names one."""
     arrived = time.monotonic()
     raw = await request.read()
-    model = None
-    if raw and request.content_type == "application/json":
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            return error_response(400, "request body is not valid JSON")
-        if isinstance(body, dict) and isinstance(body.get("model"), str):
-            model = body["model"]
+    try:
+        body = openai_request.parse_passthrough(raw, request.content_type)
+    except openai_request.BadRequest as exc:
+        return error_response(exc.status, exc.message, param=exc.param)
     return await request.app[RELAY].forward(
         request,
         request.path,
         None,
         raw,
-        model=model,
+        model=body.model,
         priority=Priority.NORMAL,
         prompt_estimate=0,
         arrived=arrived,
+        stream=body.stream,
     )
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from proxy import token_ids
-from proxy.openai_request import BadRequest, parse
+from proxy.openai_request import MAX_DEPTH, BadRequest, parse, parse_passthrough, read_object
 from proxy.policy import Priority
 
 
@@ -56,3 +56,77 @@ def test_token_ids_are_counted_and_hidden() -> None:
     tricky = b'{"choices":[{"text":"\\"token_ids\\":[1,2]","token_ids":[]}]}'
     assert token_ids.scan(tricky) == (None, 0, True)
     assert token_ids.scan(b'{"choices":[{"text":"hi","token_ids":null}]}') == (None, 0, False)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"a": NaN}', "NaN is not a JSON number"),
+        (b'{"a": [Infinity]}', "Infinity is not a JSON number"),
+        (b'{"a": -Infinity}', "-Infinity is not a JSON number"),
+        (b'{"a": 1e400}', "out of range"),
+        (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
+        (b'{"a": {"b": 1, "b": 1}}', "duplicate key 'b'"),
+        (b'{"a": "\xff"}', "not UTF-8"),
+        (b'{"a": "\xed\xa0\x80"}', "not UTF-8"),  # a surrogate, encoded
+        ('{"a": 1}'.encode("utf-16"), "not UTF-8"),
+        ('{"a": 1}'.encode("utf-16-le"), "not valid JSON"),  # NULs are UTF-8, not JSON
+        ('{"a": 1}'.encode("utf-32"), "not UTF-8"),
+        (b"\xef\xbb\xbf\xef\xbb\xbf{}", "not valid JSON"),  # one BOM is ignored, not two
+        (b'{"a": ' + b"[" * (MAX_DEPTH) + b"]" * (MAX_DEPTH) + b"}", "nested more than"),
+        (b"[" * 100_000, "nested too deeply"),
+        (b'"{}"', "must be a JSON object"),
+        (b"null", "must be a JSON object"),
+    ],
+)
+def test_bodies_are_read_strictly(raw: bytes, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        read_object(raw)
+
+
+def test_what_strict_reading_accepts() -> None:
+    assert read_object(b'\xef\xbb\xbf{"a": 1.5}') == {"a": 1.5}  # RFC 8259 lets a BOM be ignored
+    assert read_object(b'{"a": "\\ud800"}') == {"a": "\ud800"}  # an escape is JSON, even alone
+    deep = b'{"a": ' + b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1) + b"}"
+    assert read_object(deep)["a"]
+    many = b'{"a": [' + b",".join([b"[]"] * 10_000) + b"]}"  # wide, not deep
+    assert len(read_object(many)["a"]) == 10_000
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"model": "m", "prompt": "x", "n": "2"}', "n"),
+        (b'{"model": "m", "prompt": "x", "best_of": 1.5}', "best_of"),
+        (b'{"model": "m", "prompt": "x", "stream_options": true}', "stream_options"),
+        (b'{"model": "m", "prompt": "x", "kv_transfer_params": []}', "kv_transfer_params"),
+    ],
+)
+def test_fields_ferry_reads_must_have_their_type(raw: bytes, param: str) -> None:
+    with pytest.raises(BadRequest) as caught:
+        parse(raw, "completions", None)
+    assert caught.value.param == param
+    nulls = b'{"model": "m", "prompt": "x", "n": null, "stream_options": null}'
+    assert parse(nulls, "completions", None).model == "m"
+
+
+def test_completions_and_chat_take_json_only() -> None:
+    with pytest.raises(BadRequest, match="Content-Type must be application/json") as caught:
+        parse(b'{"model": "m", "prompt": "x"}', "completions", None, "text/plain")
+    assert caught.value.status == 415
+
+
+def test_a_passed_through_body_is_read_for_its_model_only_when_json() -> None:
+    assert parse_passthrough(b'{"model": "m", "stream": true}', "application/json") == (
+        parse_passthrough(b'{"stream": true, "model": "m"}', "application/json")
+    )
+    body = parse_passthrough(b'{"model": "m", "stream": true}', "application/json")
+    assert (body.model, body.stream) == ("m", True)
+    assert parse_passthrough(b'{"input": "x", "stream": 1}', "application/json").model is None
+    assert parse_passthrough(b"", "application/json").model is None
+    assert parse_passthrough(b"--x\r\nmodel=m", "multipart/form-data").model is None
+    with pytest.raises(BadRequest) as caught:
+        parse_passthrough(b'{"model": 5}', "application/json")
+    assert caught.value.param == "model"
+    with pytest.raises(BadRequest, match="JSON object"):
+        parse_passthrough(b'["m"]', "application/json")

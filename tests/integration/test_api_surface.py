@@ -1,0 +1,179 @@
+"""The rest of the API surface (pass-through routes) against two stand-in servers
+(loadtest/standin_server.py, not vLLM) serving different models: each route
+family goes to the instance serving the body's `model`, a stream arrives as a
+stream, whole answers and upstream errors arrive as the instance gave them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import Ferry, wait_until
+
+# vLLM's model-routed routes that the stand-in answers in outline, with a body each takes.
+ROUTES: dict[str, dict[str, Any]] = {
+    "/tokenize": {"prompt": "a b"},
+    "/detokenize": {"tokens": [7, 7]},
+    "/pooling": {"input": "x"},
+    "/classify": {"input": "x"},
+    "/score": {"text_1": "q", "text_2": "d"},
+    "/v1/score": {"text_1": "q", "text_2": "d"},
+    "/rerank": {"query": "q", "documents": ["d"]},
+    "/v1/rerank": {"query": "q", "documents": ["d"]},
+    "/v2/rerank": {"query": "q", "documents": ["d"]},
+    "/v2/embed": {"texts": ["x"]},
+}
+
+
+def client(proxy: Ferry) -> openai.OpenAI:
+    # A timeout: a stream that Ferry buffered would otherwise hang the test.
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+@pytest.fixture
+def two_models(standins: Any, ferry: Any) -> Ferry:
+    """Ferry in front of i0 serving "alpha" and i1 serving "beta"."""
+    (_, alpha), (_, beta) = standins(1, model="alpha")[0], standins(1, model="beta")[0]
+    proxy: Ferry = ferry([alpha.url, beta.url])
+    return proxy
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+
+
+@pytest.mark.parametrize("path", sorted(ROUTES))
+def test_engine_routes_go_by_model(two_models: Ferry, path: str) -> None:
+    for model, instance in (("alpha", "i0"), ("beta", "i1")):
+        answer = httpx.post(two_models.url + path, json={"model": model, **ROUTES[path]})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-ferry-instance"] == instance
+        if path not in ("/tokenize", "/detokenize"):
+            assert answer.json()["model"] == model and answer.json()["route"] == path
+    assert httpx.post(two_models.url + "/tokenize", json=ROUTES["/tokenize"]).status_code == 200
+    unknown = httpx.post(two_models.url + path, json={"model": "nope", **ROUTES[path]})
+    assert_openai_error(unknown, 404, "model_not_found")
+    assert unknown.json()["error"]["param"] == "model"
+
+
+def test_tokenize_and_detokenize_answer_as_the_instance_does(two_models: Ferry) -> None:
+    tokens = httpx.post(two_models.url + "/tokenize", json={"model": "beta", "prompt": "a b c"})
+    assert tokens.json()["tokens"] == [7, 7, 7]
+    text = httpx.post(two_models.url + "/detokenize", json={"model": "beta", "tokens": [7, 7]})
+    assert text.json() == {"prompt": " tok tok"}
+
+
+def test_embeddings_and_responses_go_by_model(two_models: Ferry) -> None:
+    with client(two_models) as api:
+        for model, instance in (("alpha", "i0"), ("beta", "i1")):
+            raw = api.embeddings.with_raw_response.create(model=model, input="x")
+            assert raw.headers["x-ferry-instance"] == instance
+            assert raw.parse().model == model
+            answer = api.responses.with_raw_response.create(
+                model=model, input="hi", max_output_tokens=3
+            )
+            assert answer.headers["x-ferry-instance"] == instance
+            assert answer.parse().model == model
+            assert answer.parse().output_text == " tok" * 3
+        with pytest.raises(openai.NotFoundError, match="not served here"):
+            api.embeddings.create(model="nope", input="x")
+        with pytest.raises(openai.NotFoundError, match="not served here"):
+            api.responses.create(model="nope", input="x")
+
+
+def test_a_streamed_response_arrives_as_it_is_made(
+    standins: Any, ferry: Any, loop_thread: Any
+) -> None:
+    [(standin, site)] = standins(1, itl_s=0.001)
+    gate = asyncio.Event()  # the stand-in holds the rest of its stream until this is set
+    standin.responses_gate = gate
+    proxy = ferry([site.url])
+    with client(proxy) as api:
+        stream = api.responses.create(model="standin", input="hi", max_output_tokens=4, stream=True)
+        events = iter(stream)
+        try:
+            assert next(events).type == "response.created"
+            first = next(events)
+            # The stand-in has not finished (it waits for the gate): this came on its own.
+            assert first.type == "response.output_text.delta" and first.delta == " tok"
+            assert not gate.is_set()
+            assert proxy.view("i0").inflight == 1  # billed for as long as it streams
+        finally:
+            loop_thread.call(gate.set)
+        rest = list(events)
+    deltas = [e.delta for e in rest if e.type == "response.output_text.delta"]
+    assert deltas == [" tok"] * 3
+    assert rest[-1].type == "response.completed"
+    assert rest[-1].response.output_text == " tok" * 4
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
+def test_a_passed_through_stream_that_breaks_ends_with_an_error_event(
+    standins: Any, ferry: Any
+) -> None:
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.break_after = 2
+    proxy = ferry([site.url])
+    body = {"model": "standin", "input": "x", "max_output_tokens": 5, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/responses", json=body) as answer:
+        assert answer.status_code == 200
+        events = [e for e in answer.read().decode().split("\n\n") if e]
+    assert [e.split("\n")[0] for e in events[:3]] == [
+        "event: response.created",
+        "event: response.output_text.delta",
+        "event: response.output_text.delta",
+    ]
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert "broke the stream" in error["message"] and error["type"] == "upstream_error"
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
+def test_whole_answers_pass_through_byte_for_byte(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url])
+    body = {"model": "standin", "input": ["x", "y"]}
+    direct = httpx.post(site.url + "/v1/embeddings", json=body)
+    relayed = httpx.post(proxy.url + "/v1/embeddings", json=body)
+    assert relayed.status_code == 200 and relayed.content == direct.content
+    assert relayed.headers["content-length"] == str(len(direct.content))  # whole, not chunked
+    assert relayed.headers["content-type"] == direct.headers["content-type"]
+    with client(proxy) as api:
+        assert api.embeddings.create(model="standin", input="x").data[0].embedding == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses", "/rerank", "/tokenize"])
+def test_upstream_4xx_passes_through_untouched(standins: Any, ferry: Any, path: str) -> None:
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url])
+    standin.fail_status = 422
+    body = {"model": "standin", "prompt": "x", "input": "x"}
+    direct = httpx.post(site.url + path, json=body)
+    relayed = httpx.post(proxy.url + path, json=body)
+    assert relayed.status_code == 422 and relayed.content == direct.content
+    assert relayed.headers["content-type"] == direct.headers["content-type"]
+
+
+def test_the_openai_client_sees_an_upstream_4xx(standins: Any, ferry: Any) -> None:
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url])
+    standin.fail_status = 400
+    with client(proxy) as api, pytest.raises(openai.BadRequestError, match="told to fail"):
+        api.responses.create(model="standin", input="x", stream=True)
+
+
+def test_a_body_ferry_cannot_route_by_is_a_400_in_the_openai_shape(two_models: Ferry) -> None:
+    url = two_models.url
+    assert_openai_error(httpx.post(url + "/v1/responses", json={"model": 5}), 400, None)
+    assert_openai_error(httpx.post(url + "/rerank", json=["alpha"]), 400, None)
+    bad = httpx.post(url + "/pooling", content=b"{", headers={"Content-Type": "application/json"})
+    assert_openai_error(bad, 400, None)
+    # A body Ferry does not read (not JSON) goes on as it came; the instance judges it.
+    form = httpx.post(url + "/v1/embeddings", content=b"model=alpha")
+    assert form.status_code == 400 and "Unsupported Media Type" in form.text

@@ -1,0 +1,234 @@
+"""Bodies of any shape, size and encoding, posted through Ferry to two stand-in
+servers (loadtest/standin_server.py, not vLLM). Ferry never answers with a 5xx:
+what it refuses itself gets a 4xx in the OpenAI error shape, and what it
+forwards comes back with the status the stand-in gave."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+MODELS = ("alpha", "beta")
+PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+    "/rerank",
+    "/v2/embed",
+    "/v1/not-a-route",  # passed through; the stand-in's own 404
+)
+CONTENT_TYPES = (
+    "application/json",
+    "application/json; charset=utf-8",
+    "Application/JSON",
+    "application/json; charset=utf-16",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    None,
+)
+ENCODINGS = ("utf-8", "utf-8-sig", "utf-16", "utf-16-be", "utf-32")
+MAX_BODY = 16 * 1024  # server.max_body_bytes here, so "huge" is cheap
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()  # NaN and Infinity included: json.dumps writes them, JSON has none
+    | st.text(max_size=12)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+# Token budgets stay small so that a forwarded request is answered at once.
+budgets = st.integers(1, 4) | st.integers(1, 4) | st.integers(-1, 0) | st.text(max_size=3)
+objects = st.fixed_dictionaries(
+    {"model": st.sampled_from(MODELS) | st.sampled_from(MODELS) | values},
+    optional={
+        "prompt": st.text(max_size=20) | st.lists(st.integers(0, 99), max_size=6) | values,
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=12)}),
+            max_size=2,
+        )
+        | values,
+        "input": st.text(max_size=20) | values,
+        "tokens": st.lists(st.integers(0, 9), max_size=4) | values,
+        "stream": st.booleans() | values,
+        "max_tokens": budgets,
+        "max_output_tokens": budgets,
+        "n": st.integers(0, 2) | values,
+        "stream_options": st.just({"include_usage": True}) | values,
+        "extra": values,
+    },
+)
+
+
+@st.composite
+def bodies(draw: Any) -> bytes:
+    """A body as bytes: JSON objects and other values in several encodings,
+    with duplicate keys, truncated, nested deep, huge, or no JSON at all."""
+    shape = draw(st.sampled_from(["object"] * 6 + ["value", "bytes", "deep", "huge"]))
+    if shape == "bytes":
+        return bytes(draw(st.binary(max_size=40)))
+    if shape == "value":
+        text = json.dumps(draw(values))
+    elif shape == "deep":
+        depth = draw(st.integers(1, 3000))
+        opening, closing = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+        nested = opening * depth + "1" + closing * depth
+        text = '{"model": "alpha", "prompt": "x", "extra": ' + nested + "}"
+    elif shape == "huge":
+        size = draw(st.integers(MAX_BODY - 100, 4 * MAX_BODY))
+        text = json.dumps({"model": "alpha", "prompt": "x", "input": "x", "pad": "a" * size})
+    else:
+        text = json.dumps(draw(objects))
+        if draw(st.booleans()) and draw(st.booleans()):
+            text = '{"model": "beta", ' + text[1:]  # a duplicate key (or a stray comma)
+    raw = text.encode(draw(st.just("utf-8") | st.sampled_from(ENCODINGS)), errors="surrogatepass")
+    if draw(st.integers(0, 9)) == 0:
+        raw = raw[: draw(st.integers(0, len(raw)))]
+    if draw(st.integers(0, 9)) == 0:
+        cut = draw(st.integers(0, len(raw)))
+        raw = (
+            raw[:cut]
+            + draw(st.sampled_from([b"\xff", b"\xc3", b"\x00", b"\xed\xa0\x80"]))
+            + raw[cut:]
+        )
+    return raw
+
+
+def test_no_body_gets_a_5xx_and_every_refusal_is_in_the_openai_shape(
+    standins: Any, ferry: Any
+) -> None:
+    alpha, beta = standins(1, model="alpha", itl_s=0)[0], standins(1, model="beta", itl_s=0)[0]
+    # Lite migration: the odd body also meets the code that decides whether a stream can move.
+    proxy = ferry(
+        [alpha[1].url, beta[1].url],
+        instances_migration="lite",
+        server={"max_body_bytes": MAX_BODY},
+    )
+    stand_ins = (alpha[0], beta[0])
+
+    with httpx.Client(base_url=proxy.url, timeout=10) as http:
+
+        @settings(
+            max_examples=250,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(
+            path=st.sampled_from(PATHS),
+            body=bodies(),
+            content_type=st.just("application/json") | st.sampled_from(CONTENT_TYPES),
+        )
+        def check(path: str, body: bytes, content_type: str | None) -> None:
+            seen = [len(s.answers) for s in stand_ins]
+            headers = {"Content-Type": content_type} if content_type else {}
+            answer = http.post(path, content=body, headers=headers)
+            forwarded = [a for s, n in zip(stand_ins, seen, strict=True) for a in s.answers[n:]]
+            assert answer.status_code < 500, answer.text
+            event(f"{'forwarded' if forwarded else 'refused'}: {answer.status_code}")
+            if forwarded:
+                assert [status for _, status in forwarded] == [answer.status_code]
+                return
+            assert 400 <= answer.status_code < 500, answer.text
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert isinstance(error["message"], str) and error["message"]
+            assert error["type"] in ("invalid_request_error", "not_found_error")
+
+        check()
+
+
+COMPLETION = b'{"model": "standin", "prompt": "x", "max_tokens": 1'
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "param"),
+    [
+        ("/v1/completions", b"{bad", {}, 400, None),
+        ("/v1/completions", b"", {}, 400, None),
+        ("/v1/completions", b"[1, 2]", {}, 400, None),
+        ("/v1/completions", b'"standin"', {}, 400, None),
+        ("/v1/completions", b'{"model": 5, "prompt": "x"}', {}, 400, "model"),
+        ("/v1/completions", COMPLETION + b', "temperature": NaN}', {}, 400, None),
+        ("/v1/completions", COMPLETION + b', "temperature": -Infinity}', {}, 400, None),
+        ("/v1/completions", COMPLETION + b', "temperature": 1e999}', {}, 400, None),
+        ("/v1/completions", COMPLETION + b', "model": "other"}', {}, 400, None),
+        ("/v1/completions", COMPLETION + b', "x": {"a": 1, "a": 2}}', {}, 400, None),
+        ("/v1/completions", COMPLETION[:-1] + b'\xff"}', {}, 400, None),
+        ("/v1/completions", COMPLETION[:-1] + b'\xc0\xaf"}', {}, 400, None),  # overlong
+        ("/v1/completions", COMPLETION[:-1] + b'\xed\xa0\x80"}', {}, 400, None),  # surrogate
+        ("/v1/completions", (COMPLETION + b"}").decode().encode("utf-16"), {}, 400, None),
+        ("/v1/completions", (COMPLETION + b"}").decode().encode("utf-16-le"), {}, 400, None),
+        ("/v1/completions", (COMPLETION + b"}").decode().encode("utf-32"), {}, 400, None),
+        ("/v1/completions", codecs.BOM_UTF8 + COMPLETION + b"}", {}, 200, None),
+        (
+            "/v1/completions",
+            COMPLETION + b', "x": ' + b"[" * 200 + b"]" * 200 + b"}",
+            {},
+            400,
+            None,
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "standin", "prompt": ' + b"[" * 960 + b"]" * 960 + b"}",
+            {},
+            400,
+            None,
+        ),
+        ("/v1/completions", COMPLETION + b', "x": "' + b"a" * MAX_BODY + b'"}', {}, 413, None),
+        ("/v1/completions", COMPLETION + b', "stream": true, "n": "2"}', {}, 400, "n"),
+        (
+            "/v1/completions",
+            COMPLETION + b', "stream": true, "stream_options": 1}',
+            {},
+            400,
+            "stream_options",
+        ),
+        ("/v1/completions", COMPLETION + b"}", {"Content-Type": "text/plain"}, 415, None),
+        ("/v1/completions", COMPLETION + b"}", {"Content-Type": ""}, 415, None),
+        ("/v1/completions", b"not gzip", {"Content-Encoding": "gzip"}, 400, None),
+        ("/v1/embeddings", b"not gzip", {"Content-Encoding": "gzip"}, 400, None),
+        ("/v1/embeddings", b'{"model": 5, "input": "x"}', {}, 400, "model"),
+        ("/v1/embeddings", b'{"model": "standin", "input": NaN}', {}, 400, None),
+        ("/v1/responses", b'{"model": "standin", "model": "x"}', {}, 400, None),
+        ("/rerank", b'["standin"]', {}, 400, None),
+        ("/tokenize", b'{"model": "standin", "prompt": "\xff"}', {}, 400, None),
+        ("/tokenize", b'{"model": "standin", "x": ' + b"[" * 5000, {}, 400, None),
+    ],
+)
+def test_each_kind_of_bad_body_is_a_4xx_in_the_openai_shape(
+    standins: Any,
+    ferry: Any,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+    param: str | None,
+) -> None:
+    [(standin, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url], instances_migration="lite", server={"max_body_bytes": MAX_BODY})
+    answer = httpx.post(
+        proxy.url + path, content=body, headers={"Content-Type": "application/json", **headers}
+    )
+    assert answer.status_code == status, answer.text
+    if status == 200:
+        return
+    assert standin.answers == []  # Ferry's own answer
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["type"] == "invalid_request_error"
