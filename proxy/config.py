@@ -7,6 +7,7 @@ Loading has no side effects; reload is all-or-nothing (load, then swap).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -18,6 +19,7 @@ import yaml
 
 from adapters import ADAPTERS
 from proxy.policy import POLICIES
+from proxy.policy.scaling import ScalingSettings
 
 ENGINES = tuple(ADAPTERS)  # the `engine:` names: one per adapter in `adapters/`
 MIGRATION_MODES = ("off", "lite", "full")
@@ -72,6 +74,21 @@ class SchedulerConfig:
     migration_full_max_stages: int = 3  # pre-copy stages before the stop-and-copy
     migration_full_last_stage_blocks: int = 1  # stop once at most this many blocks wait
     migration_bandwidth_mb_s: float = 0.0  # pre-copy cap per migration; 0: unlimited
+    # The scaling signal (`ferry_desired_instances`; proxy/policy/scaling.py): scale
+    # out below this average freeness, in above the other (KV blocks per request).
+    scale_out_freeness_below: float = 10.0
+    scale_in_freeness_above: float = 60.0
+    min_instances: int = 1
+    max_instances: int | None = None  # None: no cap
+
+    def scaling_settings(self) -> ScalingSettings:
+        """The scaling rule's settings (validated by `_check_scheduler` first)."""
+        return ScalingSettings(
+            scale_out_freeness_below=self.scale_out_freeness_below,
+            scale_in_freeness_above=self.scale_in_freeness_above,
+            min_instances=self.min_instances,
+            max_instances=self.max_instances,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +269,27 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         raise ConfigError("scheduler.migration_max_resumes: must not be negative")
     if s.high_priority_headroom_blocks < 0:
         raise ConfigError("scheduler.high_priority_headroom_blocks: must not be negative")
+    _check_scaling(s)
+
+
+def _check_scaling(s: SchedulerConfig) -> None:
+    out, into = s.scale_out_freeness_below, s.scale_in_freeness_above
+    if not (math.isfinite(out) and math.isfinite(into)):
+        raise ConfigError(
+            "scheduler.scale_out_freeness_below, scheduler.scale_in_freeness_above: must be finite"
+        )
+    if out >= into:
+        raise ConfigError(
+            f"scheduler.scale_out_freeness_below: must be below scheduler.scale_in_freeness_above"
+            f" (got {out:g} >= {into:g})"
+        )
+    if s.min_instances < 1:
+        raise ConfigError(f"scheduler.min_instances: must be at least 1 (got {s.min_instances})")
+    if s.max_instances is not None and s.max_instances < s.min_instances:
+        raise ConfigError(
+            f"scheduler.max_instances: must be at least scheduler.min_instances"
+            f" ({s.min_instances}), or null for no cap (got {s.max_instances})"
+        )
 
 
 def _check_server(s: ServerConfig) -> None:

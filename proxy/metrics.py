@@ -2,16 +2,19 @@
 
 Latencies are as the client sees them: time to first token from the moment the
 request reached Ferry, inter-token latency between two relayed token chunks.
-Per-instance gauges are refreshed from the cluster view at each `/metrics` read.
+Per-instance gauges are refreshed from the cluster view at each `/metrics` read,
+and so is the scaling signal (`ferry_desired_instances`, proxy/policy/scaling.py).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proxy.cluster import Cluster
+from proxy.policy.scaling import ScalingSettings, scaling_signal
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -34,7 +37,9 @@ _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
 
 
 class FerryMetrics:
-    def __init__(self) -> None:
+    def __init__(self, scaling: ScalingSettings | None = None) -> None:
+        # The scaling rule's thresholds; a reload may swap them (a frozen value).
+        self.scaling = ScalingSettings() if scaling is None else scaling
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "ferry_requests",
@@ -131,6 +136,18 @@ class FerryMetrics:
             ["instance"],
             registry=r,
         )
+        self.desired_instances = Gauge(
+            "ferry_desired_instances",
+            "Instances the scaling rule wants (Llumnix: average freeness kept between"
+            " scale_out_freeness_below and scale_in_freeness_above); for KEDA/HPA.",
+            registry=r,
+        )
+        self.average_freeness = Gauge(
+            "ferry_average_freeness",
+            "Average freeness of the serving instances, pooled (KV blocks per request);"
+            " NaN when none is measurable.",
+            registry=r,
+        )
 
     def render(self, cluster: Cluster, now: float | None = None) -> bytes:
         now = time.monotonic() if now is None else now
@@ -142,4 +159,7 @@ class FerryMetrics:
             self.draining.labels(view.name).set(1 if view.draining else 0)
             age = now - state.snapshot_at if state.snapshot_at is not None else float("inf")
             self.scrape_age.labels(view.name).set(age)
+        signal = scaling_signal(cluster.view(), self.scaling)
+        self.desired_instances.set(signal.desired)
+        self.average_freeness.set(math.nan if signal.freeness is None else signal.freeness)
         return generate_latest(self.registry)

@@ -72,7 +72,7 @@ def build_app(config: FerryConfig) -> web.Application:
         UsageSettings(high_priority_headroom_blocks=sched.high_priority_headroom_blocks),
         sched.unhealthy_after_failures,
     )
-    metrics = FerryMetrics()
+    metrics = FerryMetrics(sched.scaling_settings())
     app[CLUSTER] = cluster
     app[METRICS] = metrics
     app[SHUTTING_DOWN] = asyncio.Event()

@@ -96,6 +96,8 @@ class Instance:
         self.busy = False
         self.batch: list[SimRequest] = []
         self.preemptions = 0
+        self.healthy = True  # False while it starts (autoscaling): no dispatch yet
+        self.draining = False  # autoscaling's scale-in: no dispatch, retired once empty
         # ledger totals
         self.count = 0
         self.demand = 0
@@ -104,6 +106,11 @@ class Instance:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.bs)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing assigned, running, queued or reserved here: it can be retired."""
+        return not (self.count or self.busy or self.reserved or self.running or self.waiting)
 
     # ledger ---------------------------------------------------------------
     def assign(self, r: SimRequest) -> None:

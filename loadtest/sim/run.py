@@ -1,4 +1,5 @@
-"""`ferry sim`: simulate one trace on N instances under one policy."""
+"""`ferry sim`: simulate one trace on N instances under one policy, or on a fleet
+that the scaling rule sizes (`--autoscale`, starting from N instances)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from loadtest.sim.simulator import MODES, SimSettings, Simulator
 from loadtest.sim.stats import DEFAULT_SLO, SLO_DECODE_S, SLO_TTFT_S, Slo, summarize
 from proxy.policy import POLICIES
 from proxy.policy.migration import MigrationSettings
+from proxy.policy.scaling import ScalingSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--free-moves",
         action="store_true",
         help="plan lite moves as if the destination's recompute cost nothing",
+    )
+    scaling = parser.add_argument_group("autoscaling (the scaling rule of ferry_desired_instances)")
+    scaling.add_argument(
+        "--autoscale", action="store_true", help="size the fleet by the rule; starts at --instances"
+    )
+    defaults = ScalingSettings()
+    scaling.add_argument("--scale-out-below", type=float, default=defaults.scale_out_freeness_below)
+    scaling.add_argument("--scale-in-above", type=float, default=defaults.scale_in_freeness_above)
+    scaling.add_argument("--min-instances", type=int, default=defaults.min_instances)
+    scaling.add_argument("--max-instances", type=int, default=None)
+    scaling.add_argument(
+        "--scale-interval", type=float, default=10.0, help="seconds between two applications"
+    )
+    scaling.add_argument(
+        "--startup-s", type=float, default=40.0, help="from asking for an instance to serving"
+    )
+    scaling.add_argument(
+        "--scale-in-window", type=float, default=60.0, help="scale-in stabilization, seconds"
     )
     parser.add_argument("--slo-ttft", type=float, default=SLO_TTFT_S)
     parser.add_argument("--slo-decode", type=float, default=SLO_DECODE_S)
@@ -60,6 +80,9 @@ def simulate(
     if show_progress:
         print(file=sys.stderr)
     summary = summarize(result, sim.migrations, slo)
+    fleet = [f for _, f, _ in sim.fleet_log]
+    summary["instance_seconds"] = round(sim.instance_seconds(), 1)
+    summary["instances_min"], summary["instances_max"] = min(fleet), max(fleet)
     summary["wall_s"] = round(time.perf_counter() - started, 2)
     return summary
 
@@ -74,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         high_priority_headroom_blocks=args.headroom_blocks,
         migration_settings=MigrationSettings(count_recompute=not args.free_moves),
         seed=args.seed,
+        scaling=scaling_settings(args) if args.autoscale else None,
+        scaling_interval_s=args.scale_interval,
+        startup_s=args.startup_s,
+        scale_in_window_s=args.scale_in_window,
     )
     summary = simulate(
         requests,
@@ -87,6 +114,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_summary(summary))
     return 0
+
+
+def scaling_settings(args: argparse.Namespace) -> ScalingSettings:
+    try:
+        return ScalingSettings(
+            scale_out_freeness_below=args.scale_out_below,
+            scale_in_freeness_above=args.scale_in_above,
+            min_instances=args.min_instances,
+            max_instances=args.max_instances,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"ferry sim: {exc}") from None
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -105,5 +144,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"preemptions {s['preemptions']} (lost {s['preemption_loss_s']:.1f}s waiting), "
         f"migrations {s['migrations']} (+{s['migrations_aborted']} aborted), "
         f"simulated in {s['wall_s']}s"
+    )
+    lines.append(
+        f"instances {s['instances_min']}..{s['instances_max']}, "
+        f"{s['instance_seconds']:.0f} instance-seconds"
     )
     return "\n".join(lines)

@@ -2,8 +2,10 @@
 
 Events sit in a heap ordered by (time, kind, sequence). At one timestamp a step
 end goes first (it frees blocks), then a finished KV copy, then arrivals, then
-the scrape and the rescheduler, so a decision sees the freshest state; the
-sequence number, owned by the simulator, keeps the order deterministic.
+the scrape, the rescheduler and the scaling rule, so a decision sees the
+freshest state (an instance whose startup ends at that moment serves from the
+next one); the sequence number, owned by the simulator, keeps the order
+deterministic.
 
 Dispatch and rescheduling call the proxy's policy core on views built exactly
 as the proxy builds them (ledger totals, plus scraped fields refreshed every
@@ -11,6 +13,21 @@ as the proxy builds them (ledger totals, plus scraped fields refreshed every
 model on (`count_recompute`) when moves recompute; a lite move enqueues the
 request on the destination with prompt + generated tokens, which it prefills
 again, delaying its own queue and batch as the model charges.
+
+Autoscaling (`SimSettings.scaling`) plays the external autoscaler reading
+`ferry_desired_instances`: every `scaling_interval_s` the policy core's
+`scaling_signal` reads the view, and the fleet is set to the desired count as a
+Kubernetes ReplicaSet would, scaling in only as far as the highest desired
+count of the last `scale_in_window_s` allows (the HPA's scale-down stabilization
+window, 300 s by default there: an instantaneous freeness is noisy, and a
+removal undone a minute later costs a startup). A new instance is in the view
+(unhealthy, not dispatchable) from when it is asked for and serves `startup_s`
+later. Scale-in
+removes starting instances first, then drains the serving ones with the fewest
+requests: no new dispatch, every request moved off by migration when migration
+is on (as `DELETE /admin/instances/{name}?migrate=true` does), retired once
+empty. An instance costs from when it is asked for until it is retired (or the
+run ends): `instance_seconds`.
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ from proxy.policy import (
 )
 from proxy.policy.migration import MigrationSettings, RequestLoad, plan_migrations, sources
 from proxy.policy.priority import make_room_victim
+from proxy.policy.scaling import ScalingSettings, scaling_signal
 from proxy.policy.virtual_usage import instance_view, request_blocks
 
 MODES = ("off", "lite", "full")
@@ -51,6 +69,8 @@ class Kind(enum.IntEnum):
     WAKE = 3  # a migrated request's downtime ended on an idle instance
     SCRAPE = 4
     RESCHEDULE = 5
+    SCALE = 6  # autoscaling: the scaling rule reads the view
+    READY = 7  # autoscaling: a started instance serves from now on
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +84,11 @@ class SimSettings:
     reschedule_interval_s: float = 0.05
     migration_settings: MigrationSettings = MigrationSettings()
     seed: int = 0
+    # Autoscaling (None: a fixed fleet of `instances`, the fleet it starts with otherwise).
+    scaling: ScalingSettings | None = None
+    scaling_interval_s: float = 10.0  # how often the rule is applied, simulated seconds
+    startup_s: float = 40.0  # from asking for an instance to its first request
+    scale_in_window_s: float = 60.0  # scale in to the highest desired count seen this long
 
 
 class Simulator:
@@ -98,6 +123,12 @@ class Simulator:
         self.scraped = {i.name: (0.0, 0, 0) for i in self.instances}  # kv_usage, running, waiting
         self.done = 0
         self.now = 0.0
+        # Autoscaling: when each instance was asked for and retired; the fleet over time.
+        self.born = {i.name: 0.0 for i in self.instances}
+        self.retired: dict[str, float] = {}
+        self.fleet_log: list[tuple[float, int, int]] = []  # (time, not draining, alive)
+        self.scaling_log: list[tuple[float, int, float | None]] = []  # (time, desired, F)
+        self._log_fleet()
 
     def push(self, time: float, kind: Kind, payload: Any) -> None:
         self.seq += 1
@@ -109,6 +140,8 @@ class Simulator:
         self.push(0.0, Kind.SCRAPE, None)
         if self.settings.migration != "off":
             self.push(0.0, Kind.RESCHEDULE, None)
+        if self.settings.scaling is not None:
+            self.push(self.settings.scaling_interval_s, Kind.SCALE, None)
         total = len(self.requests)
         handlers: dict[int, Callable[[Any], None]] = {
             Kind.STEP_END: self._step_end,
@@ -117,6 +150,8 @@ class Simulator:
             Kind.WAKE: self._kick,
             Kind.SCRAPE: self._scrape,
             Kind.RESCHEDULE: self._reschedule,
+            Kind.SCALE: self._scale,
+            Kind.READY: self._ready,
         }
         reported = 0
         while self.heap and self.done < total:
@@ -145,6 +180,8 @@ class Simulator:
             engine_running=running,
             engine_waiting=waiting,
             queued_tokens=inst.queued_tokens,
+            healthy=inst.healthy,
+            draining=inst.draining,
             models=frozenset({MODEL}),
         )
 
@@ -191,6 +228,7 @@ class Simulator:
         for r in cut:
             self._cut_over(inst, r)
         self._kick(inst)
+        self._retire_if_drained(inst)
 
     def _scrape(self, _: None) -> None:
         for inst in self.instances:
@@ -229,6 +267,7 @@ class Simulator:
             r.migrations += 1
             self.migrations["done"] += 1
             self._kick(dst)
+            self._retire_if_drained(src)
             return
         if self.settings.migration == "lite":
             r.cut_to = ("lite", dst, 0)
@@ -260,6 +299,7 @@ class Simulator:
         src.detach(r)
         r.migrations += 1
         self.migrations["done"] += 1
+        self._retire_if_drained(src)
         if mode == "full":
             dst.release(r.id)
             # Stop-and-copy of the tokens generated during the pre-copy, then resume.
@@ -271,6 +311,76 @@ class Simulator:
         # lite (or full without room left): the destination recomputes prompt + generated.
         dst.enqueue(r)
         self._kick(dst)
+
+    # autoscaling ----------------------------------------------------------------
+    def _scale(self, _: None) -> None:
+        """The autoscaler: set the fleet (instances not draining) to the desired count."""
+        assert self.settings.scaling is not None
+        self.push(self.now + self.settings.scaling_interval_s, Kind.SCALE, None)
+        signal = scaling_signal(self.view(), self.settings.scaling)
+        self.scaling_log.append((self.now, signal.desired, signal.freeness))
+        fleet = [i for i in self.instances if not i.draining]
+        for _n in range(signal.desired - len(fleet)):
+            self._add_instance()
+        since = self.now - self.settings.scale_in_window_s
+        target = max(d for t, d, _f in self.scaling_log if t >= since)
+        excess = len(fleet) - target
+        if excess <= 0:
+            return
+        starting = [i for i in fleet if not i.healthy]
+        for inst in starting[::-1][:excess]:  # newest first, as a ReplicaSet removes unready pods
+            self._retire(inst)
+        excess -= min(excess, len(starting))
+        serving = sorted((i for i in fleet if i.healthy), key=lambda i: i.count)
+        for inst in serving[:excess]:
+            self._drain(inst)
+
+    def _add_instance(self) -> None:
+        inst = Instance(f"i{len(self.born)}", self.profile)
+        inst.healthy = False
+        self.instances.append(inst)
+        self.by_name[inst.name] = inst
+        self.scraped[inst.name] = (0.0, 0, 0)
+        self.born[inst.name] = self.now
+        self.push(self.now + self.settings.startup_s, Kind.READY, inst)
+        self._log_fleet()
+
+    def _ready(self, inst: Instance) -> None:
+        if inst.name not in self.retired:  # not cancelled while it started
+            inst.healthy = True
+
+    def _drain(self, inst: Instance) -> None:
+        """Scale-in: no new dispatch; with migration on, every request moves off now
+        (the proxy's drain), else they finish here. Retired once empty."""
+        inst.draining = True
+        self._log_fleet()
+        if self.settings.migration != "off":
+            for r in self._movable(inst):
+                others = DispatchRequest(MODEL, r.tokens, r.priority, frozenset({inst.name}))
+                try:  # a fresh view per move, as the proxy's placement sees its ledger
+                    dest = dispatch(self.policy, others, self.view(), self.rng)
+                except NoCandidate:
+                    break
+                self._start_migration(r.id, inst.name, dest.name)
+        self._retire_if_drained(inst)
+
+    def _retire_if_drained(self, inst: Instance) -> None:
+        if inst.draining and inst.empty and inst.name not in self.retired:
+            self._retire(inst)
+
+    def _retire(self, inst: Instance) -> None:
+        self.instances.remove(inst)
+        self.retired[inst.name] = self.now
+        self._log_fleet()
+
+    def _log_fleet(self) -> None:
+        fleet = sum(1 for i in self.instances if not i.draining)
+        self.fleet_log.append((self.now, fleet, len(self.instances)))
+
+    def instance_seconds(self) -> float:
+        """What the run paid for: each instance from when it was asked for until it
+        was retired, or until now (the run's end)."""
+        return sum(self.retired.get(name, self.now) - born for name, born in self.born.items())
 
 
 def _load(r: SimRequest) -> RequestLoad:

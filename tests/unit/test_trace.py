@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
 import pytest
 
-from loadtest.trace import TraceSpec, generate, read, write
+from loadtest.trace import TraceSpec, day_rate, generate, read, write
 
 
 def test_deterministic_and_round_trips(tmp_path: Path) -> None:
@@ -50,3 +51,23 @@ def test_bad_specs_and_files(tmp_path: Path) -> None:
     bad.write_text('{"id": 0}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         read(bad)
+
+
+def test_a_day_shaped_rate_peaks_at_midday() -> None:
+    day = 600.0
+    reqs = generate(TraceSpec(requests=24000, rate=20, seed=5, day_s=day, day_amplitude=0.6))
+    assert generate(TraceSpec(requests=24000, rate=20, seed=5, day_s=day)) == reqs
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:], strict=False))
+    # Arrivals per tenth of the day against the rate's integral over that tenth.
+    for k in range(10):
+        start, end = k * day / 10, (k + 1) * day / 10
+        n = sum(start <= r.arrival_s < end for r in reqs)
+        w = 2 * math.pi / day
+        expected = 20 * ((end - start) - 0.6 / w * (math.sin(w * end) - math.sin(w * start)))
+        assert abs(n - expected) < 5 * math.sqrt(expected), (k, n, expected)
+    noon = sum(day * 0.45 <= r.arrival_s < day * 0.55 for r in reqs)
+    night = sum(r.arrival_s < day * 0.05 or day * 0.95 <= r.arrival_s < day for r in reqs)
+    assert 3.0 < noon / night < 5.0  # (1 + 0.6) / (1 - 0.6) = 4 at the extremes
+    assert day_rate(day / 2, 20, day, 0.6) == pytest.approx(32)
+    with pytest.raises(ValueError, match="day_amplitude"):
+        generate(TraceSpec(requests=1, rate=1, seed=1, day_s=day, day_amplitude=1.0))
