@@ -98,7 +98,9 @@ class StandIn:
 
     def _refuse_if_told(self) -> None:
         if self.fail_status is not None:
-            _refuse(self.fail_status, "stand-in told to fail")
+            # A busy server says when to come back.
+            retry = {"Retry-After": "1"} if self.fail_status == 429 else None
+            _refuse(self.fail_status, "stand-in told to fail", headers=retry)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -349,10 +351,12 @@ class _Refused(Exception):
         self.response = response
 
 
-def _refuse(status: int, message: str, *, param: str | None = None) -> NoReturn:
+def _refuse(
+    status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+) -> NoReturn:
     """Answer with an error in vLLM's shape (the OpenAI shape, `code` the status)."""
     error = {"message": message, "type": "BadRequestError", "param": param, "code": status}
-    raise _Refused(web.json_response({"error": error}, status=status))
+    raise _Refused(web.json_response({"error": error}, status=status, headers=headers))
 
 
 def _tokens(body: dict[str, Any], key: str) -> int:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,10 @@ def wait_ready(servers: list[VLLMServer], timeout_s: float = 600) -> None:
                 raise RuntimeError(f"vLLM on port {server.port} exited:\n{tail}")
             try:
                 with urllib.request.urlopen(server.url + "/v1/models", timeout=2):
+                    pending.remove(server)
+            except urllib.error.HTTPError as exc:
+                exc.close()
+                if exc.code == 401:  # up, and started with --api-key
                     pending.remove(server)
             except OSError:
                 pass

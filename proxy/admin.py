@@ -1,5 +1,12 @@
 """The admin API under `/admin`, behind a bearer token.
 
+    GET    /admin/instances                     the instances, as `ferry status` shows them
+    POST   /admin/instances                     add one (JSON like a YAML instance): 201, 409
+    PATCH  /admin/instances/{name}              change migration, labels, api_key, headers
+    DELETE /admin/instances/{name}[?migrate=1]  drain, then remove once empty: 202
+    POST   /admin/instances/{name}/drain[?migrate=1], /undrain
+    POST   /admin/reload                        re-read the config file (as SIGHUP does)
+
 Without a configured token (config `admin_token` or `FERRY_ADMIN_TOKEN`) the admin
 API refuses every call: an open drain button is worse than none.
 """
@@ -7,17 +14,21 @@ API refuses every call: an open drain button is worse than none.
 from __future__ import annotations
 
 import hmac
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from proxy.cluster import Cluster
 from proxy.errors import error_response
+from proxy.fleet import Fleet, FleetError
 
 
-def instances_json(cluster: Cluster, now: float) -> list[dict[str, Any]]:
+def instances_json(
+    cluster: Cluster, now: float, removing: frozenset[str] = frozenset()
+) -> list[dict[str, Any]]:
     rows = []
     for view in cluster.view().instances:
         state = cluster.instances[view.name]
@@ -34,6 +45,7 @@ def instances_json(cluster: Cluster, now: float) -> list[dict[str, Any]]:
                 "labels": state.config.labels,
                 "healthy": view.healthy,
                 "draining": view.draining,
+                "removing": view.name in removing,
                 "freeness": view.freeness if view.freeness > -1e300 else None,
                 "inflight": view.inflight,
                 "virtual_blocks": round(view.virtual_blocks, 2),
@@ -52,21 +64,19 @@ def instances_json(cluster: Cluster, now: float) -> list[dict[str, Any]]:
                     if state.snapshot_at is None
                     else round(now - state.snapshot_at, 3),
                 },
+                "ejected_for_s": round(cluster.ejected_for(view.name), 3) or None,
+                "call_failures": state.ejection.failures,
                 "last_error": state.last_error,
             }
         )
     return rows
 
 
-def add_routes(
-    app: web.Application,
-    cluster: Cluster,
-    token: str | None,
-    migrate_off: Callable[[str], int] = lambda _: 0,
-) -> None:
-    """`migrate_off(name)` starts moving the instance's live streams away and says how many."""
+def add_routes(app: web.Application, fleet: Callable[[], Fleet]) -> None:
+    """`fleet()` is the running fleet (built when the app starts)."""
 
     def authorized(request: web.Request) -> web.Response | None:
+        token = fleet().config.admin_token  # a reload may change it
         if token is None:
             return error_response(
                 403,
@@ -78,26 +88,68 @@ def add_routes(
             return error_response(401, "missing or wrong admin bearer token", code="invalid_token")
         return None
 
-    async def list_instances(request: web.Request) -> web.Response:
-        if (denied := authorized(request)) is not None:
-            return denied
-        return web.json_response(instances_json(cluster, time.monotonic()))
+    def guarded(change: Callable[[web.Request], Awaitable[web.Response]]) -> Any:
+        """Check the token; turn a refused change into its OpenAI-shaped error."""
 
-    def set_draining(draining: bool) -> Any:
         async def handler(request: web.Request) -> web.Response:
             if (denied := authorized(request)) is not None:
                 return denied
-            name = request.match_info["name"]
-            if name not in cluster.instances:
-                return error_response(404, f"no instance named {name!r}", code="instance_not_found")
-            cluster.set_draining(name, draining)
-            row = next(r for r in instances_json(cluster, time.monotonic()) if r["name"] == name)
-            if draining and request.query.get("migrate") in ("1", "true", "yes"):
-                row["migrating"] = migrate_off(name)
-            return web.json_response(row)
+            try:
+                return await change(request)
+            except FleetError as exc:
+                return error_response(exc.status, str(exc), code=exc.code)
 
         return handler
 
-    app.router.add_get("/admin/instances", list_instances)
-    app.router.add_post("/admin/instances/{name}/drain", set_draining(True))
-    app.router.add_post("/admin/instances/{name}/undrain", set_draining(False))
+    def row(name: str) -> dict[str, Any]:
+        rows = instances_json(fleet().cluster, time.monotonic(), fleet().removing)
+        return next(r for r in rows if r["name"] == name)
+
+    async def list_instances(request: web.Request) -> web.Response:
+        f = fleet()
+        return web.json_response(instances_json(f.cluster, time.monotonic(), f.removing))
+
+    async def add_instance(request: web.Request) -> web.Response:
+        instance = fleet().add_raw(await _json_body(request))
+        return web.json_response(row(instance.name), status=201)
+
+    async def patch_instance(request: web.Request) -> web.Response:
+        instance = fleet().patch(request.match_info["name"], await _json_body(request))
+        return web.json_response(row(instance.name))
+
+    async def delete_instance(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        moving = fleet().remove(name, migrate=_flag(request, "migrate"))
+        return web.json_response({**row(name), "migrating": moving}, status=202)
+
+    async def drain(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        moving = fleet().drain(name, migrate=_flag(request, "migrate"))
+        return web.json_response({**row(name), "migrating": moving})
+
+    async def undrain(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        fleet().undrain(name)
+        return web.json_response(row(name))
+
+    async def reload(request: web.Request) -> web.Response:
+        return web.json_response(fleet().reload())
+
+    app.router.add_get("/admin/instances", guarded(list_instances))
+    app.router.add_post("/admin/instances", guarded(add_instance))
+    app.router.add_patch("/admin/instances/{name}", guarded(patch_instance))
+    app.router.add_delete("/admin/instances/{name}", guarded(delete_instance))
+    app.router.add_post("/admin/instances/{name}/drain", guarded(drain))
+    app.router.add_post("/admin/instances/{name}/undrain", guarded(undrain))
+    app.router.add_post("/admin/reload", guarded(reload))
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    return request.query.get(name, "").lower() in ("1", "true", "yes")
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return json.loads(await request.read())
+    except (ValueError, RecursionError) as exc:
+        raise FleetError(400, "body: must be a JSON object", "invalid_request") from exc

@@ -41,16 +41,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--log-level", default="INFO")
 
-    status = sub.add_parser("status", help="print the instances of a running ferry")
-    status.add_argument("--url", default="http://127.0.0.1:8000")
-    status.add_argument("--admin-token", help="bearer token (or FERRY_ADMIN_TOKEN)")
-    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    def admin_command(name: str, help: str) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help)
+        command.add_argument("--url", default="http://127.0.0.1:8000", help="the running ferry")
+        command.add_argument("--admin-token", help="bearer token (or FERRY_ADMIN_TOKEN)")
+        return command
 
-    drain = sub.add_parser("drain", help="move every request off an instance; wait until empty")
+    drain = admin_command("drain", "move every request off an instance; wait until empty")
     drain.add_argument("name")
-    drain.add_argument("--url", default="http://127.0.0.1:8000")
-    drain.add_argument("--admin-token", help="bearer token (or FERRY_ADMIN_TOKEN)")
     drain.add_argument("--timeout", type=float, default=600, help="seconds to wait")
+    undrain = admin_command("undrain", "let a drained instance take traffic again")
+    undrain.add_argument("name")
+    add = admin_command("add", "add an instance to a running ferry")
+    add.add_argument("name")
+    add.add_argument("instance_url", metavar="URL", help="the instance's base URL")
+    add.add_argument("--engine", help="engine adapter (default vllm)")
+    add.add_argument("--migration", choices=("off", "lite", "full"))
+    add.add_argument("--label", action="append", metavar="KEY=VALUE")
+    add.add_argument("--api-key", help="sent to the instance as Authorization: Bearer")
+    remove = admin_command("remove", "drain an instance (moving its streams), then remove it")
+    remove.add_argument("name")
+    remove.add_argument("--no-migrate", action="store_true", help="let streams finish in place")
+    remove.add_argument("--no-wait", action="store_true", help="return at once")
+    remove.add_argument("--timeout", type=float, default=600, help="seconds to wait")
+    admin_command("reload", "re-read the running ferry's configuration file")
+    status = admin_command("status", "print the instances of a running ferry")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
 
     shim = sub.add_parser(
         "vllm",
@@ -80,9 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         return trace.run(args)
     if args.command == "sim":
         return sim.run(args)
-    if args.command == "drain":
-        return _drain(args)
-    return _status(args)
+    admin = {
+        "status": _status,
+        "drain": _drain,
+        "undrain": _undrain,
+        "add": _add,
+        "remove": _remove,
+        "reload": _reload,
+    }
+    return admin[args.command](args)
 
 
 def _version() -> str:
@@ -95,28 +117,38 @@ def _version() -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import uvloop
 
-    from proxy.config import ConfigError, config_from_backends, load_config
+    from proxy.config import ConfigError
     from proxy.server import serve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        if args.config:
-            if args.policy or args.migration:
-                raise ConfigError("--policy/--migration: set them in the YAML file instead")
-            config = load_config(args.config)
-        else:
-            config = config_from_backends(
-                args.backend, policy=args.policy or "llumnix", migration=args.migration or "off"
-            )
+        config = _serve_config(args)
     except ConfigError as exc:
         print(f"ferry: configuration error: {exc}", file=sys.stderr)
         return 2
+    # A reload reads the file again, with the command line still on top.
+    uvloop.run(serve(config, (lambda: _serve_config(args)) if args.config else None))
+    return 0
+
+
+def _serve_config(args: argparse.Namespace) -> Any:
+    """The configuration `ferry serve` runs: the file or --backend, then the flags."""
+    import dataclasses
+
+    from proxy.config import ConfigError, config_from_backends, load_config
+
+    if args.config:
+        if args.policy or args.migration:
+            raise ConfigError("--policy/--migration: set them in the YAML file instead")
+        config = load_config(args.config)
+    else:
+        config = config_from_backends(
+            args.backend, policy=args.policy or "llumnix", migration=args.migration or "off"
+        )
     server = config.server
     if args.host or args.port is not None:
         server = dataclasses.replace(
@@ -125,22 +157,24 @@ def _serve(args: argparse.Namespace) -> int:
             port=server.port if args.port is None else args.port,
         )
     token = args.admin_token or config.admin_token
-    config = dataclasses.replace(config, server=server, admin_token=token)
-    uvloop.run(serve(config))
-    return 0
+    return dataclasses.replace(config, server=server, admin_token=token)
 
 
-def _admin(args: argparse.Namespace, path: str, method: str = "GET") -> Any:
+def _admin(args: argparse.Namespace, path: str, method: str = "GET", body: Any = None) -> Any:
     """Call the admin API; raises SystemExit(1) with the reason on failure."""
     token = args.admin_token or os.environ.get("FERRY_ADMIN_TOKEN", "")
+    headers = {"Authorization": f"Bearer {token}"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    elif method in ("POST", "PATCH"):
+        data = b""
     request = urllib.request.Request(
-        args.url.rstrip("/") + path,
-        method=method,
-        data=b"" if method == "POST" else None,
-        headers={"Authorization": f"Bearer {token}"},
+        args.url.rstrip("/") + path, method=method, data=data, headers=headers
     )
     try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
+        with urllib.request.urlopen(request, timeout=10) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as exc:
         with exc:
@@ -158,21 +192,66 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    import time
-
     row = _admin(args, f"/admin/instances/{args.name}/drain?migrate=true", "POST")
     print(f"draining {args.name}: {row['inflight']} in flight, {row.get('migrating', 0)} moving")
+    return _wait_empty(
+        args, lambda rows: next(r["inflight"] for r in rows if r["name"] == args.name)
+    )
+
+
+def _remove(args: argparse.Namespace) -> int:
+    migrate = "false" if args.no_migrate else "true"
+    row = _admin(args, f"/admin/instances/{args.name}?migrate={migrate}", "DELETE")
+    print(f"removing {args.name}: {row['inflight']} in flight, {row.get('migrating', 0)} moving")
+    if args.no_wait:
+        return 0
+    # Gone from the list once it is empty and removed.
+    return _wait_empty(
+        args, lambda rows: next((r["inflight"] or 1 for r in rows if r["name"] == args.name), 0)
+    )
+
+
+def _wait_empty(args: argparse.Namespace, left: Any) -> int:
+    """Poll the instance list until `left(rows)` is 0 or the timeout passes."""
+    import time
+
     deadline = time.monotonic() + args.timeout
     while True:
-        rows = _admin(args, "/admin/instances")
-        inflight = next(r["inflight"] for r in rows if r["name"] == args.name)
-        if inflight == 0:
-            print(f"{args.name} is empty")
+        remaining = left(_admin(args, "/admin/instances"))
+        if remaining == 0:
+            print(f"{args.name}: done")
             return 0
         if time.monotonic() > deadline:
-            print(f"{args.name} still has {inflight} in flight after {args.timeout}s")
+            print(f"{args.name} still has {remaining} in flight after {args.timeout}s")
             return 1
         time.sleep(0.5)
+
+
+def _add(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"name": args.name, "url": args.instance_url}
+    if args.engine:
+        body["engine"] = args.engine
+    if args.migration:
+        body["migration"] = args.migration
+    if args.label:
+        body["labels"] = dict(item.split("=", 1) for item in args.label)
+    if args.api_key:
+        body["api_key"] = args.api_key
+    row = _admin(args, "/admin/instances", "POST", body)
+    print(f"added {row['name']} ({row['url']}); it takes traffic once it answers a scrape")
+    return 0
+
+
+def _undrain(args: argparse.Namespace) -> int:
+    row = _admin(args, f"/admin/instances/{args.name}/undrain", "POST")
+    print(f"{row['name']} takes traffic again")
+    return 0
+
+
+def _reload(args: argparse.Namespace) -> int:
+    summary = _admin(args, "/admin/reload", "POST")
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

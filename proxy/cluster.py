@@ -8,11 +8,14 @@ instances therefore costs one tuple lookup plus the policy's one pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from adapters import EngineAdapter, EngineSnapshot, get_adapter
 from proxy.config import InstanceConfig
+from proxy.ejection import Ejection, EjectionSettings
 from proxy.ledger import Ledger
 from proxy.policy import ClusterView, InstanceView, UsageSettings
 from proxy.policy.virtual_usage import instance_view
@@ -36,6 +39,7 @@ class InstanceState:
     # What migration_shim says of itself (GET /ferry/shim/info); None: no shim seen.
     shim: dict[str, Any] | None = None
     shim_error: str | None = None
+    ejection: Ejection = field(default_factory=Ejection)  # upstream call failures
 
     @property
     def name(self) -> str:
@@ -63,24 +67,92 @@ class Cluster:
         instances: tuple[InstanceConfig, ...],
         usage: UsageSettings,
         unhealthy_after_failures: int,
+        ejection: EjectionSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.instances = {c.name: InstanceState(c) for c in instances}
         self.ledger = Ledger(on_change=self._invalidate)
         self.usage = usage
         self.unhealthy_after_failures = unhealthy_after_failures
+        self.ejection = ejection or EjectionSettings()
+        self.clock = clock
         self.dispatch_seq = 0
+        self._ejected: dict[str, float] = {}  # name -> ejected until
+        self._reindex()
+
+    def view(self) -> ClusterView:
+        if self._ejected:
+            now = self.clock()
+            for name, until in list(self._ejected.items()):
+                if now >= until:  # back: its view turns dispatchable
+                    del self._ejected[name]
+                    self._invalidate(name)
+        if self._stale:
+            for name in self._stale:
+                if name in self._index:  # a removed instance's last release
+                    self._views[self._index[name]] = self._build(self.instances[name])
+            self._stale.clear()
+            self._all = tuple(self._views)
+        return ClusterView(self._all, self.dispatch_seq)
+
+    def retune(
+        self, usage: UsageSettings, unhealthy_after_failures: int, ejection: EjectionSettings
+    ) -> None:
+        """New scheduler settings (a reload): every view is rebuilt."""
+        self.usage, self.unhealthy_after_failures = usage, unhealthy_after_failures
+        self.ejection = ejection
+        self._stale.update(self.instances)
+
+    # -- outlier ejection (proxy/ejection.py) ---------------------------------------
+    def record_call_failure(self, name: str, error: str) -> bool:
+        """A call failed on the instance's side; True when that ejects it now."""
+        state = self.instances.get(name)
+        if state is None:
+            return False
+        state.last_error = error
+        if not state.ejection.failure(self.clock(), self.ejection):
+            return False
+        self._ejected[name] = state.ejection.until
+        self._invalidate(name)
+        return True
+
+    def record_call_success(self, name: str) -> None:
+        state = self.instances.get(name)
+        if state is not None:
+            state.ejection.success(self.clock(), self.ejection)
+
+    # -- the instance set, changed at runtime (proxy/fleet.py) ------------------------
+    def add(self, config: InstanceConfig) -> InstanceState:
+        """A new instance; it takes no traffic until its first good scrape."""
+        state = self.instances[config.name] = InstanceState(config)
+        self._reindex()
+        return state
+
+    def remove(self, name: str) -> None:
+        """Forget an instance (the caller drained it: nothing of it is in flight)."""
+        del self.instances[name]
+        self.ledger.forget(name)
+        self._ejected.pop(name, None)
+        self._reindex()
+
+    def reconfigure(self, config: InstanceConfig) -> None:
+        """Swap an instance's settings. A new URL or engine is a new server: it
+        takes no traffic until that server answers a scrape."""
+        state = self.instances[config.name]
+        if (config.url, config.engine) != (state.config.url, state.config.engine):
+            state.snapshot = state.snapshot_at = state.shim = None
+            state.healthy, state.failures = False, 0
+            state.models, state.model_cards = frozenset(), ()
+            state.ejection = Ejection()
+            self._ejected.pop(config.name, None)
+        state.config = config
+        self._invalidate(config.name)
+
+    def _reindex(self) -> None:
         self._index = {name: i for i, name in enumerate(self.instances)}
         self._views = [self._build(state) for state in self.instances.values()]
         self._stale: set[str] = set()
         self._all = tuple(self._views)
-
-    def view(self) -> ClusterView:
-        if self._stale:
-            for name in self._stale:
-                self._views[self._index[name]] = self._build(self.instances[name])
-            self._stale.clear()
-            self._all = tuple(self._views)
-        return ClusterView(self._all, self.dispatch_seq)
 
     def instance_view(self, name: str) -> InstanceView:
         return self.view().instances[self._index[name]]
@@ -138,6 +210,10 @@ class Cluster:
     def note_dispatch(self) -> None:
         self.dispatch_seq += 1
 
+    def ejected_for(self, name: str) -> float:
+        """Seconds the instance stays ejected (0: it is not)."""
+        return max(0.0, self._ejected.get(name, 0.0) - self.clock())
+
     def _invalidate(self, name: str) -> None:
         self._stale.add(name)
 
@@ -157,7 +233,7 @@ class Cluster:
             engine_running=snap.running if snap else 0,
             engine_waiting=snap.waiting if snap else 0,
             queued_tokens=self.ledger.queued_tokens(name),
-            healthy=state.healthy,
+            healthy=state.healthy and name not in self._ejected,
             draining=state.draining,
             models=state.models,
         )

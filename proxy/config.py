@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from adapters import ADAPTERS
+from proxy.ejection import EjectionSettings
 from proxy.policy import POLICIES
 from proxy.policy.scaling import ScalingSettings
 
@@ -60,6 +61,14 @@ class SchedulerConfig:
     high_priority_headroom_blocks: float = 0.0  # virtual usage a high request reserves
     seed: int | None = None  # dispatch randomness; None seeds from the OS
     migration_max_resumes: int = 2  # failover: resumes of one broken stream
+    # Before the first byte reaches the client, a request whose instance fails
+    # (connect failure, 5xx, 429 with Retry-After) is sent to another, this often.
+    retries: int = 1
+    # Outlier ejection (proxy/ejection.py): after this many failed calls in a
+    # row an instance takes no traffic for eject_base_s, doubling up to eject_max_s.
+    eject_after_failures: int = 5  # 0: never eject
+    eject_base_s: float = 5.0
+    eject_max_s: float = 300.0
     migration_prewarm: bool = True  # lite: warm the destination's prefix cache first
     rebalance_interval_s: float = 0.0  # rescheduler tick; 0 turns rebalancing off
     migration_max_concurrent: int = 2  # moves in flight at once (rebalancing)
@@ -80,6 +89,9 @@ class SchedulerConfig:
     scale_in_freeness_above: float = 60.0
     min_instances: int = 1
     max_instances: int | None = None  # None: no cap
+
+    def ejection_settings(self) -> EjectionSettings:
+        return EjectionSettings(self.eject_after_failures, self.eject_base_s, self.eject_max_s)
 
     def scaling_settings(self) -> ScalingSettings:
         """The scaling rule's settings (validated by `_check_scheduler` first)."""
@@ -176,47 +188,50 @@ def _instances(raw: Any, env: dict[str, str]) -> tuple[InstanceConfig, ...]:
     result: list[InstanceConfig] = []
     names: set[str] = set()
     for i, item in enumerate(raw):
-        where = f"instances[{i}]"
-        entry = dict(_mapping(item, where))
-        # YAML 1.1 reads a bare `off` as false.
-        if entry.get("migration") is False:
-            entry["migration"] = "off"
-        inst = _section(InstanceConfig, entry, where, required=("name", "url"))
-        if not inst.name or "/" in inst.name:
-            raise ConfigError(f"{where}.name: must be non-empty and contain no '/'")
+        inst = parse_instance(item, f"instances[{i}]", env)
         if inst.name in names:
-            raise ConfigError(f"{where}.name: duplicate instance name {inst.name!r}")
+            raise ConfigError(f"instances[{i}].name: duplicate instance name {inst.name!r}")
         names.add(inst.name)
-        parts = urlsplit(inst.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"{where}.url: must be an http(s) base URL (got {inst.url!r})")
-        if inst.engine not in ENGINES:
-            raise ConfigError(
-                f"{where}.engine: must be one of {', '.join(ENGINES)} (got {inst.engine!r})"
-            )
-        if inst.migration not in MIGRATION_MODES:
-            raise ConfigError(
-                f"{where}.migration: must be one of {', '.join(MIGRATION_MODES)} "
-                f"(got {inst.migration!r})"
-            )
-        if inst.migration != "off" and not ADAPTERS[inst.engine].returns_token_ids:
-            raise ConfigError(
-                f"{where}.migration: must be off for engine {inst.engine} (got {inst.migration!r}):"
-                " a moved stream goes on from its token ids, and this engine returns none"
-            )
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.labels.items()):
-            raise ConfigError(f"{where}.labels: must map strings to strings")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.headers.items()):
-            raise ConfigError(f"{where}.headers: must map strings to strings")
-        inst = replace(
-            inst,
-            api_key=_expand(inst.api_key, f"{where}.api_key", env),
-            headers={
-                k: _expand(v, f"{where}.headers.{k}", env) or "" for k, v in inst.headers.items()
-            },
-        )
         result.append(inst)
     return tuple(result)
+
+
+def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> InstanceConfig:
+    """One instance, as in the YAML list (also the body of `POST /admin/instances`)."""
+    env = dict(os.environ) if env is None else env
+    entry = dict(_mapping(raw, where))
+    # YAML 1.1 reads a bare `off` as false.
+    if entry.get("migration") is False:
+        entry["migration"] = "off"
+    inst = _section(InstanceConfig, entry, where, required=("name", "url"))
+    if not inst.name or "/" in inst.name:
+        raise ConfigError(f"{where}.name: must be non-empty and contain no '/'")
+    parts = urlsplit(inst.url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{where}.url: must be an http(s) base URL (got {inst.url!r})")
+    if inst.engine not in ENGINES:
+        raise ConfigError(
+            f"{where}.engine: must be one of {', '.join(ENGINES)} (got {inst.engine!r})"
+        )
+    if inst.migration not in MIGRATION_MODES:
+        raise ConfigError(
+            f"{where}.migration: must be one of {', '.join(MIGRATION_MODES)} "
+            f"(got {inst.migration!r})"
+        )
+    if inst.migration != "off" and not ADAPTERS[inst.engine].returns_token_ids:
+        raise ConfigError(
+            f"{where}.migration: must be off for engine {inst.engine} (got {inst.migration!r}):"
+            " a moved stream goes on from its token ids, and this engine returns none"
+        )
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.labels.items()):
+        raise ConfigError(f"{where}.labels: must map strings to strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.headers.items()):
+        raise ConfigError(f"{where}.headers: must map strings to strings")
+    return replace(
+        inst,
+        api_key=_expand(inst.api_key, f"{where}.api_key", env),
+        headers={k: _expand(v, f"{where}.headers.{k}", env) or "" for k, v in inst.headers.items()},
+    )
 
 
 def _expand(value: str | None, where: str, env: dict[str, str]) -> str | None:
@@ -265,6 +280,10 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         )
     if s.migration_bandwidth_mb_s < 0:
         raise ConfigError("scheduler.migration_bandwidth_mb_s: must not be negative (0: no cap)")
+    if s.retries < 0 or s.eject_after_failures < 0:
+        raise ConfigError("scheduler.retries, scheduler.eject_after_failures: must not be negative")
+    if not 0 < s.eject_base_s <= s.eject_max_s:
+        raise ConfigError("scheduler.eject_base_s: must be positive and at most eject_max_s")
     if s.migration_max_resumes < 0:
         raise ConfigError("scheduler.migration_max_resumes: must not be negative")
     if s.high_priority_headroom_blocks < 0:

@@ -93,6 +93,12 @@ class Ledger:
                 self._high[entry.instance] -= 1
             self._on_change(entry.instance)
 
+    def forget(self, instance: str) -> None:
+        """Drop a removed instance's totals (it has nothing in flight)."""
+        self._by_instance.pop(instance, None)
+        for totals in (self._block_size, self._blocks_total, self._high, self._queued_tokens):
+            totals.pop(instance, None)
+
     def entries(self, instance: str) -> Iterator[LedgerEntry]:
         return iter(list(self._by_instance.get(instance, {}).values()))
 

@@ -130,6 +130,24 @@ class FerryMetrics:
             ["reason"],
             registry=r,
         )
+        self.ejected = Gauge(
+            "ferry_instance_ejected",
+            "1 while the instance is ejected after consecutive failed calls.",
+            ["instance"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "ferry_ejections",
+            "Times an instance was ejected after consecutive failed calls.",
+            ["instance"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "ferry_retries",
+            "Requests sent again to another instance before the first byte, by why.",
+            ["reason"],
+            registry=r,
+        )
         self.scrape_age = Gauge(
             "ferry_scrape_age_seconds",
             "Age of the last good scrape.",
@@ -149,6 +167,22 @@ class FerryMetrics:
             registry=r,
         )
 
+    def forget(self, instance: str) -> None:
+        """Drop a removed instance's gauges (its counters stay: they are history)."""
+        gauges = (
+            self.inflight,
+            self.freeness,
+            self.healthy,
+            self.draining,
+            self.ejected,
+            self.scrape_age,
+        )
+        for gauge in gauges:
+            try:
+                gauge.remove(instance)
+            except KeyError:  # never rendered
+                pass
+
     def render(self, cluster: Cluster, now: float | None = None) -> bytes:
         now = time.monotonic() if now is None else now
         for view in cluster.view().instances:
@@ -157,6 +191,7 @@ class FerryMetrics:
             self.freeness.labels(view.name).set(view.freeness)
             self.healthy.labels(view.name).set(1 if view.healthy else 0)
             self.draining.labels(view.name).set(1 if view.draining else 0)
+            self.ejected.labels(view.name).set(1 if cluster.ejected_for(view.name) else 0)
             age = now - state.snapshot_at if state.snapshot_at is not None else float("inf")
             self.scrape_age.labels(view.name).set(age)
         signal = scaling_signal(cluster.view(), self.scaling)

@@ -50,6 +50,13 @@ class Migrator:
         self._max = max(1, max_concurrent)
         self._moves: set[asyncio.Task[bool]] = set()
 
+    def retune(self, *, max_concurrent: int, prewarm: bool) -> None:
+        """New limits for moves submitted from now on (moves in flight finish as they are)."""
+        self.prewarm = prewarm
+        if max(1, max_concurrent) != self._max:
+            self._max = max(1, max_concurrent)
+            self._slots = asyncio.Semaphore(self._max)
+
     # -- the registry ----------------------------------------------------------------
     def next_id(self) -> int:
         return next(self._ids)

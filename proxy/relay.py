@@ -3,9 +3,11 @@
 The request is billed in the ledger before the upstream call starts (a `Call`)
 and released when the call closes, whatever happens: finish, upstream error, or
 client disconnect (aiohttp cancels the handler; closing the upstream connection
-makes vLLM abort the request). A connection failure before the first byte is
-retried once on another instance; the failed one is marked unhealthy until a
-scrape succeeds. A stream on a migration-enabled instance is handed to a
+makes vLLM abort the request). Before anything reaches the client, a connect
+failure, an upstream 5xx or a 429 with Retry-After is retried on another
+instance, up to `retries` times; a connect failure also marks the instance
+unreachable until a scrape succeeds, and failed calls in a row eject it for a
+while (proxy/ejection.py). A stream on a migration-enabled instance is handed to a
 `LiveStream`, which can go on elsewhere (failover, drain, rebalance, priority).
 """
 
@@ -37,7 +39,9 @@ from proxy.upstream import Call, Upstreams
 log = logging.getLogger("ferry.relay")
 
 _FORWARD_HEADERS = ("authorization", "x-request-id", "openai-organization", "openai-project")
-_ATTEMPTS = 2  # the first try and one retry on another instance
+# Outcomes that count against the instance (outlier ejection); a client's own
+# 4xx and a client hanging up never do.
+_INSTANCE_FAILURES = frozenset({"connect_error", "upstream_error", "upstream_5xx", "stream_broken"})
 
 
 class Relay:
@@ -52,6 +56,7 @@ class Relay:
         *,
         retry_after_s: int,
         max_resumes: int,
+        retries: int = 1,
     ) -> None:
         self.cluster = cluster
         self.placement = placement
@@ -60,6 +65,7 @@ class Relay:
         self.metrics = metrics
         self.clock = clock
         self.retry_after = str(retry_after_s)
+        self.retries = retries
         self.max_resumes = max_resumes
 
     async def forward(
@@ -88,12 +94,15 @@ class Relay:
         if content_type:
             headers["Content-Type"] = content_type
         tried: set[str] = set()
-        for _ in range(_ATTEMPTS):
+        failed: web.StreamResponse | None = None  # the last failure, answered if none is left
+        for attempt in range(self.retries + 1):
             try:
                 chosen = self.placement.choose(
                     DispatchRequest(model, prompt_estimate, priority, frozenset(tried))
                 )
             except NoCandidate as exc:
+                if failed is not None:
+                    return failed
                 if exc.model_unknown:
                     return error_response(404, exc.reason, code="model_not_found", param="model")
                 return error_response(
@@ -122,17 +131,29 @@ class Relay:
                     headers=headers,
                     params=request.query,
                 )
-            except sse.CONNECT_ERRORS:
-                self.metrics.requests.labels(name, "connect_error").inc()
+            except aiohttp.ClientError as exc:  # nothing reached the client: try another
+                outcome = (
+                    "connect_error" if isinstance(exc, sse.CONNECT_ERRORS) else "upstream_error"
+                )
+                self._count(name, outcome, _describe(exc))
+                self.metrics.retries.labels(outcome).inc()
+                failed = error_response(
+                    503,
+                    f"instance {name} failed before answering: {_describe(exc)}",
+                    code="no_instance",
+                    headers={"Retry-After": self.retry_after},
+                )
                 tried.add(name)
                 continue
-            except aiohttp.ClientError as exc:
-                self.metrics.requests.labels(name, "upstream_error").inc()
-                return _upstream_failed(name, exc)
             outcome = "error"
             try:
                 if upstream.status != 200:
                     response, outcome = await self._whole(upstream, call, wants_ids, body is None)
+                    if _retryable(upstream) and attempt < self.retries:
+                        self.metrics.retries.labels(str(upstream.status)).inc()
+                        failed = response
+                        tried.add(name)
+                        continue
                     return response
                 live = self._live(call, body, path, priority, wants_ids, tag, arrived)
                 if live is not None:
@@ -156,13 +177,19 @@ class Relay:
                 raise
             finally:
                 call.close()
-                self.metrics.requests.labels(name, outcome).inc()
-        return error_response(
-            503,
-            f"could not connect to any instance (tried {', '.join(sorted(tried))})",
-            code="no_instance",
-            headers={"Retry-After": self.retry_after},
-        )
+                self._count(name, outcome, outcome)
+        assert failed is not None  # every attempt that does not return sets it
+        return failed
+
+    def _count(self, name: str, outcome: str, error: str) -> None:
+        """Count a finished call, and hold failures against its instance."""
+        self.metrics.requests.labels(name, outcome).inc()
+        if outcome in _INSTANCE_FAILURES:
+            if self.cluster.record_call_failure(name, error):
+                self.metrics.ejections.labels(name).inc()
+                log.warning("instance %s ejected after failed calls: %s", name, error)
+        elif outcome in ("ok", "upstream_4xx"):
+            self.cluster.record_call_success(name)
 
     def _upstream_body(
         self, name: str, body: dict[str, Any] | None
@@ -229,17 +256,16 @@ class Relay:
         if status >= 500:
             message = f"instance {call.instance} answered HTTP {status}: {_message_of(raw)}"
             return error_response(502, message, code="upstream_error"), "upstream_5xx"
-        outcome = "ok" if status < 400 else "upstream_4xx"
+        outcome = "ok" if status < 400 else "upstream_429" if status == 429 else "upstream_4xx"
         if status == 200 and not passthrough:
             raw = self._account_whole(raw, call, wants_ids)
-        response = web.Response(
-            status=status,
-            body=raw,
-            headers={
-                "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                "x-ferry-instance": call.instance,
-            },
-        )
+        headers = {
+            "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+            "x-ferry-instance": call.instance,
+        }
+        if "Retry-After" in upstream.headers:
+            headers["Retry-After"] = upstream.headers["Retry-After"]
+        response = web.Response(status=status, body=raw, headers=headers)
         return response, outcome
 
     def _account_whole(self, raw: bytes, call: Call, wants_ids: bool) -> bytes:
@@ -323,6 +349,13 @@ class Relay:
         if wants_ids or not seen:
             return event + b"\n\n"
         return token_ids.hide(event) + b"\n\n"
+
+
+def _retryable(upstream: aiohttp.ClientResponse) -> bool:
+    """An answer worth trying elsewhere: the instance failed (5xx) or is busy
+    and says when to come back (429 with Retry-After)."""
+    status = upstream.status
+    return status >= 500 or (status == 429 and "Retry-After" in upstream.headers)
 
 
 def _describe(exc: BaseException) -> str:

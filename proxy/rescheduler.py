@@ -36,12 +36,23 @@ class Rescheduler:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="rescheduler")
+        """Tick every `interval_s`; an interval of 0 means no rebalancing."""
+        if self.interval_s > 0 and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="rescheduler")
+
+    def retune(self, settings: MigrationSettings, interval_s: float) -> None:
+        """New settings from the next tick on (a reload); 0 stops rebalancing."""
+        self.settings, self.interval_s = settings, interval_s
+        if interval_s <= 0 and self._task is not None:
+            self._task.cancel()  # between ticks: tick() never awaits
+            self._task = None
+        self.start()
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
 
     async def _run(self) -> None:
         while True:

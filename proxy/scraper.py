@@ -45,17 +45,32 @@ class Scraper:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.models_refresh_s = models_refresh_s
         self.clock = clock
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
+        """New intervals (a reload), used from each loop's next round."""
+        self.interval_s, self.models_refresh_s = interval_s, models_refresh_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     def start(self) -> None:
         for name in self.cluster.instances:
-            self._tasks.append(asyncio.create_task(self._run(name), name=f"scrape-{name}"))
+            self.watch(name)
+
+    def watch(self, name: str) -> None:
+        """Start scraping an instance (one added at runtime, too)."""
+        if name not in self._tasks:
+            self._tasks[name] = asyncio.create_task(self._run(name), name=f"scrape-{name}")
+
+    async def unwatch(self, name: str) -> None:
+        """Stop scraping an instance before it is removed."""
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        for name in list(self._tasks):
+            await self.unwatch(name)
 
     async def scrape_once(self, name: str) -> None:
         """One look at the instance: its engine's metrics, parsed by its adapter;
@@ -127,13 +142,15 @@ class Scraper:
             state.shim, state.shim_error = None, why
 
     async def _run(self, name: str) -> None:
-        next_models = 0.0
-        full = self.cluster.instances[name].config.migration == "full"
+        next_models, config = 0.0, None
         while True:
             started = self.clock()
+            state = self.cluster.instances[name]
+            if state.config is not config:  # changed at runtime: look again now
+                next_models, config = 0.0, state.config
             if started >= next_models and await self.refresh_models(name):
                 next_models = started + self.models_refresh_s
-                if full:
+                if state.config.migration == "full":
                     await self.refresh_shim(name)
             await self.scrape_once(name)
             elapsed = self.clock() - started

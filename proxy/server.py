@@ -20,7 +20,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -28,14 +28,16 @@ from aiohttp import web
 
 from proxy import admin, openai_request
 from proxy.cluster import Cluster
-from proxy.config import FerryConfig
+from proxy.config import FerryConfig, SchedulerConfig
 from proxy.errors import error_response, openai_errors
+from proxy.fleet import Fleet, FleetError
 from proxy.kv_migration import FullModeSettings, KVMigrator
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
 from proxy.placement import Placement
 from proxy.policy import Priority, UsageSettings, make_policy
 from proxy.policy.migration import MigrationSettings
+from proxy.policy.policies import DispatchPolicy
 from proxy.relay import Relay
 from proxy.rescheduler import Rescheduler
 from proxy.scraper import Scraper
@@ -62,15 +64,20 @@ ENGINE_ROUTES = (
     "/v2/embed",
     "/generative_scoring",
 )
+FLEET = web.AppKey("fleet", Fleet)
 
 
-def build_app(config: FerryConfig) -> web.Application:
+def build_app(
+    config: FerryConfig, load: Callable[[], FerryConfig] | None = None
+) -> web.Application:
+    """The app for `config`; `load()` re-reads the configuration file on a reload."""
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[openai_errors])
     sched = config.scheduler
     cluster = Cluster(
         config.instances,
-        UsageSettings(high_priority_headroom_blocks=sched.high_priority_headroom_blocks),
+        _usage(sched),
         sched.unhealthy_after_failures,
+        sched.ejection_settings(),
     )
     metrics = FerryMetrics(sched.scaling_settings())
     app[CLUSTER] = cluster
@@ -81,25 +88,19 @@ def build_app(config: FerryConfig) -> web.Application:
         # No pool cap: every client stream holds one upstream connection.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-            policy_options = {"topk": sched.topk} if sched.policy == "llumnix" else {}
-            policy = make_policy(sched.policy, **policy_options)
-            placement = Placement(cluster, policy, metrics, random.Random(sched.seed))
+            placement = Placement(cluster, _policy(sched), metrics, random.Random(sched.seed))
             upstreams = Upstreams(cluster, session, config.server)
-            full_mode = FullModeSettings(
-                max_stages=sched.migration_full_max_stages,
-                last_stage_blocks=sched.migration_full_last_stage_blocks,
-                bandwidth_mb_s=sched.migration_bandwidth_mb_s,
-            )
+            kv = KVMigrator(cluster, upstreams, metrics, _full_mode(sched))
             migrator = Migrator(
                 cluster,
                 placement,
                 upstreams,
-                KVMigrator(cluster, upstreams, metrics, full_mode),
+                kv,
                 max_concurrent=sched.migration_max_concurrent,
                 prewarm=sched.migration_prewarm,
             )
             app[MIGRATOR] = migrator
-            app[RELAY] = Relay(
+            relay = app[RELAY] = Relay(
                 cluster,
                 placement,
                 upstreams,
@@ -108,6 +109,7 @@ def build_app(config: FerryConfig) -> web.Application:
                 time.monotonic,
                 retry_after_s=config.server.retry_after_s,
                 max_resumes=sched.migration_max_resumes,
+                retries=sched.retries,
             )
             scraper = Scraper(
                 cluster,
@@ -118,27 +120,43 @@ def build_app(config: FerryConfig) -> web.Application:
                 models_refresh_s=sched.models_refresh_s,
             )
             app[SCRAPER] = scraper
+            rescheduler = Rescheduler(
+                cluster,
+                migrator,
+                _migration_settings(config),
+                interval_s=sched.rebalance_interval_s,
+            )
+            applied = sched
+
+            def retune(new: FerryConfig) -> None:
+                """Swap scheduler settings between two requests (the loop runs one at a time)."""
+                nonlocal applied
+                s = new.scheduler
+                cluster.retune(_usage(s), s.unhealthy_after_failures, s.ejection_settings())
+                if (s.policy, s.topk) != (applied.policy, applied.topk):
+                    placement.policy = _policy(s)
+                if s.seed != applied.seed:
+                    placement.rng = random.Random(s.seed)
+                scraper.retune(s.scrape_interval_s, s.scrape_timeout_s, s.models_refresh_s)
+                relay.max_resumes, relay.retries = s.migration_max_resumes, s.retries
+                migrator.retune(
+                    max_concurrent=s.migration_max_concurrent, prewarm=s.migration_prewarm
+                )
+                kv.settings = _full_mode(s)
+                rescheduler.retune(_migration_settings(new), s.rebalance_interval_s)
+                metrics.scaling = s.scaling_settings()
+                applied = s
+
+            app[FLEET] = Fleet(
+                config, cluster, scraper, migrator, metrics, retune=retune, load=load
+            )
             # One round before serving, so the first requests find healthy instances.
             await asyncio.gather(*(_first_look(scraper, n) for n in cluster.instances))
             scraper.start()
-            rescheduler = None
-            if sched.rebalance_interval_s > 0:
-                settings = MigrationSettings(
-                    source_below=sched.migration_source_below,
-                    dest_above=sched.migration_dest_above,
-                    # Only lite moves recompute: all-full clusters move the KV.
-                    count_recompute=any(i.migration == "lite" for i in config.instances),
-                    prefill_tokens_per_s=sched.migration_prefill_tokens_per_s,
-                    preemption_stall_s=sched.migration_preemption_stall_s,
-                    dest_ttft_slack_s=sched.migration_dest_ttft_slack_s,
-                )
-                rescheduler = Rescheduler(
-                    cluster, migrator, settings, interval_s=sched.rebalance_interval_s
-                )
-                rescheduler.start()
+            rescheduler.start()
             yield
-            if rescheduler is not None:
-                await rescheduler.stop()
+            await app[FLEET].stop()
+            await rescheduler.stop()
             await migrator.stop()
             await scraper.stop()
 
@@ -153,8 +171,37 @@ def build_app(config: FerryConfig) -> web.Application:
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    admin.add_routes(app, cluster, config.admin_token, lambda name: app[MIGRATOR].drain(name))
+    admin.add_routes(app, lambda: app[FLEET])
     return app
+
+
+def _usage(s: SchedulerConfig) -> UsageSettings:
+    return UsageSettings(high_priority_headroom_blocks=s.high_priority_headroom_blocks)
+
+
+def _policy(s: SchedulerConfig) -> DispatchPolicy:
+    return make_policy(s.policy, **({"topk": s.topk} if s.policy == "llumnix" else {}))
+
+
+def _full_mode(s: SchedulerConfig) -> FullModeSettings:
+    return FullModeSettings(
+        max_stages=s.migration_full_max_stages,
+        last_stage_blocks=s.migration_full_last_stage_blocks,
+        bandwidth_mb_s=s.migration_bandwidth_mb_s,
+    )
+
+
+def _migration_settings(config: FerryConfig) -> MigrationSettings:
+    s = config.scheduler
+    return MigrationSettings(
+        source_below=s.migration_source_below,
+        dest_above=s.migration_dest_above,
+        # Only lite moves recompute: all-full clusters move the KV.
+        count_recompute=any(i.migration == "lite" for i in config.instances),
+        prefill_tokens_per_s=s.migration_prefill_tokens_per_s,
+        preemption_stall_s=s.migration_preemption_stall_s,
+        dest_ttft_slack_s=s.migration_dest_ttft_slack_s,
+    )
 
 
 async def _first_look(scraper: Scraper, name: str) -> None:
@@ -247,11 +294,12 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
-async def serve(config: FerryConfig) -> None:
+async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = None) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then shut down gracefully:
     not ready at once, still serving for `shutdown_delay_s`, then no new
-    connections while in-flight requests get `shutdown_grace_s` to finish."""
-    app = build_app(config)
+    connections while in-flight requests get `shutdown_grace_s` to finish.
+    SIGHUP reloads the configuration file (`load()`)."""
+    app = build_app(config, load)
     # handler_cancellation: a client that hangs up cancels its handler, which
     # closes the upstream connection, which makes vLLM abort the request.
     runner = web.AppRunner(
@@ -277,6 +325,17 @@ async def serve(config: FerryConfig) -> None:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+
+    def reload() -> None:
+        try:
+            app[FLEET].reload()
+        except FleetError as exc:
+            log.error("reload refused, nothing changed: %s", exc)
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, reload)
+    except (NotImplementedError, RuntimeError):
+        pass
     try:
         await stop.wait()
         app[SHUTTING_DOWN].set()

@@ -10,7 +10,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -103,9 +103,11 @@ def ferry_config(
 class Ferry:
     """A Ferry app on the loop thread, as `ferry serve` would run it."""
 
-    def __init__(self, loop: LoopThread, config: FerryConfig) -> None:
+    def __init__(
+        self, loop: LoopThread, config: FerryConfig, load: Callable[[], FerryConfig] | None = None
+    ) -> None:
         self.loop = loop
-        self.site = loop.run(start_site(build_app(config), handler_cancellation=True))
+        self.site = loop.run(start_site(build_app(config, load), handler_cancellation=True))
         self.url = self.site.url
         self.cluster = self.site.app[CLUSTER]
 

@@ -301,3 +301,80 @@ def test_a_body_nested_fifty_thousand_deep_is_a_400(standins: Any, ferry: Any) -
             with exc:
                 assert exc.code == 400, path
                 assert json.load(exc)["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("failure", [500, 503, 429])
+def test_a_failed_answer_is_retried_on_another_instance(
+    standins: Any, ferry: Any, failure: int
+) -> None:
+    (bad, bad_site), (good, good_site) = standins(2, itl_s=0.001)
+    bad.fail_status = failure
+    proxy = ferry([bad_site.url, good_site.url], scheduler={"policy": "round_robin"})
+    api = client(proxy)
+    for i in range(4):  # round robin: each request meets the failing one first
+        if i % 2:
+            out = api.completions.create(model="standin", prompt="x", max_tokens=2)
+            assert out.choices[0].text == " tok" * 2
+        else:
+            chunks = api.completions.create(model="standin", prompt="x", max_tokens=2, stream=True)
+            assert "".join(c.choices[0].text for c in chunks) == " tok" * 2
+    assert good.served == 4 and [s for _, s in bad.answers] == [failure] * 4
+    text = get(proxy.url + "/metrics")[1]["raw"]
+    assert f'ferry_retries_total{{reason="{failure}"}} 4.0' in text
+
+
+def test_a_client_error_is_not_retried_and_retries_run_out(standins: Any, ferry: Any) -> None:
+    (a, site_a), (b, site_b) = standins(2)
+    proxy = ferry([site_a.url, site_b.url], scheduler={"policy": "round_robin", "retries": 1})
+    a.fail_status = b.fail_status = 400
+    status, _, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+    assert status == 400 and len(a.answers) + len(b.answers) == 1  # the client's error: once
+    a.fail_status = b.fail_status = 429
+    status, payload, headers = post(
+        proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}'
+    )
+    assert status == 429 and headers["Retry-After"] == "1"  # both busy: passed through
+    a.fail_status = b.fail_status = 500
+    status, payload, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+    assert status == 502 and "HTTP 500" in payload["error"]["message"]
+    assert len(a.answers) + len(b.answers) == 5  # 1 + 2 + 2: never twice on one instance
+
+
+def test_failing_instance_is_ejected_with_a_doubling_backoff(
+    standins: Any, ferry: Any, loop_thread: Any
+) -> None:
+    (bad, bad_site), (good, good_site) = standins(2, itl_s=0.001)
+    bad.fail_status = 500
+    proxy = ferry(
+        [bad_site.url, good_site.url],
+        admin_token="t",
+        scheduler={
+            "policy": "round_robin",
+            "eject_after_failures": 2,
+            "eject_base_s": 0.5,
+            "eject_max_s": 10,
+        },
+    )
+    api = client(proxy)
+
+    def send_four() -> None:
+        for _ in range(4):
+            assert api.completions.create(model="standin", prompt="x", max_tokens=1).choices
+
+    send_four()  # round robin meets the bad one twice: ejected
+    assert len(bad.answers) == 2
+    rows = {
+        r["name"]: r for r in get(proxy.url + "/admin/instances", {"Authorization": "Bearer t"})[1]
+    }
+    assert rows["i0"]["ejected_for_s"] and not proxy.view("i0").dispatchable
+    text = get(proxy.url + "/metrics")[1]["raw"]
+    assert 'ferry_instance_ejected{instance="i0"} 1.0' in text
+    assert 'ferry_ejections_total{instance="i0"} 1.0' in text
+    send_four()
+    assert len(bad.answers) == 2  # ejected: nothing reached it
+    wait_until(lambda: proxy.view("i0").dispatchable, timeout=2)  # back after 0.5 s
+    send_four()  # fails twice more: ejected again, for twice as long
+    assert len(bad.answers) == 4
+    first = proxy.loop.call(proxy.cluster.ejected_for, "i0")
+    assert 0.5 < first <= 1.0
+    assert 'ferry_ejections_total{instance="i0"} 2.0' in get(proxy.url + "/metrics")[1]["raw"]

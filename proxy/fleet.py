@@ -1,0 +1,210 @@
+"""Changing the fleet while it serves: instances added, changed and removed, and a
+new configuration applied, with no client stream cut.
+
+- An added instance takes traffic after its first good scrape.
+- A changed instance keeps its streams; new settings apply to the next call
+  (a new URL or engine is a new server: no traffic until it answers a scrape).
+- A removed instance is drained first (its streams moved off when asked) and
+  forgotten once nothing of it is in flight; `undrain` before then keeps it.
+- A reload applies the difference between the running configuration and the
+  file's: scheduler settings are swapped between two requests (`retune`), and
+  server settings that need a new socket are reported, not applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from proxy.cluster import Cluster
+from proxy.config import ConfigError, FerryConfig, InstanceConfig, parse_instance
+from proxy.metrics import FerryMetrics
+from proxy.migrator import Migrator
+from proxy.scraper import Scraper
+
+log = logging.getLogger("ferry.fleet")
+
+PATCHABLE = ("migration", "labels", "api_key", "headers")
+
+
+class FleetError(Exception):
+    """A change that cannot be made; `status` and `code` are the API's answer."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class Fleet:
+    def __init__(
+        self,
+        config: FerryConfig,
+        cluster: Cluster,
+        scraper: Scraper,
+        migrator: Migrator,
+        metrics: FerryMetrics,
+        *,
+        retune: Callable[[FerryConfig], None],
+        load: Callable[[], FerryConfig] | None = None,
+        poll_s: float = 0.05,
+    ) -> None:
+        """`retune(config)` applies scheduler settings to the running parts;
+        `load()` reads the configuration file again (None: there is none)."""
+        self.config = config
+        self.cluster = cluster
+        self.scraper = scraper
+        self.migrator = migrator
+        self.metrics = metrics
+        self.retune = retune
+        self.load = load
+        self.poll_s = poll_s
+        self._removals: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def removing(self) -> frozenset[str]:
+        return frozenset(self._removals)
+
+    def add(self, instance: InstanceConfig) -> None:
+        if instance.name in self.cluster.instances:
+            raise FleetError(409, f"an instance named {instance.name!r} exists", "instance_exists")
+        self.cluster.add(instance)
+        self.scraper.watch(instance.name)
+        self._changed()
+        log.info("instance %s added (%s)", instance.name, instance.url)
+
+    def add_raw(self, raw: Any) -> InstanceConfig:
+        """`POST /admin/instances`: a JSON object like one YAML instance."""
+        instance = _parse(lambda: parse_instance(raw, "instance"))
+        self.add(instance)
+        return instance
+
+    def patch(self, name: str, changes: Any) -> InstanceConfig:
+        """`PATCH /admin/instances/{name}`: change what can change under load."""
+        old = self._get(name).config
+        if not isinstance(changes, dict):
+            raise FleetError(400, "body: must be a JSON object", "invalid_request")
+        fixed = sorted(set(changes) - set(PATCHABLE))
+        if fixed:
+            raise FleetError(
+                400,
+                f"instance.{fixed[0]}: cannot be changed at runtime (allowed: "
+                f"{', '.join(PATCHABLE)}); remove the instance and add it again",
+                "invalid_request",
+            )
+        raw = {"name": name, "url": old.url, "engine": old.engine, **changes}
+        parsed = _parse(lambda: parse_instance(raw, "instance"))
+        new = dataclasses.replace(old, **{key: getattr(parsed, key) for key in changes})
+        self.cluster.reconfigure(new)
+        self._changed()
+        log.info("instance %s changed: %s", name, ", ".join(sorted(changes)) or "nothing")
+        return new
+
+    def remove(self, name: str, *, migrate: bool) -> int:
+        """Drain `name` and forget it once empty; returns how many streams move."""
+        moving = self.drain(name, migrate=migrate)
+        if name not in self._removals:
+            task = asyncio.create_task(self._remove_when_empty(name), name=f"remove-{name}")
+            self._removals[name] = task
+        log.info(
+            "instance %s removing: %d in flight, %d moving", name, self._inflight(name), moving
+        )
+        return moving
+
+    def drain(self, name: str, *, migrate: bool) -> int:
+        """No new requests for `name`; returns how many streams move off it."""
+        self._get(name)
+        self.cluster.set_draining(name, True)
+        return self.migrator.drain(name) if migrate else 0
+
+    def undrain(self, name: str) -> None:
+        """Take traffic again; a removal not yet done is called off."""
+        self._get(name)
+        task = self._removals.pop(name, None)
+        if task is not None:
+            task.cancel()
+            log.info("instance %s: removal called off", name)
+        self.cluster.set_draining(name, False)
+
+    def reload(self) -> dict[str, Any]:
+        """Read the configuration file again and apply the difference."""
+        if self.load is None:
+            raise FleetError(
+                409, "ferry was started without a configuration file", "no_config_file"
+            )
+        return self.apply(_parse(self.load))
+
+    def apply(self, new: FerryConfig) -> dict[str, Any]:
+        """Make the running fleet match `new`; returns what changed."""
+        old, current = self.config, {n: s.config for n, s in self.cluster.instances.items()}
+        wanted = {i.name: i for i in new.instances}
+        added, changed = [], []
+        for name, instance in wanted.items():
+            if name not in current:
+                self.add(instance)
+                added.append(name)
+                continue
+            if name in self._removals:  # back in the file before it was gone
+                self.undrain(name)
+            if instance != current[name]:
+                self.cluster.reconfigure(instance)
+                changed.append(name)
+        # Removed last, so their streams can move to instances added or changed above.
+        removed = [n for n in current if n not in wanted and n not in self._removals]
+        for name in removed:
+            self.remove(name, migrate=True)
+        self.config = new
+        self._changed()
+        restart = [
+            f"server.{f.name}"
+            for f in dataclasses.fields(new.server)
+            if getattr(new.server, f.name) != getattr(old.server, f.name)
+        ]
+        summary = {
+            "added": added,
+            "removed": removed,
+            "changed": changed,
+            "scheduler_changed": new.scheduler != old.scheduler,
+            "restart_required": restart,
+        }
+        log.info("configuration reloaded: %s", summary)
+        return summary
+
+    async def stop(self) -> None:
+        for task in self._removals.values():
+            task.cancel()
+        await asyncio.gather(*self._removals.values(), return_exceptions=True)
+
+    def _get(self, name: str) -> Any:
+        state = self.cluster.instances.get(name)
+        if state is None:
+            raise FleetError(404, f"no instance named {name!r}", "instance_not_found")
+        return state
+
+    def _inflight(self, name: str) -> int:
+        return self.cluster.ledger.count(name)
+
+    def _changed(self) -> None:
+        """Keep `config.instances` true to the running fleet, and retune."""
+        instances = tuple(s.config for s in self.cluster.instances.values())
+        self.config = dataclasses.replace(self.config, instances=instances)
+        self.retune(self.config)
+
+    async def _remove_when_empty(self, name: str) -> None:
+        while self._inflight(name):
+            await asyncio.sleep(self.poll_s)
+        await self.scraper.unwatch(name)
+        self.cluster.remove(name)
+        self.metrics.forget(name)
+        del self._removals[name]
+        self._changed()
+        log.info("instance %s removed", name)
+
+
+def _parse(build: Callable[[], Any]) -> Any:
+    try:
+        return build()
+    except ConfigError as exc:
+        raise FleetError(400, str(exc), "invalid_config") from exc

@@ -1,0 +1,265 @@
+"""Changing the fleet at runtime, with streams in flight: add, patch, remove, undrain,
+reload (the admin API, SIGHUP and the CLI), in front of stand-in servers (not vLLM)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from proxy.config import load_config
+from tests.helpers import Ferry, free_port, wait_until
+from tests.integration.test_proxy import get, post
+from tests.integration.test_shutdown import status
+
+TOKEN = "fleet"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def send(url: str, method: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.load(exc)
+
+
+def rows(proxy_url: str) -> dict[str, dict[str, Any]]:
+    status_, payload, _ = get(proxy_url + "/admin/instances", AUTH)
+    assert status_ == 200
+    return {r["name"]: r for r in payload}
+
+
+def streams(url: str, n: int, max_tokens: int) -> tuple[list[threading.Thread], list[str]]:
+    """`n` streams under way through Ferry at `url`; their texts land in the list."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    texts: list[str] = []
+
+    def one() -> None:
+        chunks = client.completions.create(
+            model="standin", prompt="x", max_tokens=max_tokens, stream=True
+        )
+        texts.append("".join(c.choices[0].text for c in chunks))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, texts
+
+
+def join(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+
+
+def test_add_patch_and_remove_with_streams_in_flight(standins: Any, ferry: Any) -> None:
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
+    proxy: Ferry = ferry([site_a.url], admin_token=TOKEN)
+    threads, texts = streams(proxy.url, 3, 60)  # 1.2 s streams, all on i0
+    wait_until(lambda: a.running == 3)
+
+    # Add: 201, and it takes traffic once scraped; the name is taken now.
+    code, row = send(proxy.url + "/admin/instances", "POST", {"name": "b", "url": site_b.url})
+    assert code == 201 and row["name"] == "b" and row["url"] == site_b.url
+    wait_until(lambda: rows(proxy.url)["b"]["healthy"])
+    code, err = send(proxy.url + "/admin/instances", "POST", {"name": "b", "url": site_b.url})
+    assert code == 409 and err["error"]["code"] == "instance_exists"
+    code, err = send(proxy.url + "/admin/instances", "POST", {"name": "c", "url": "ftp://x"})
+    assert code == 400 and err["error"]["message"].startswith("instance.url:")
+    code, err = send(proxy.url + "/admin/instances", "POST", {"name": "c", "uri": "x"})
+    assert code == 400 and "instance.uri: unknown key" in err["error"]["message"]
+    code, err = send(proxy.url + "/admin/instances", "POST", [1, 2])
+    assert code == 400 and err["error"]["type"] == "invalid_request_error"
+
+    # A new request goes to the idle new instance.
+    more, more_texts = streams(proxy.url, 1, 5)
+    join(more)
+    assert b.served == 1 and more_texts == [" tok" * 5]
+
+    # Patch: labels and migration change; the URL cannot.
+    code, row = send(
+        proxy.url + "/admin/instances/i0", "PATCH", {"labels": {"zone": "b"}, "migration": "lite"}
+    )
+    assert code == 200 and row["labels"] == {"zone": "b"} and row["migration"] == "lite"
+    code, err = send(proxy.url + "/admin/instances/i0", "PATCH", {"url": site_b.url})
+    assert code == 400 and "instance.url: cannot be changed at runtime" in err["error"]["message"]
+    code, err = send(proxy.url + "/admin/instances/i0", "PATCH", {"migration": "sideways"})
+    assert code == 400 and err["error"]["message"].startswith("instance.migration:")
+    assert send(proxy.url + "/admin/instances/nope", "PATCH", {})[0] == 404
+
+    # Remove without moving: 202, draining at once, gone once its streams end.
+    code, row = send(proxy.url + "/admin/instances/i0", "DELETE")
+    assert code == 202 and row["draining"] and row["removing"] and row["inflight"] == 3
+    join(threads)
+    assert texts == [" tok" * 60] * 3  # none cut
+    wait_until(lambda: "i0" not in rows(proxy.url))
+    metrics_text = get(proxy.url + "/metrics")[1]["raw"]
+    assert 'ferry_instance_healthy{instance="i0"}' not in metrics_text
+    assert send(proxy.url + "/admin/instances/i0", "DELETE")[0] == 404
+
+
+def test_remove_with_migrate_moves_streams_and_undrain_calls_it_off(
+    standins: Any, ferry: Any
+) -> None:
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
+    proxy: Ferry = ferry(
+        [site_a.url, site_b.url],
+        admin_token=TOKEN,
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    threads, texts = streams(proxy.url, 4, 80)
+    wait_until(lambda: a.running == 2 and b.running == 2)
+    # Undrain before the removal is done (streams still run there) keeps the instance.
+    code, _ = send(proxy.url + "/admin/instances/i1", "DELETE")
+    assert code == 202 and rows(proxy.url)["i1"]["removing"]
+    code, row = send(proxy.url + "/admin/instances/i1/undrain", "POST")
+    assert code == 200 and not row["draining"] and not row["removing"]
+
+    code, row = send(proxy.url + "/admin/instances/i0?migrate=true", "DELETE")
+    assert code == 202 and row["migrating"] == 2
+    # Moved off, so i0 is gone long before its 1.6 s streams would have ended.
+    wait_until(lambda: "i0" not in rows(proxy.url), timeout=1.2)
+    join(threads)
+    assert texts == [" tok" * 80] * 4
+    assert "i1" in rows(proxy.url)
+
+
+def test_reload_applies_the_file_and_refuses_a_bad_one(
+    standins: Any, loop_thread: Any, tmp_path: Path
+) -> None:
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
+    path = tmp_path / "ferry.yaml"
+
+    def write(instances: list[dict[str, Any]], **scheduler: Any) -> None:
+        path.write_text(
+            json.dumps(
+                {
+                    "instances": instances,
+                    "scheduler": {"scrape_interval_s": 0.05, **scheduler},
+                    "admin_token": TOKEN,
+                }
+            )
+        )
+
+    write([{"name": "a", "url": site_a.url}])
+    proxy = Ferry(loop_thread, load_config(path), load=lambda: load_config(path))
+    try:
+        threads, texts = streams(proxy.url, 2, 60)
+        wait_until(lambda: a.running == 2)
+        write(
+            [{"name": "b", "url": site_b.url, "labels": {"new": "yes"}}],
+            policy="round_robin",
+        )
+        code, summary = send(proxy.url + "/admin/reload", "POST")
+        assert code == 200
+        assert summary["added"] == ["b"] and summary["removed"] == ["a"]
+        assert summary["scheduler_changed"] and summary["restart_required"] == []
+        wait_until(lambda: set(rows(proxy.url)) == {"b"})  # a went once its streams ended
+        join(threads)
+        assert texts == [" tok" * 60] * 2
+        wait_until(lambda: rows(proxy.url)["b"]["healthy"])
+
+        # A bad file changes nothing and says where it is wrong.
+        path.write_text(json.dumps({"instances": [{"name": "b", "url": site_b.url, "x": 1}]}))
+        code, err = send(proxy.url + "/admin/reload", "POST")
+        assert code == 400 and "instances[0].x: unknown key" in err["error"]["message"]
+        assert set(rows(proxy.url)) == {"b"}
+        path.write_text("instances: [")
+        code, err = send(proxy.url + "/admin/reload", "POST")
+        assert code == 400 and "not valid YAML" in err["error"]["message"]
+
+        # A changed instance keeps its name and takes the new settings.
+        write([{"name": "b", "url": site_b.url, "labels": {"new": "no"}}], policy="round_robin")
+        code, summary = send(proxy.url + "/admin/reload", "POST")
+        assert code == 200 and summary["changed"] == ["b"] and not summary["scheduler_changed"]
+        assert rows(proxy.url)["b"]["labels"] == {"new": "no"}
+    finally:
+        proxy.close()
+
+
+def test_reload_without_a_file_is_refused(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url], admin_token=TOKEN)
+    code, err = send(proxy.url + "/admin/reload", "POST")
+    assert code == 409 and err["error"]["code"] == "no_config_file"
+    assert post(proxy.url + "/admin/reload", b"")[0] == 401  # no token
+
+
+def test_sighup_and_the_cli_change_a_running_ferry(standins: Any, tmp_path: Path) -> None:
+    (a, site_a), (b, site_b), (c, site_c) = standins(3, itl_s=0.02)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    path = tmp_path / "ferry.yaml"
+
+    def write(names: dict[str, str]) -> None:
+        path.write_text(
+            json.dumps(
+                {
+                    "instances": [{"name": n, "url": u} for n, u in names.items()],
+                    "scheduler": {"scrape_interval_s": 0.05},
+                    "server": {"port": port, "shutdown_delay_s": 0},
+                    "admin_token": TOKEN,
+                }
+            )
+        )
+
+    write({"a": site_a.url})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    cli: Callable[..., subprocess.CompletedProcess[str]] = lambda *args: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "proxy.cli", *args, "--url", url, "--admin-token", TOKEN],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    try:
+        wait_until(lambda: status(url + "/readyz") == 200, timeout=30)
+        threads, texts = streams(url, 2, 50)
+        wait_until(lambda: a.running == 2)
+        write({"a": site_a.url, "b": site_b.url})
+        proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "b" in rows(url))
+
+        done = cli("add", "c", site_c.url, "--label", "role=spare")
+        assert done.returncode == 0, done.stderr
+        assert rows(url)["c"]["labels"] == {"role": "spare"}
+        assert cli("add", "c", site_c.url).returncode == 1  # 409: the name exists
+        assert cli("drain", "c").returncode == 0
+        assert cli("undrain", "c").returncode == 0 and not rows(url)["c"]["draining"]
+        done = cli("remove", "a")  # waits until a's streams end and it is gone
+        assert done.returncode == 0, done.stderr
+        join(threads)
+        assert texts == [" tok" * 50] * 2
+        assert set(rows(url)) == {"b", "c"}
+        table = cli("status").stdout.splitlines()
+        assert table[0].split()[:2] == ["NAME", "URL"] and len(table) == 3
+        done = cli("reload")  # the file names a and b, not c
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout)
+        assert summary["added"] == ["a"] and summary["removed"] == ["c"]
+        wait_until(lambda: set(rows(url)) == {"a", "b"})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
