@@ -7,9 +7,12 @@ while the proxy and stand-in servers run on one background loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -70,6 +73,25 @@ def wait_until(predicate: Any, timeout: float = 10.0, poll: float = 0.05) -> Non
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(poll)
+
+
+def call_json(
+    url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """One JSON call: (status, decoded answer), error statuses included."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        with exc:  # an unclosed error response leaks its socket
+            return exc.code, json.load(exc)
 
 
 def free_port() -> int:

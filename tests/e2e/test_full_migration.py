@@ -21,7 +21,7 @@ import pytest
 from loadtest.vllm_servers import VLLMServer, metric
 from migration_shim import wire
 from tests.e2e.test_migration import AUTH, PROMPT, TOKEN, api, once_at, post, stream_ids
-from tests.helpers import wait_until
+from tests.helpers import call_json, wait_until
 
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="%s"}'
 BLOCK = 128
@@ -55,19 +55,8 @@ def assert_idle(*servers: VLLMServer) -> None:
     wait_until(idle, timeout=30, poll=0.2)
 
 
-def shim_post(server: VLLMServer, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        server.url + path,
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.load(exc)
+def shim_post(server: VLLMServer, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    return call_json(server.url + path, "POST", body)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 from loadtest.vllm_servers import VLLMServer, metric, start_vllm, wait_ready
 from proxy.config import load_config
 from tests.e2e.test_migration import api, once_at, stream_ids
-from tests.helpers import Ferry, free_port, wait_until
+from tests.helpers import Ferry, call_json, free_port, wait_until
 from tests.integration.test_shutdown import status
 
 KEY = "vllm-e2e-key"
@@ -42,15 +42,7 @@ def keyed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def admin(url: str, method: str, body: Any = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.load(exc)
+    return call_json(url, method, body, {"Authorization": f"Bearer {ADMIN}"})
 
 
 def names(url: str) -> set[str]:

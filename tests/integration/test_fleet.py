@@ -8,8 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 import openai
 
 from proxy.config import load_config
-from tests.helpers import Ferry, free_port, wait_until
+from tests.helpers import Ferry, call_json, free_port, wait_until
 from tests.integration.test_proxy import get, post
 from tests.integration.test_shutdown import status
 
@@ -26,16 +24,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def send(url: str, method: str, body: Any = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, method=method, headers={**AUTH, "Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.load(exc)
+    return call_json(url, method, body, AUTH)
 
 
 def rows(proxy_url: str) -> dict[str, dict[str, Any]]:
