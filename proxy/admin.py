@@ -51,6 +51,7 @@ def instances_json(
                 "virtual_blocks": round(view.virtual_blocks, 2),
                 "batch": view.batch,
                 "models": sorted(view.models),
+                "prefix_index": cluster.prefixes.describe(view.name),
                 "snapshot": None
                 if snap is None
                 else {

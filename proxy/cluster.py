@@ -19,6 +19,7 @@ from proxy.ejection import Ejection, EjectionSettings
 from proxy.ledger import Ledger
 from proxy.policy import ClusterView, InstanceView, UsageSettings
 from proxy.policy.virtual_usage import instance_view
+from proxy.prefix_index import PrefixIndex
 
 
 @dataclass(slots=True)
@@ -77,6 +78,7 @@ class Cluster:
         self.ejection = ejection or EjectionSettings()
         self.clock = clock
         self.dispatch_seq = 0
+        self.prefixes = PrefixIndex(enabled=False)  # placement turns it on (proxy/prefix_index.py)
         self._ejected: dict[str, float] = {}  # name -> ejected until
         self._reindex()
 
@@ -132,6 +134,7 @@ class Cluster:
         """Forget an instance (the caller drained it: nothing of it is in flight)."""
         del self.instances[name]
         self.ledger.forget(name)
+        self.prefixes.forget(name)
         self._ejected.pop(name, None)
         self._reindex()
 
@@ -145,6 +148,7 @@ class Cluster:
             state.models, state.model_cards = frozenset(), ()
             state.ejection = Ejection()
             self._ejected.pop(config.name, None)
+            self.prefixes.forget(config.name)  # a new server's cache starts empty
         state.config = config
         self._invalidate(config.name)
 
@@ -233,6 +237,7 @@ class Cluster:
             engine_running=snap.running if snap else 0,
             engine_waiting=snap.waiting if snap else 0,
             queued_tokens=self.ledger.queued_tokens(name),
+            block_size=snap.block_size if snap and snap.block_size else 16,
             healthy=state.healthy and name not in self._ejected,
             draining=state.draining,
             models=state.models,

@@ -58,6 +58,19 @@ class SchedulerConfig:
     unhealthy_after_failures: int = 3  # consecutive failed scrapes
     models_refresh_s: float = 10.0
     topk: int = 1  # llumnix: random among the k freest
+    # Prefix locality (proxy/prefix_index.py, proxy/policy/policies.py): llumnix
+    # counts a request's cached blocks on an instance as free there, times
+    # prefix_weight; a session stays on its instance unless another is freer by
+    # more than affinity_margin_blocks (blocks per request).
+    prefix_credit: bool = False
+    prefix_weight: float = 1.0
+    affinity_margin_blocks: float = 8.0
+    # cache_aware (vllm-router's defaults): follow a prefix match above
+    # cache_threshold of the prompt unless in-flight counts differ by more than
+    # balance_abs_threshold and by a factor above balance_rel_threshold.
+    cache_threshold: float = 0.3
+    balance_abs_threshold: float = 64.0
+    balance_rel_threshold: float = 1.5
     high_priority_headroom_blocks: float = 0.0  # virtual usage a high request reserves
     seed: int | None = None  # dispatch randomness; None seeds from the OS
     migration_max_resumes: int = 2  # failover: resumes of one broken stream
@@ -261,6 +274,7 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         raise ConfigError("scheduler.unhealthy_after_failures: must be at least 1")
     if s.topk < 1:
         raise ConfigError("scheduler.topk: must be at least 1")
+    _check_prefix(s)
     for key in (
         "migration_prefill_tokens_per_s",
         "migration_preemption_stall_s",
@@ -289,6 +303,22 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     if s.high_priority_headroom_blocks < 0:
         raise ConfigError("scheduler.high_priority_headroom_blocks: must not be negative")
     _check_scaling(s)
+
+
+def _check_prefix(s: SchedulerConfig) -> None:
+    for key in ("prefix_weight", "affinity_margin_blocks", "balance_abs_threshold"):
+        value = getattr(s, key)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"scheduler.{key}: must be a finite number, 0 or more (got {value})")
+    if not 0 <= s.cache_threshold <= 1:
+        raise ConfigError(
+            f"scheduler.cache_threshold: must be between 0 and 1 (got {s.cache_threshold})"
+        )
+    if not (math.isfinite(s.balance_rel_threshold) and s.balance_rel_threshold >= 1):
+        raise ConfigError(
+            "scheduler.balance_rel_threshold: must be a finite number, 1 or more"
+            f" (got {s.balance_rel_threshold})"
+        )
 
 
 def _check_scaling(s: SchedulerConfig) -> None:

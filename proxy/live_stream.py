@@ -226,6 +226,8 @@ class LiveStream:
         ledger = self.call.cluster.ledger
         if fed.prompt_tokens is not None:
             ledger.set_prompt_tokens(self.call.entry, fed.prompt_tokens)
+            if self.splicer.prompt_ids:  # the prefix index learns what is cached there
+                self.placement.record_prompt_ids(self.call.instance, self.splicer.prompt_ids)
         if fed.tokens:
             ledger.add_generated(self.call.entry, fed.tokens)
             self.timing.token()

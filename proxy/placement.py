@@ -6,13 +6,17 @@ resumed streams with `destination`, among the instances that can take a move.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
 from proxy.policy import DispatchRequest, InstanceView, NoCandidate, Priority, dispatch
 from proxy.policy.policies import DispatchPolicy
+from proxy.prefix_index import PrefixKey, session_of
 
 
 class Placement:
@@ -28,13 +32,40 @@ class Placement:
         self.metrics = metrics
         self.rng = rng
 
-    def choose(self, request: DispatchRequest) -> InstanceView:
-        """The instance for `request`; raises `NoCandidate`."""
+    def choose(self, request: DispatchRequest, key: PrefixKey | None = None) -> InstanceView:
+        """The instance for `request`; raises `NoCandidate`. With the prefix index
+        on, `key` (the request's prefix) gives each candidate its cached length
+        and the session's last instance, and is recorded on the one chosen."""
         started = time.perf_counter()
-        chosen = dispatch(self.policy, request, self.cluster.view(), self.rng)
+        view = self.cluster.view()
+        prefixes = self.cluster.prefixes
+        if key is not None and prefixes.enabled:
+            cached = prefixes.cached_tokens(key, (v.name for v in view.instances))
+            affinity = prefixes.affinity(key)
+            if cached or affinity:
+                request = dataclasses.replace(request, cached_tokens=cached, affinity=affinity)
+        chosen = dispatch(self.policy, request, view, self.rng)
         self.cluster.note_dispatch()
+        if key is not None and prefixes.enabled:
+            prefixes.record(chosen.name, key, chosen.capacity_blocks)
         self.metrics.decision.observe(time.perf_counter() - started)
         return chosen
+
+    def prefix_key(
+        self, body: dict[str, Any] | None, prompt_tokens: int, session_header: str | None
+    ) -> PrefixKey | None:
+        """A request's prefix (text chunks and session); None with the index off."""
+        prefixes = self.cluster.prefixes
+        if not prefixes.enabled or body is None:
+            return None
+        return prefixes.key(body, prompt_tokens, session_of(body, session_header))
+
+    def record_prompt_ids(self, name: str, ids: Sequence[int]) -> None:
+        """The engine reported a request's prompt ids on `name`: index its blocks."""
+        prefixes = self.cluster.prefixes
+        if prefixes.enabled and name in self.cluster.instances:
+            view = self.cluster.instance_view(name)
+            prefixes.record_tokens(name, ids, view.block_size, view.capacity_blocks)
 
     def migration_instances(self) -> set[str]:
         """Instances that can take part in a move (as source or destination)."""

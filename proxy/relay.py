@@ -38,6 +38,7 @@ from proxy.upstream import Call, Upstreams
 
 log = logging.getLogger("ferry.relay")
 
+SESSION_HEADER = "x-session-id"  # a soft affinity (the body's `user` stands in without it)
 _FORWARD_HEADERS = ("authorization", "x-request-id", "openai-organization", "openai-project")
 # Outcomes that count against the instance (outlier ejection); a client's own
 # 4xx and a client hanging up never do.
@@ -95,10 +96,11 @@ class Relay:
             headers["Content-Type"] = content_type
         tried: set[str] = set()
         failed: web.StreamResponse | None = None  # the last failure, answered if none is left
+        key = self.placement.prefix_key(body, prompt_estimate, request.headers.get(SESSION_HEADER))
         for attempt in range(self.retries + 1):
             try:
                 chosen = self.placement.choose(
-                    DispatchRequest(model, prompt_estimate, priority, frozenset(tried))
+                    DispatchRequest(model, prompt_estimate, priority, frozenset(tried)), key
                 )
             except NoCandidate as exc:
                 if failed is not None:
@@ -274,8 +276,16 @@ class Relay:
             prompt, generated, _ = token_ids.estimate(raw, call.entry.generated_tokens)
         if prompt is not None:
             self.cluster.ledger.set_prompt_tokens(call.entry, prompt)
+            self._index_prompt(call.instance, raw, seen)
         self.cluster.ledger.add_generated(call.entry, generated)
         return raw if wants_ids else token_ids.hide(raw)
+
+    def _index_prompt(self, name: str, data: bytes, seen: bool) -> None:
+        """Index the prompt ids the engine reported (the approximate prefix index)."""
+        if seen and self.cluster.prefixes.enabled:
+            ids = token_ids.prompt_ids(data)
+            if ids:
+                self.placement.record_prompt_ids(name, ids)
 
     async def _stream(
         self,
@@ -342,6 +352,7 @@ class Relay:
             prompt, generated, token = token_ids.estimate(event[6:], call.entry.generated_tokens)
         if prompt is not None:
             self.cluster.ledger.set_prompt_tokens(call.entry, prompt)
+            self._index_prompt(call.instance, event, seen)
         if generated:
             self.cluster.ledger.add_generated(call.entry, generated)
         if token:

@@ -80,6 +80,7 @@ def build_app(
         sched.ejection_settings(),
     )
     metrics = FerryMetrics(sched.scaling_settings())
+    cluster.prefixes.enabled = _prefix_index_on(sched)
     app[CLUSTER] = cluster
     app[METRICS] = metrics
     app[SHUTTING_DOWN] = asyncio.Event()
@@ -133,8 +134,9 @@ def build_app(
                 nonlocal applied
                 s = new.scheduler
                 cluster.retune(_usage(s), s.unhealthy_after_failures, s.ejection_settings())
-                if (s.policy, s.topk) != (applied.policy, applied.topk):
+                if _policy_changed(s, applied):
                     placement.policy = _policy(s)
+                    cluster.prefixes.enabled = _prefix_index_on(s)
                 if s.seed != applied.seed:
                     placement.rng = random.Random(s.seed)
                 scraper.retune(s.scrape_interval_s, s.scrape_timeout_s, s.models_refresh_s)
@@ -180,7 +182,33 @@ def _usage(s: SchedulerConfig) -> UsageSettings:
 
 
 def _policy(s: SchedulerConfig) -> DispatchPolicy:
-    return make_policy(s.policy, **({"topk": s.topk} if s.policy == "llumnix" else {}))
+    options: dict[str, float | bool] = {}
+    if s.policy == "llumnix":
+        options = {
+            "topk": s.topk,
+            "prefix_credit": s.prefix_credit,
+            "prefix_weight": s.prefix_weight,
+            "affinity_margin": s.affinity_margin_blocks,
+        }
+    elif s.policy == "cache_aware":
+        options = {
+            "cache_threshold": s.cache_threshold,
+            "balance_abs_threshold": s.balance_abs_threshold,
+            "balance_rel_threshold": s.balance_rel_threshold,
+        }
+    return make_policy(s.policy, **options)
+
+
+def _policy_changed(new: SchedulerConfig, old: SchedulerConfig) -> bool:
+    keys: tuple[str, ...] = ("policy", "topk", "prefix_credit", "prefix_weight")
+    keys += ("affinity_margin_blocks", "cache_threshold", "balance_abs_threshold")
+    keys += ("balance_rel_threshold",)
+    return any(getattr(new, k) != getattr(old, k) for k in keys)
+
+
+def _prefix_index_on(s: SchedulerConfig) -> bool:
+    """The prefix index runs only where a policy reads it."""
+    return s.policy == "cache_aware" or (s.policy == "llumnix" and s.prefix_credit)
 
 
 def _full_mode(s: SchedulerConfig) -> FullModeSettings:

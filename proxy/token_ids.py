@@ -66,6 +66,15 @@ def scan(data: bytes) -> tuple[int | None, int, bool]:
     return prompt, generated, seen
 
 
+def prompt_ids(data: bytes) -> list[int] | None:
+    """The prompt ids a chunk or response reports (the first stream chunk does)."""
+    for match in _IDS.finditer(data):
+        if match.group(1) == b"prompt_token_ids":
+            ids = match.group(2)
+            return [int(t) for t in ids.split(b",")] if ids.strip() else []
+    return None
+
+
 def hide(data: bytes) -> bytes:
     """Null the token-id arrays the proxy asked for."""
     return _IDS.sub(_NULLED, data)

@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable
 
 from proxy.policy.policies import (
+    CacheAware,
     DispatchPolicy,
     LeastKV,
     LeastRequests,
@@ -41,11 +42,20 @@ def register(name: str, factory: Callable[..., DispatchPolicy]) -> None:
     POLICIES[name] = factory
 
 
-for _factory in (Llumnix, RoundRobin, Random, LeastRequests, LeastKV, PowerOfTwo, QueueKVScorer):
+for _factory in (
+    Llumnix,
+    RoundRobin,
+    Random,
+    LeastRequests,
+    LeastKV,
+    PowerOfTwo,
+    QueueKVScorer,
+    CacheAware,
+):
     register(_factory.name, _factory)
 
 
-def make_policy(name: str, **options: float) -> DispatchPolicy:
+def make_policy(name: str, **options: float | bool) -> DispatchPolicy:
     try:
         factory = POLICIES[name]
     except KeyError:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from proxy.policy.view import DispatchRequest, InstanceView, Priority
+from proxy.policy.virtual_usage import prefix_credit
 
 
 class DispatchPolicy(Protocol):
@@ -49,6 +50,13 @@ class Llumnix:
     High-priority requests rank instances by `freeness_high` (headroom reserved
     for their class not counted); the rest by `freeness`.
 
+    With `prefix_credit` on, an instance caching c of the prompt's tokens ranks
+    by F + prefix_weight * floor(c / block_size) / max(B, 1): the request's
+    cached blocks are not demand there (virtual_usage.prefix_credit). With a
+    session (`request.affinity`), its last instance is kept unless another is
+    freer by more than `affinity_margin` blocks per request: a soft preference,
+    so a session follows its cache but never onto an instance that is full.
+
     Use it when requests differ in length: it balances KV memory per request,
     not request counts. `topk` > 1 picks at random among the k freest, which
     spreads a burst that arrives faster than the ledger can tell instances apart.
@@ -56,8 +64,17 @@ class Llumnix:
 
     name = "llumnix"
 
-    def __init__(self, topk: int = 1) -> None:
+    def __init__(
+        self,
+        topk: int = 1,
+        prefix_credit: bool = False,
+        prefix_weight: float = 1.0,
+        affinity_margin: float = 8.0,
+    ) -> None:
         self.topk = topk
+        self.prefix_credit = prefix_credit
+        self.prefix_weight = prefix_weight
+        self.affinity_margin = affinity_margin
 
     def choose(
         self,
@@ -71,10 +88,38 @@ class Llumnix:
             scores = [v.freeness_high for v in candidates]
         else:
             scores = [v.freeness for v in candidates]
+        if self.prefix_credit:
+            scores = self._credited(request, candidates, scores)
+            affine = self._affine(request, candidates, scores)
+            if affine is not None:
+                return affine
         if self.topk <= 1 or len(candidates) <= 1:
             return best(candidates, scores, rng)
         ranked = sorted(zip(scores, range(len(candidates)), strict=True), reverse=True)
         return candidates[rng.choice(ranked[: self.topk])[1]]
+
+    def _credited(
+        self, request: DispatchRequest, candidates: Sequence[InstanceView], scores: list[float]
+    ) -> list[float]:
+        cached = request.cached_tokens
+        if not cached:
+            return scores
+        w = self.prefix_weight
+        return [
+            s + w * prefix_credit(cached[v.name], v) if v.name in cached else s
+            for v, s in zip(candidates, scores, strict=True)
+        ]
+
+    def _affine(
+        self, request: DispatchRequest, candidates: Sequence[InstanceView], scores: list[float]
+    ) -> InstanceView | None:
+        """The session's instance, if it is within `affinity_margin` of the best."""
+        if request.affinity is None:
+            return None
+        for v, s in zip(candidates, scores, strict=True):
+            if v.name == request.affinity:
+                return v if s >= max(scores) - self.affinity_margin else None
+        return None
 
 
 class RoundRobin:
@@ -183,3 +228,49 @@ class QueueKVScorer:
             for q, v in zip(waiting, candidates, strict=True)
         ]
         return best(candidates, scores, rng)
+
+
+class CacheAware:
+    """vllm-router's (and SGLang's) default `cache_aware`, over Ferry's prefix index.
+
+    - Imbalanced (max - min in-flight > `balance_abs_threshold` and
+      max > min * `balance_rel_threshold`): fewest requests in flight.
+    - Else, when the best prefix match covers more than `cache_threshold` of the
+      prompt (cached / prompt tokens): the best match.
+    - Else fewest in flight. (vllm-router takes the instance with the smallest
+      tree here, i.e. the most cache room; Ferry's index is bounded per instance
+      so fewest in flight stands in for it.)
+    Defaults are vllm-router's: 0.3, 64, 1.5. Load is Ferry's in-flight count,
+    as vllm-router counts its own running requests.
+    """
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: float = 64,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def choose(
+        self,
+        request: DispatchRequest,
+        candidates: Sequence[InstanceView],
+        rng: random.Random,
+        seq: int,
+    ) -> InstanceView:
+        loads = [-float(v.inflight) for v in candidates]
+        most, least = -min(loads), -max(loads)
+        imbalanced = (
+            most - least > self.balance_abs_threshold and most > least * self.balance_rel_threshold
+        )
+        cached = request.cached_tokens
+        if not imbalanced and cached and request.prompt_tokens > 0:
+            matches = [float(cached.get(v.name, 0)) for v in candidates]
+            if max(matches) / request.prompt_tokens > self.cache_threshold:
+                return best(candidates, matches, rng)
+        return best(candidates, loads, rng)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 
 class Priority(enum.IntEnum):
@@ -22,14 +24,25 @@ class Priority(enum.IntEnum):
             raise ValueError(f"priority must be one of high, normal, low (got {text!r})") from None
 
 
+_NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class DispatchRequest:
-    """The request being placed. `prompt_tokens` is an estimate before dispatch."""
+    """The request being placed. `prompt_tokens` is an estimate before dispatch.
+
+    `cached_tokens` maps an instance name to how many of the prompt's tokens are
+    probably in its prefix cache (absent: none), from the prefix index
+    (proxy/prefix_index.py); `affinity` names the instance that served the
+    request's session last. Both are inputs: the policy reads, never fills, them.
+    """
 
     model: str | None  # None: any instance (a pass-through call that names no model)
     prompt_tokens: int = 0
     priority: Priority = Priority.NORMAL
     exclude: frozenset[str] = frozenset()  # instances already tried for this request
+    cached_tokens: Mapping[str, int] = field(default_factory=lambda: _NOTHING_CACHED)
+    affinity: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,7 @@ class InstanceView:
     # Tokens of the requests here still waiting for their first token (ledger): the
     # prefill ahead of the engine. A lite move's continuation counts its P + G here.
     queued_tokens: int = 0
+    block_size: int = 16  # tokens per KV block (the engine's; 16 until scraped)
     healthy: bool = True
     draining: bool = False
     models: frozenset[str] = frozenset()

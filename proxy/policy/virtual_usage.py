@@ -14,6 +14,12 @@ Its virtual usage adds what the scheduling goal needs:
 Freeness F = (M - sum of virtual usage) / B, M the instance's KV capacity in
 blocks and B its batch size; larger is freer. An idle instance has B = 0 and
 counts as B = 1 so that F stays finite and bigger idle instances rank first.
+
+Prefix credit (issue 13): on an instance that already caches c of a request's
+prompt tokens, the request's demand is only its uncached blocks and its prefill
+only its uncached tokens. `prefix_credit` is what that saves, in freeness units:
+floor(c / block_size) / max(B, 1), the cached blocks counted as free there.
+Where nothing is cached the credit is 0 and the ranking is plain Llumnix.
 """
 
 from __future__ import annotations
@@ -65,6 +71,19 @@ def instance_freeness(
     return (capacity_blocks - virtual_blocks) / max(batch, 1)
 
 
+def prefix_credit(cached_tokens: int, view: InstanceView) -> float:
+    """Freeness a request gains on `view` from `cached_tokens` of its prompt
+    already cached there: its full cached blocks per request (blocks/request)."""
+    if cached_tokens <= 0:
+        return 0.0
+    return (cached_tokens // view.block_size) / max(view.batch, 1)
+
+
+def uncached_tokens(prompt_tokens: int, cached_tokens: int) -> int:
+    """The prefill a request costs on an instance caching `cached_tokens` of it."""
+    return max(0, prompt_tokens - cached_tokens)
+
+
 def instance_view(
     name: str,
     *,
@@ -78,6 +97,7 @@ def instance_view(
     engine_running: int = 0,
     engine_waiting: int = 0,
     queued_tokens: int = 0,
+    block_size: int = 16,
     healthy: bool = True,
     draining: bool = False,
     models: frozenset[str] = frozenset(),
@@ -100,6 +120,7 @@ def instance_view(
         engine_running=engine_running,
         engine_waiting=engine_waiting,
         queued_tokens=queued_tokens,
+        block_size=block_size,
         healthy=healthy,
         draining=draining,
         models=models,

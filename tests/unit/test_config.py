@@ -83,7 +83,7 @@ def test_admin_token_from_environment() -> None:
         ),
         (
             base(scheduler={"policy": "fastest"}),
-            r"^scheduler\.policy: must be one of least_kv, least_requests, llumnix",
+            r"^scheduler\.policy: must be one of cache_aware, least_kv, least_requests, llumnix",
         ),
         (
             base(scheduler={"scrape_interval_s": "fast"}),
@@ -94,6 +94,13 @@ def test_admin_token_from_environment() -> None:
             r"^scheduler\.scrape_interval_s: must be between",
         ),
         (base(scheduler={"topk": 0}), r"^scheduler\.topk: must be at least 1"),
+        (base(scheduler={"cache_threshold": 1.5}), r"^scheduler\.cache_threshold: must be between"),
+        (base(scheduler={"prefix_weight": -1.0}), r"^scheduler\.prefix_weight: must be a finite"),
+        (
+            base(scheduler={"balance_rel_threshold": 0.5}),
+            r"^scheduler\.balance_rel_threshold: must be a finite number, 1 or more",
+        ),
+        (base(scheduler={"prefix_credit": 1}), r"^scheduler\.prefix_credit: must be bool"),
         (base(server={"port": True}), r"^server\.port: must be int"),
         (base(server={"port": 70000}), r"^server\.port: must be between"),
         (base(serverr={}), r"^serverr: unknown key"),

@@ -4,6 +4,8 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.policy import (
     POLICIES,
@@ -157,3 +159,58 @@ def test_pass_through_without_model_may_use_any_instance() -> None:
     request = DispatchRequest(model=None)
     view = ClusterView((inst("a", models=frozenset()),))
     assert dispatch(make_policy("llumnix"), request, view, random.Random(0)).name == "a"
+
+
+# -- prefix credit and cache_aware (issue 13) ---------------------------------------
+
+
+def credit_pick(*instances: InstanceView, seed: int = 0, **options: object) -> str:
+    request_fields = {
+        k: options.pop(k) for k in ("cached_tokens", "affinity", "prompt_tokens") if k in options
+    }
+    request = DispatchRequest(model=M, **request_fields)  # type: ignore[arg-type]
+    policy = make_policy(options.pop("policy", "llumnix"), **options)  # type: ignore[arg-type]
+    return dispatch(policy, request, ClusterView(tuple(instances)), random.Random(seed)).name
+
+
+def test_prefix_credit_counts_cached_blocks_as_free() -> None:
+    a = inst("a", freeness=20.0, batch=4, block_size=16)
+    b = inst("b", freeness=30.0, batch=4, block_size=16)
+    # 640 cached tokens = 40 blocks over 4 requests: +10, so a (30) ties... beats b at 41.
+    cached = {"a": 41 * 16 * 4 // 4}
+    assert credit_pick(a, b, cached_tokens=cached) == "b"  # credit off: plain llumnix
+    assert credit_pick(a, b, cached_tokens=cached, prefix_credit=True) == "a"
+    # A less free instance loses when the cached prefix is small.
+    assert credit_pick(a, b, cached_tokens={"a": 64}, prefix_credit=True) == "b"
+
+
+@given(
+    st.lists(st.floats(-100, 100), min_size=1, max_size=8),
+    st.integers(0, 2**31),
+)
+def test_no_cache_no_affinity_is_plain_llumnix(free: list[float], seed: int) -> None:
+    views = [inst(f"i{n}", freeness=f) for n, f in enumerate(free)]
+    plain = credit_pick(*views, seed=seed)
+    assert credit_pick(*views, seed=seed, prefix_credit=True) == plain
+
+
+def test_affinity_is_kept_within_the_margin() -> None:
+    a = inst("a", freeness=20.0)
+    b = inst("b", freeness=25.0)
+    assert credit_pick(a, b, affinity="a", prefix_credit=True, affinity_margin=8.0) == "a"
+    assert credit_pick(a, b, affinity="a", prefix_credit=True, affinity_margin=4.0) == "b"
+    # An affinity to an instance not among the candidates is ignored.
+    assert credit_pick(a, b, affinity="gone", prefix_credit=True) == "b"
+
+
+def test_cache_aware_follows_the_match_unless_imbalanced() -> None:
+    a = inst("a", inflight=10)
+    b = inst("b", inflight=2)
+    follow = {"cached_tokens": {"a": 50}, "prompt_tokens": 100}
+    assert credit_pick(a, b, policy="cache_aware", **follow) == "a"  # type: ignore[arg-type]
+    # Below cache_threshold: fewest in flight.
+    low = {"cached_tokens": {"a": 20}, "prompt_tokens": 100}
+    assert credit_pick(a, b, policy="cache_aware", **low) == "b"  # type: ignore[arg-type]
+    # Imbalanced (100 - 2 > 64 and 100 > 1.5 * 2): fewest in flight, match or not.
+    busy = inst("a", inflight=100)
+    assert credit_pick(busy, b, policy="cache_aware", **follow) == "b"  # type: ignore[arg-type]

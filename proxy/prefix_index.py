@@ -1,0 +1,260 @@
+"""Where each instance's prefix cache probably is: an approximate prefix index.
+
+vLLM caches a prompt's KV in blocks of `block_size` tokens, each block keyed by
+a hash chained over every block before it, so a block hit implies the whole
+prefix up to it. This module keeps, per instance, the chained hashes of what
+Ferry sent there, in an LRU bounded by the engine's cache size (kv_blocks_total
+from the scrape), and answers how long a new request's cached prefix is on each.
+
+Two keys, because Ferry has no token ids when it places a request:
+- **text chunks** (what dispatch reads): the prompt text, or the chat messages
+  rendered `role NUL content SOH`, cut into chunks of `block_size * 4` characters
+  (OpenAI's 4 characters a token) and hashed in a chain, like vllm-router's
+  `cache_aware` approximate tree over the request text. A chunk stands for one
+  KV block. Approximations: the chat template's tokens are not counted, and a
+  chunk boundary is not a block boundary, so the cached length in tokens is
+  matched chunks * block_size, capped at the request's estimate. Inserted when a
+  request is placed (before the engine has it), as vllm-router does.
+- **token blocks** (what a move reads): the prompt ids the engine reports
+  (`return_token_ids`) hashed over full blocks exactly as vLLM chains them, but
+  with Python's `hash`, not vLLM's sha256/cbor: it needs to match itself, not
+  the engine. Precise mode (vLLM's KV events) would fill the same index with the
+  engine's own hashes; it is not built yet.
+
+Eviction is LRU over chunks, a stand-in for vLLM's LRU over free blocks: a block
+in use by a running request is never evicted there, so the index may forget a
+prefix the engine still has (never the reverse for long).
+
+Pure data structure: no I/O, no clock. Hashes use Python's `hash`, salted per
+process for text (PYTHONHASHSEED), which is fine for an in-memory index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
+_SEED = 0x5EED
+
+
+def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:
+    """Chained hashes of the full `chunk_chars`-character chunks of `text`."""
+    hashes, prev = [], _SEED
+    for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
+        prev = hash((prev, text[start : start + chunk_chars]))
+        hashes.append(prev)
+    return hashes
+
+
+def token_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids`, as vLLM keys its blocks."""
+    hashes, prev = [], _SEED
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = hash((prev, tuple(token_ids[start : start + block_size])))
+        hashes.append(prev)
+    return hashes
+
+
+def prompt_text(body: Mapping[str, Any] | None) -> str:
+    """The text a request's prompt starts with: a completion's prompt, or the chat
+    messages rendered `role NUL content SOH`; "" when there is none to key on."""
+    if body is None:
+        return ""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(
+            f"{m.get('role', '')}\0{_content_text(m.get('content'))}\1"
+            for m in messages
+            if isinstance(m, dict)
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return ",".join(map(str, prompt))  # ids as text: the same chunking applies
+    return ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        return "".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+        )
+    return ""
+
+
+def session_of(body: Mapping[str, Any] | None, header: str | None) -> str | None:
+    """The session a request belongs to: `x-session-id`, else the body's `user`."""
+    if header:
+        return header
+    user = body.get("user") if body is not None else None
+    return user if isinstance(user, str) and user else None
+
+
+class BlockLRU:
+    """A set of chained block hashes, least recently used first out past `capacity`."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def insert(self, hashes: Iterable[int]) -> None:
+        blocks = self._blocks
+        for h in hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading hashes are held (chained: the prefix up to the first miss)."""
+        blocks, n = self._blocks, 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.insert(())
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKey:
+    """What dispatch knows of a request's prefix: its text chunk hashes (for a
+    chunk of `chunk_chars`), its estimated prompt tokens, and its session."""
+
+    chunks: tuple[int, ...]
+    prompt_tokens: int
+    session: str | None = None
+
+
+@dataclass(slots=True)
+class InstancePrefixes:
+    text: BlockLRU
+    tokens: BlockLRU
+    mode: str = "approximate"  # approximate | precise (KV events; not built) | off
+
+
+@dataclass(slots=True)
+class PrefixIndex:
+    """Every instance's prefix index, plus the last instance of each session.
+
+    `block_size` sets the chunk: `block_size * CHARS_PER_TOKEN` characters (every
+    instance is keyed with one chunk size so one request hashes once).
+    """
+
+    block_size: int = 16
+    enabled: bool = True  # off: nothing is recorded and every lookup is empty
+    max_sessions: int = 65536
+    instances: dict[str, InstancePrefixes] = field(default_factory=dict)
+    sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
+
+    @property
+    def chunk_chars(self) -> int:
+        return self.block_size * CHARS_PER_TOKEN
+
+    def key(
+        self, body: Mapping[str, Any] | None, prompt_tokens: int, session: str | None = None
+    ) -> PrefixKey:
+        chunks = text_chunk_hashes(prompt_text(body), self.chunk_chars)
+        return PrefixKey(tuple(chunks), prompt_tokens, session)
+
+    def cached_tokens(self, key: PrefixKey, names: Iterable[str]) -> dict[str, int]:
+        """Estimated cached prompt tokens of `key` on each named instance that has
+        any (absent: 0), at most the request's estimate."""
+        out: dict[str, int] = {}
+        if not key.chunks or not self.enabled:
+            return out
+        for name in names:
+            entry = self.instances.get(name)
+            if entry is None or entry.mode == "off":
+                continue
+            n = entry.text.match(key.chunks)
+            if n:
+                out[name] = min(key.prompt_tokens, n * self.block_size)
+        return out
+
+    def affinity(self, key: PrefixKey) -> str | None:
+        """The instance that last served the key's session."""
+        return self.sessions.get(key.session) if key.session else None
+
+    def record(self, name: str, key: PrefixKey, capacity_blocks: int) -> None:
+        """`key` was placed on `name`: its chunks are (about to be) cached there."""
+        if not self.enabled:
+            return
+        entry = self._entry(name, capacity_blocks)
+        if entry.mode != "off":
+            entry.text.insert(key.chunks)
+        if key.session:
+            self.sessions[key.session] = name
+            self.sessions.move_to_end(key.session)
+            if len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+
+    def record_tokens(
+        self, name: str, token_ids: Sequence[int], block_size: int, capacity_blocks: int
+    ) -> None:
+        """The engine reported these prompt (+ generated) ids for a request on `name`."""
+        if not self.enabled:
+            return
+        entry = self._entry(name, capacity_blocks)
+        if entry.mode != "off":
+            entry.tokens.insert(token_block_hashes(token_ids, block_size))
+
+    def cached_token_blocks(
+        self, token_ids: Sequence[int], block_size: int, names: Iterable[str]
+    ) -> dict[str, int]:
+        """Cached tokens of an exact id sequence on each named instance (for moves)."""
+        hashes = token_block_hashes(token_ids, block_size)
+        out: dict[str, int] = {}
+        if not self.enabled:
+            return out
+        for name in names:
+            entry = self.instances.get(name)
+            if entry is not None and entry.mode != "off" and hashes:
+                n = entry.tokens.match(hashes)
+                if n:
+                    out[name] = n * block_size
+        return out
+
+    def mode(self, name: str) -> str:
+        if not self.enabled:
+            return "off"
+        entry = self.instances.get(name)
+        return entry.mode if entry is not None else "approximate"
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """For /admin/instances: the mode, and the blocks held (text chunks, token blocks)."""
+        entry = self.instances.get(name)
+        return {
+            "mode": self.mode(name),
+            "text_blocks": len(entry.text) if entry else 0,
+            "token_blocks": len(entry.tokens) if entry else 0,
+            "capacity_blocks": entry.text.capacity if entry else None,
+        }
+
+    def forget(self, name: str) -> None:
+        self.instances.pop(name, None)
+
+    def _entry(self, name: str, capacity_blocks: int) -> InstancePrefixes:
+        capacity = capacity_blocks if capacity_blocks > 0 else DEFAULT_CAPACITY_BLOCKS
+        entry = self.instances.get(name)
+        if entry is None:
+            entry = self.instances[name] = InstancePrefixes(BlockLRU(capacity), BlockLRU(capacity))
+        elif entry.text.capacity != capacity:  # the engine's cache size changed
+            entry.text.resize(capacity)
+            entry.tokens.resize(capacity)
+        return entry

@@ -1,0 +1,69 @@
+"""Prefix locality against stand-in servers (loadtest/standin_server.py, not vLLM):
+requests that share a long prefix follow the instance that served it, while
+distinct prefixes still spread over the instances; without the credit they don't."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+from tests.integration.test_proxy import get, post
+
+TOKEN = "prefix-test-token"
+
+
+def _run(proxy_url: str, groups: int, turns: int) -> dict[int, list[str]]:
+    """Group g's turns (sent one after another), and where each went."""
+    served: dict[int, list[str]] = defaultdict(list)
+    for turn in range(turns):
+        for g in range(groups):
+            system = f"System prompt {g}: " + f"rule {g} says be brief. " * 60  # ~1.4k chars
+            body = {
+                "model": "standin",
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"question {turn}"},
+                ],
+                "max_tokens": 2,
+            }
+            status, _, headers = post(proxy_url + "/v1/chat/completions", json.dumps(body).encode())
+            assert status == 200
+            served[g].append(headers["x-ferry-instance"])
+    return served
+
+
+def test_shared_prefixes_follow_their_instance_with_credit(standins: Any, ferry: Any) -> None:
+    sites = [site for _, site in standins(3, itl_s=0.001)]
+    proxy = ferry(
+        [s.url for s in sites],
+        scheduler={"prefix_credit": True},
+        admin_token=TOKEN,
+    )
+    served = _run(proxy.url, groups=6, turns=5)
+    for where in served.values():
+        assert len(set(where)) == 1, where  # every turn of a group on one instance
+    # ... and the groups spread: the first turn of each is placed by freeness alone.
+    assert len({where[0] for where in served.values()}) >= 2
+    status, rows, _ = get(proxy.url + "/admin/instances", {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200
+    modes = {row["name"]: row["prefix_index"]["mode"] for row in rows}
+    assert set(modes.values()) == {"approximate"}
+    assert sum(row["prefix_index"]["text_blocks"] for row in rows) > 0
+
+
+def test_without_credit_shared_prefixes_scatter(standins: Any, ferry: Any) -> None:
+    sites = [site for _, site in standins(3, itl_s=0.001)]
+    proxy = ferry([s.url for s in sites], admin_token=TOKEN)
+    served = _run(proxy.url, groups=6, turns=5)
+    assert any(len(set(where)) > 1 for where in served.values())
+    status, rows, _ = get(proxy.url + "/admin/instances", {"Authorization": f"Bearer {TOKEN}"})
+    assert {row["prefix_index"]["mode"] for row in rows} == {"off"}
+
+
+def test_cache_aware_follows_prefixes(standins: Any, ferry: Any) -> None:
+    sites = [site for _, site in standins(3, itl_s=0.001)]
+    proxy = ferry([s.url for s in sites], scheduler={"policy": "cache_aware"})
+    served = _run(proxy.url, groups=6, turns=4)
+    for where in served.values():
+        assert len(set(where)) == 1, where

@@ -1,0 +1,114 @@
+"""The approximate prefix index (proxy/prefix_index.py)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.prefix_index import (
+    BlockLRU,
+    PrefixIndex,
+    prompt_text,
+    session_of,
+    text_chunk_hashes,
+    token_block_hashes,
+)
+
+
+@given(st.lists(st.integers(0, 50), max_size=80), st.integers(1, 8))
+def test_token_hashes_chain_over_full_blocks(ids: list[int], block_size: int) -> None:
+    hashes = token_block_hashes(ids, block_size)
+    assert len(hashes) == len(ids) // block_size
+    # A prefix's hashes are the sequence's leading hashes (the chain).
+    cut = len(ids) // 2
+    assert token_block_hashes(ids[:cut], block_size) == hashes[: cut // block_size]
+
+
+def test_chaining_tells_equal_blocks_after_different_prefixes_apart() -> None:
+    a = token_block_hashes([1, 2, 9, 9], 2)
+    b = token_block_hashes([3, 4, 9, 9], 2)
+    assert a[1] != b[1]
+
+
+@given(st.text(max_size=300), st.text(max_size=300), st.integers(1, 32))
+def test_text_match_is_the_common_full_chunk_prefix(a: str, b: str, chunk: int) -> None:
+    lru = BlockLRU(10_000)
+    lru.insert(text_chunk_hashes(a, chunk))
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    assert lru.match(text_chunk_hashes(b, chunk)) == min(common, len(b)) // chunk
+
+
+@given(st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=20), max_size=30))
+def test_lru_never_holds_more_than_its_capacity(batches: list[list[int]]) -> None:
+    lru = BlockLRU(16)
+    for batch in batches:
+        lru.insert(batch)
+        assert len(lru) <= 16
+        # What was just inserted survives when it fits.
+        if len(set(batch)) <= 16:
+            assert all(lru.match([h]) == 1 for h in batch[-16:])
+
+
+def test_least_recently_used_goes_first() -> None:
+    lru = BlockLRU(2)
+    lru.insert([1, 2])
+    lru.insert([1])  # touched: 2 is now the oldest
+    lru.insert([3])
+    assert (lru.match([1]), lru.match([2]), lru.match([3])) == (1, 0, 1)
+
+
+def test_cached_tokens_per_instance_and_affinity() -> None:
+    index = PrefixIndex(block_size=4)  # 16-character chunks
+    system = "You are a helpful assistant. " * 10  # 290 characters: 18 chunks
+    first = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    key = index.key(first, prompt_tokens=80, session="s1")
+    index.record("a", key, capacity_blocks=1000)
+    second = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "yo"}]
+    }
+    cached = index.cached_tokens(index.key(second, 80), ["a", "b"])
+    assert set(cached) == {"a"} and 60 <= cached["a"] <= 80
+    assert index.affinity(index.key(second, 80, "s1")) == "a"
+    assert index.affinity(index.key(second, 80, "s2")) is None
+    # Capped at the request's estimate.
+    assert index.cached_tokens(index.key(first, 10), ["a"]) == {"a": 10}
+
+
+def test_capacity_comes_from_the_engine_cache() -> None:
+    index = PrefixIndex(block_size=1)  # 4-character chunks
+    key = index.key({"prompt": "x" * 400}, 100)
+    index.record("a", key, capacity_blocks=10)
+    assert index.describe("a")["text_blocks"] == 10
+    assert index.describe("a")["mode"] == "approximate"
+    # The last (most recent) chunks survive, so the prefix itself is gone: no match.
+    assert index.cached_tokens(key, ["a"]) == {}
+
+
+def test_off_records_nothing() -> None:
+    index = PrefixIndex(enabled=False)
+    key = index.key({"prompt": "x" * 400}, 100, "s")
+    index.record("a", key, 100)
+    index.record_tokens("a", list(range(64)), 16, 100)
+    assert index.cached_tokens(key, ["a"]) == {}
+    assert index.describe("a")["mode"] == "off"
+
+
+def test_token_blocks_for_moves() -> None:
+    index = PrefixIndex()
+    index.record_tokens("a", list(range(40)), 16, 100)
+    assert index.cached_token_blocks(list(range(50)), 16, ["a", "b"]) == {"a": 32}
+    index.forget("a")
+    assert index.cached_token_blocks(list(range(50)), 16, ["a"]) == {}
+
+
+def test_prompt_text_and_session() -> None:
+    assert prompt_text({"prompt": "abc"}) == "abc"
+    assert prompt_text({"prompt": [1, 2]}) == "1,2"
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert prompt_text(chat) == "user\0hi\1"
+    assert prompt_text(None) == ""
+    assert session_of({"user": "u"}, None) == "u"
+    assert session_of({"user": "u"}, "h") == "h"
+    assert session_of({}, None) is None
