@@ -82,7 +82,7 @@ def time_policy(policy_name: str, n: int, rounds: int) -> tuple[float, float]:
         view = cluster.view()
         req = request
         if key is not None:  # what Placement.choose adds with the index on
-            cached = prefixes.cached_tokens(key, (v.name for v in view.instances))
+            cached = prefixes.cached_tokens(key)
             req = DispatchRequest("llama", 300, cached_tokens=cached, affinity=request.affinity)
         chosen = dispatch(policy, req, view, rng)
         cluster.note_dispatch()
@@ -101,7 +101,7 @@ def _with_prefix(cluster: Cluster, request: DispatchRequest) -> tuple[PrefixKey,
     names = list(cluster.instances)
     for name in names[::10]:
         prefixes.record(name, prefixes.key({"prompt": shared}, 400), 2000)
-    cached = prefixes.cached_tokens(key, names)
+    cached = prefixes.cached_tokens(key)
     return key, DispatchRequest("llama", 500, cached_tokens=cached, affinity=names[0])
 
 

@@ -40,7 +40,7 @@ class Placement:
         view = self.cluster.view()
         prefixes = self.cluster.prefixes
         if key is not None and prefixes.enabled:
-            cached = prefixes.cached_tokens(key, (v.name for v in view.instances))
+            cached = prefixes.cached_tokens(key)
             affinity = prefixes.affinity(key)
             if cached or affinity:
                 request = dataclasses.replace(request, cached_tokens=cached, affinity=affinity)

@@ -32,7 +32,7 @@ process for text (PYTHONHASHSEED), which is fine for an in-memory index.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,15 +107,21 @@ class BlockLRU:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def insert(self, hashes: Iterable[int]) -> None:
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._blocks)
+
+    def insert(self, hashes: Iterable[int]) -> list[int]:
+        """Hold `hashes` (most recent last); returns the hashes evicted for room."""
         blocks = self._blocks
         for h in hashes:
             if h in blocks:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
+        evicted = []
         while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+            evicted.append(blocks.popitem(last=False)[0])
+        return evicted
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading hashes are held (chained: the prefix up to the first miss)."""
@@ -126,9 +132,9 @@ class BlockLRU:
             n += 1
         return n
 
-    def resize(self, capacity: int) -> None:
+    def resize(self, capacity: int) -> list[int]:
         self.capacity = max(1, capacity)
-        self.insert(())
+        return self.insert(())
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +167,9 @@ class PrefixIndex:
     max_sessions: int = 65536
     instances: dict[str, InstancePrefixes] = field(default_factory=dict)
     sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    # chunk hash -> instances holding it: a lookup walks the request's chunks
+    # over their holders, so it costs O(chunks x holders), not O(instances).
+    holders: dict[int, set[str]] = field(default_factory=dict)
 
     @property
     def chunk_chars(self) -> int:
@@ -172,20 +181,34 @@ class PrefixIndex:
         chunks = text_chunk_hashes(prompt_text(body), self.chunk_chars)
         return PrefixKey(tuple(chunks), prompt_tokens, session)
 
-    def cached_tokens(self, key: PrefixKey, names: Iterable[str]) -> dict[str, int]:
-        """Estimated cached prompt tokens of `key` on each named instance that has
-        any (absent: 0), at most the request's estimate."""
-        out: dict[str, int] = {}
-        if not key.chunks or not self.enabled:
-            return out
-        for name in names:
-            entry = self.instances.get(name)
-            if entry is None or entry.mode == "off":
-                continue
-            n = entry.text.match(key.chunks)
-            if n:
-                out[name] = min(key.prompt_tokens, n * self.block_size)
-        return out
+    def cached_tokens(self, key: PrefixKey) -> dict[str, int]:
+        """Estimated cached prompt tokens of `key` on each instance that has any
+        (absent: 0), at most the request's estimate."""
+        chunks = key.chunks
+        if not chunks or not self.enabled:
+            return {}
+        holders = self.holders
+        first = holders.get(chunks[0])
+        if not first:
+            return {}
+        matched: dict[str, int] = {}
+        alive = set(first)
+        n = 1
+        for h in chunks[1:]:
+            held = holders.get(h)
+            if held is None:
+                break
+            if not alive <= held:
+                for name in alive - held:
+                    matched[name] = n
+                alive &= held
+                if not alive:
+                    break
+            n += 1
+        for name in alive:
+            matched[name] = n
+        cap, size = key.prompt_tokens, self.block_size
+        return {name: min(cap, m * size) for name, m in matched.items()}
 
     def affinity(self, key: PrefixKey) -> str | None:
         """The instance that last served the key's session."""
@@ -196,8 +219,14 @@ class PrefixIndex:
         if not self.enabled:
             return
         entry = self._entry(name, capacity_blocks)
-        if entry.mode != "off":
-            entry.text.insert(key.chunks)
+        holders = self.holders
+        for h in key.chunks:
+            held = holders.get(h)
+            if held is None:
+                holders[h] = {name}
+            else:
+                held.add(name)
+        self._drop(name, entry.text.insert(key.chunks))
         if key.session:
             self.sessions[key.session] = name
             self.sessions.move_to_end(key.session)
@@ -247,7 +276,18 @@ class PrefixIndex:
         }
 
     def forget(self, name: str) -> None:
-        self.instances.pop(name, None)
+        entry = self.instances.pop(name, None)
+        if entry is not None:
+            self._drop(name, list(entry.text))
+
+    def _drop(self, name: str, hashes: Iterable[int]) -> None:
+        holders = self.holders
+        for h in hashes:
+            held = holders.get(h)
+            if held is not None:
+                held.discard(name)
+                if not held:
+                    del holders[h]
 
     def _entry(self, name: str, capacity_blocks: int) -> InstancePrefixes:
         capacity = capacity_blocks if capacity_blocks > 0 else DEFAULT_CAPACITY_BLOCKS
@@ -255,6 +295,6 @@ class PrefixIndex:
         if entry is None:
             entry = self.instances[name] = InstancePrefixes(BlockLRU(capacity), BlockLRU(capacity))
         elif entry.text.capacity != capacity:  # the engine's cache size changed
-            entry.text.resize(capacity)
+            self._drop(name, entry.text.resize(capacity))
             entry.tokens.resize(capacity)
         return entry

@@ -114,11 +114,12 @@ class Llumnix:
         self, request: DispatchRequest, candidates: Sequence[InstanceView], scores: list[float]
     ) -> InstanceView | None:
         """The session's instance, if it is within `affinity_margin` of the best."""
-        if request.affinity is None:
+        name = request.affinity
+        if name is None:
             return None
-        for v, s in zip(candidates, scores, strict=True):
-            if v.name == request.affinity:
-                return v if s >= max(scores) - self.affinity_margin else None
+        for i, v in enumerate(candidates):
+            if v.name == name:
+                return v if scores[i] >= max(scores) - self.affinity_margin else None
         return None
 
 

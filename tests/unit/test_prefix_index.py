@@ -68,12 +68,12 @@ def test_cached_tokens_per_instance_and_affinity() -> None:
     second = {
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": "yo"}]
     }
-    cached = index.cached_tokens(index.key(second, 80), ["a", "b"])
+    cached = index.cached_tokens(index.key(second, 80))
     assert set(cached) == {"a"} and 60 <= cached["a"] <= 80
     assert index.affinity(index.key(second, 80, "s1")) == "a"
     assert index.affinity(index.key(second, 80, "s2")) is None
     # Capped at the request's estimate.
-    assert index.cached_tokens(index.key(first, 10), ["a"]) == {"a": 10}
+    assert index.cached_tokens(index.key(first, 10)) == {"a": 10}
 
 
 def test_capacity_comes_from_the_engine_cache() -> None:
@@ -83,7 +83,7 @@ def test_capacity_comes_from_the_engine_cache() -> None:
     assert index.describe("a")["text_blocks"] == 10
     assert index.describe("a")["mode"] == "approximate"
     # The last (most recent) chunks survive, so the prefix itself is gone: no match.
-    assert index.cached_tokens(key, ["a"]) == {}
+    assert index.cached_tokens(key) == {}
 
 
 def test_off_records_nothing() -> None:
@@ -91,7 +91,7 @@ def test_off_records_nothing() -> None:
     key = index.key({"prompt": "x" * 400}, 100, "s")
     index.record("a", key, 100)
     index.record_tokens("a", list(range(64)), 16, 100)
-    assert index.cached_tokens(key, ["a"]) == {}
+    assert index.cached_tokens(key) == {}
     assert index.describe("a")["mode"] == "off"
 
 
@@ -112,3 +112,27 @@ def test_prompt_text_and_session() -> None:
     assert session_of({"user": "u"}, None) == "u"
     assert session_of({"user": "u"}, "h") == "h"
     assert session_of({}, None) is None
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abc"), st.text("xy", min_size=0, max_size=40)),
+        max_size=25,
+    ),
+    st.text("xy", max_size=40),
+    st.integers(1, 12),
+)
+def test_lookup_agrees_with_each_instance_lru(
+    placed: list[tuple[str, str]], probe: str, capacity: int
+) -> None:
+    # The holders map (one walk over the request's chunks) answers as matching each
+    # instance's own LRU would, through evictions.
+    index = PrefixIndex(block_size=1)  # 4-character chunks
+    for name, text in placed:
+        index.record(name, index.key({"prompt": text}, 1000), capacity)
+    key = index.key({"prompt": probe}, 1000)
+    expected = {name: entry.text.match(key.chunks) for name, entry in index.instances.items()}
+    assert index.cached_tokens(key) == {n: m for n, m in expected.items() if m}
+    for name in list(index.instances):
+        index.forget(name)
+    assert index.holders == {}
