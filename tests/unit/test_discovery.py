@@ -3,9 +3,12 @@ and its configuration (the resolver itself: tests/integration/test_discovery.py)
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from proxy.config import ConfigError, parse_config
+import pytest
+import yaml
+
+from proxy.config import DISCOVERY_KEYS, ConfigError, parse_config
 from proxy.discovery import Change, diff
 
 
@@ -67,3 +70,19 @@ def test_instances_may_be_empty_only_with_discovery() -> None:
         parse_config({"instances": []}, env={})
     with pytest.raises(ConfigError, match=r"discovery\[1\].name: 'x' port 1 is already"):
         parse_config({"discovery": [{"dns": "x", "port": 1}, {"dns": "x.y", "port": 1}]}, env={})
+
+
+def test_the_documented_example_parses() -> None:
+    """configs/example.yaml shows `discovery:` commented out; uncommented, it loads."""
+    text = (Path(__file__).resolve().parents[2] / "configs" / "example.yaml").read_text()
+    lines = text.splitlines()
+    start = lines.index("# discovery:")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("#"):
+            break
+        block.append(line[2:])
+    raw = yaml.safe_load("\n".join(block))
+    (source,) = parse_config(raw, env={}).discovery
+    assert source.instance("10.0.0.3").name == "vllm@10.0.0.3:8000"
+    assert set(raw["discovery"][0]) == set(DISCOVERY_KEYS) | {"engine", "migration"}
