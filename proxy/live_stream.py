@@ -257,8 +257,14 @@ class LiveStream:
         preferred = order.destination
         for _ in range(2):
             tokens = splicer.continuation_tokens() or self.call.entry.prompt_tokens
+            ids = (splicer.prompt_ids or []) + splicer.generated
             dest = self.placement.destination(
-                self.request.model, tokens, self.request.priority, tried, preferred
+                self.request.model,
+                tokens,
+                self.request.priority,
+                tried,
+                preferred,
+                self.placement.cached_for(ids, source) if splicer.prompt_ids else None,
             )
             if dest is None:
                 self.metrics.migrations.labels(order.reason, "no_destination").inc()

@@ -78,10 +78,18 @@ class Migrator:
                 s.splicer.continuation_tokens() or s.call.entry.prompt_tokens,
                 s.request.priority,
                 running=bool(s.splicer.generated),
+                cached=self._cached(s),
             )
             for s in self.streams_on(instance)
             if s.movable
         ]
+
+    def _cached(self, stream: LiveStream) -> dict[str, int]:
+        """Where the prefix index places the stream's tokens (for the move's cost)."""
+        ids = stream.splicer.prompt_ids
+        if not ids:
+            return {}
+        return self.placement.cached_for(ids + stream.splicer.generated, stream.instance)
 
     # -- starting moves -----------------------------------------------------------
     @property

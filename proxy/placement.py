@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxy.cluster import Cluster
@@ -82,14 +82,26 @@ class Placement:
         priority: Priority,
         exclude: set[str],
         preferred: str | None = None,
+        cached: Mapping[str, int] | None = None,
     ) -> str | None:
         """Where a stream of `tokens` (prompt + generated) should go on: `preferred`
-        if it can take it, else the policy's pick among migration instances."""
+        if it can take it, else the policy's pick among migration instances;
+        `cached` (from `cached_for`) credits the instances holding its prefix."""
         usable = self.migration_instances()
         if preferred and preferred in usable and preferred not in exclude:
             return preferred
         skip = frozenset(exclude | (set(self.cluster.instances) - usable))
+        request = DispatchRequest(model, tokens, priority, skip, cached_tokens=cached or {})
         try:
-            return self.choose(DispatchRequest(model, tokens, priority, skip)).name
+            return self.choose(request).name
         except NoCandidate:
             return None
+
+    def cached_for(self, ids: Sequence[int], instance: str) -> dict[str, int]:
+        """Tokens of the id sequence `ids` (a stream's prompt + generated) that the
+        prefix index places on each instance, in `instance`'s block size."""
+        prefixes = self.cluster.prefixes
+        if not prefixes.enabled or not ids or instance not in self.cluster.instances:
+            return {}
+        size = self.cluster.block_size(instance)
+        return prefixes.cached_token_blocks(ids, size, self.cluster.instances)

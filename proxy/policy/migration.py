@@ -44,15 +44,31 @@ has none queued there (traffic that bypassed Ferry, its own preemptions, a stale
 scrape) has a queue of unknown size: no recompute goes there. Queued requests
 (no KV yet) and full-mode moves (`count_recompute=False`: the KV moves along)
 skip these tests.
+
+Prefix credit (issue 13): a request whose tokens are partly cached on a
+destination (`RequestLoad.cached`, from the prefix index) recomputes only the
+uncached tail there, so T above is P + G - cached; running requests are tried
+cheapest tail first; and each source is paired with the free destination that
+ranks best by freeness plus the largest prefix credit among the source's
+candidates (virtual_usage.prefix_credit), so moves keep locality.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from proxy.policy.view import ClusterView, InstanceView, Priority
-from proxy.policy.virtual_usage import instance_freeness, request_blocks
+from proxy.policy.virtual_usage import (
+    instance_freeness,
+    prefix_credit,
+    request_blocks,
+    uncached_tokens,
+)
+
+_NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +80,12 @@ class RequestLoad:
     priority: Priority
     running: bool  # False: still queued in the engine, holding no KV
     migratable: bool = True
+    # Its tokens probably cached on other instances (name -> tokens; absent: 0).
+    cached: Mapping[str, int] = field(default_factory=lambda: _NOTHING_CACHED)
+
+    def tail(self, instance: str) -> int:
+        """Tokens a lite move to `instance` recomputes: those not cached there."""
+        return uncached_tokens(self.tokens, self.cached.get(instance, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,16 +145,39 @@ def plan_migrations(
     )
     src_views = {v.name: v for v in view.instances if v.name in requests}
     plan: list[Migration] = []
-    for src_name, dest in zip(sources(view, settings), dests, strict=False):
-        if len(plan) >= settings.max_per_round:
+    for src_name in sources(view, settings):
+        if len(plan) >= settings.max_per_round or not dests:
             break
         src = src_views.get(src_name)
-        if src is None or src.name == dest.name:
+        if src is None:
             continue
+        dest = _pair(src_name, dests, requests[src_name])
+        if dest is None:
+            continue
+        dests.remove(dest)  # one move per destination per round, as pairs
         move = _pick(src, dest, requests[src_name], block_size.get(src_name, 16), settings)
         if move is not None:
             plan.append(move)
     return plan
+
+
+def _pair(
+    src_name: str, dests: Sequence[InstanceView], candidates: Sequence[RequestLoad]
+) -> InstanceView | None:
+    """The destination for a source: the freest, counting the best prefix credit
+    any of the source's candidates has there (without any: the freest)."""
+    best: InstanceView | None = None
+    best_score = -math.inf
+    for dest in dests:
+        if dest.name == src_name:
+            continue
+        credit = max(
+            (prefix_credit(r.cached.get(dest.name, 0), dest) for r in candidates), default=0
+        )
+        score = dest.freeness + credit
+        if score > best_score:
+            best, best_score = dest, score
+    return best
 
 
 def _pick(
@@ -145,7 +190,7 @@ def _pick(
     queued = sorted((r for r in candidates if not r.running and r.migratable), key=lambda r: r.id)
     running = sorted(
         (r for r in candidates if r.running and r.migratable),
-        key=lambda r: (r.priority, r.tokens),
+        key=lambda r: (r.priority, r.tail(dest.name)),
     )
     if settings.count_recompute and not preemption_due(src, running, block_size):
         running = []  # only queued work makes it over capacity: nothing running is at risk
@@ -163,7 +208,7 @@ def _pick(
         if dest_after < src_after:
             continue
         if r.running and settings.count_recompute:
-            if recompute_refusal(r.tokens, dest, settings) is not None:
+            if recompute_refusal(r.tail(dest.name), dest, settings) is not None:
                 continue
         what = "queued" if not r.running else f"running, {r.priority.name.lower()} priority"
         reason = (
@@ -171,8 +216,11 @@ def _pick(
             f"{dest.name} freeness {dest.freeness:.1f}; {what} request of {r.tokens} tokens"
         )
         if r.running and settings.count_recompute:
-            cost = r.tokens / settings.prefill_tokens_per_s
+            tail = r.tail(dest.name)
+            cost = tail / settings.prefill_tokens_per_s
             reason += f"; recompute {cost:.3f}s x {dest.batch + 1} streams"
+            if tail < r.tokens:
+                reason += f" ({r.tokens - tail} tokens cached there)"
         return Migration(r.id, src.name, dest.name, reason)
     return None
 

@@ -67,3 +67,32 @@ def test_cache_aware_follows_prefixes(standins: Any, ferry: Any) -> None:
     served = _run(proxy.url, groups=6, turns=4)
     for where in served.values():
         assert len(set(where)) == 1, where
+
+
+def test_failover_with_the_prefix_index_on(standins: Any, ferry: Any) -> None:
+    # The move asks the index where the stream's ids are cached (the stand-in's
+    # prompt ids hold no full block, so none): it still lands and finishes.
+    (broken, a), (healthy, b) = standins(2, itl_s=0.001)
+    broken.break_after = 10
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        scheduler={"prefix_credit": True},
+    )
+    status, body, _ = post(
+        proxy.url + "/v1/completions",
+        json.dumps({"model": "standin", "prompt": "x" * 500, "max_tokens": 40}).encode(),
+    )
+    assert status == 200
+    for n in range(4):  # some land on the breaking instance and fail over
+        data = json.dumps(
+            {"model": "standin", "prompt": f"{n}" * 500, "max_tokens": 40, "stream": True}
+        ).encode()
+        status, body, _ = post(proxy.url + "/v1/completions", data)
+        assert status == 200
+        events = [e for e in body["raw"].split("\n\n") if e.startswith("data: {")]
+        text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events)
+        assert text == " tok" * 40
+    assert broken.served > 0 and healthy.served > 0
+    status, raw, _ = get(proxy.url + "/metrics")
+    assert 'outcome="ok",reason="failover"' in raw["raw"]

@@ -161,3 +161,37 @@ def test_running_requests_stay_when_only_queued_work_overloads_the_source() -> N
     assert plan(ClusterView((full, cold)), {"hot": reqs[:2]})[0].request_id == 1
     # Full mode moves carry their KV: they are not held to the recompute test.
     assert len(plan(ClusterView((waiting, cold)), {"hot": reqs[:2]}, count_recompute=False)) == 1
+
+
+# -- prefix credit (issue 13) -----------------------------------------------------------
+
+
+def test_a_move_costs_only_the_tail_the_destination_lacks() -> None:
+    hot = inst("hot", 1000, 1100, 4)
+    idle = inst("cold", 1000, 0, 0)
+    long = RequestLoad(1, 1200, Priority.NORMAL, running=True)
+    assert plan(ClusterView((hot, idle)), {"hot": [long]}, **COST) == []  # 1.2 s recompute
+    cached = RequestLoad(1, 1200, Priority.NORMAL, running=True, cached={"cold": 1000})
+    [move] = plan(ClusterView((hot, idle)), {"hot": [cached]}, **COST)
+    assert "recompute 0.200s" in move.reason and "1000 tokens cached there" in move.reason
+
+
+def test_the_source_pairs_with_the_destination_holding_its_prefix() -> None:
+    hot = inst("hot", 1000, 1100, 4)
+    freest = inst("a", 1000, 100, 2)  # F = 450
+    holder = inst("b", 1000, 150, 2)  # F = 425, but holds 100 cached blocks: +50
+    reqs = [RequestLoad(1, 16 * 120, Priority.NORMAL, running=False, cached={"b": 16 * 100})]
+    [move] = plan(ClusterView((hot, freest, holder)), {"hot": reqs})
+    assert move.destination == "b"
+    # Without the prefix there, the freest wins.
+    plain = [RequestLoad(1, 16 * 120, Priority.NORMAL, running=False)]
+    assert plan(ClusterView((hot, freest, holder)), {"hot": plain})[0].destination == "a"
+
+
+def test_running_requests_with_a_cached_tail_go_first() -> None:
+    view = ClusterView((inst("hot", 100, 130, 4), inst("cold", 100, 10, 1)))
+    reqs = [
+        RequestLoad(1, 40, Priority.LOW, running=True),
+        RequestLoad(2, 300, Priority.LOW, running=True, cached={"cold": 288}),  # 12 to go
+    ]
+    assert plan(view, {"hot": reqs})[0].request_id == 2
