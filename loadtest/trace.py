@@ -17,13 +17,25 @@ process (Poisson, Gamma, burst) is drawn at the mean rate and its clock is then
 stretched where the rate is low and squeezed where it is high (the time change
 of an inhomogeneous process), so gaps keep their CV within each stretch.
 
+Shared structure (`prefix_groups` > 0 or `turns` > 1): requests come in
+multi-turn sessions, `sessions_at_once` sessions interleaved turn by turn (so a
+session's next turn arrives about sessions_at_once / rate seconds after the
+last). Each session draws one of `prefix_groups` system prompts of `prefix_len`
+tokens; turn j's prompt is that system prompt, the whole conversation so far
+(every earlier turn's user message and answer) and a new user message of about
+`input_mean` tokens. `prefix_group`, `prefix_tokens` and `session` say so, and
+the simulator keys its prefix cache on them.
+
     ferry trace --out t.jsonl --requests 10000 --rate 20 --arrival gamma --cv 3 --seed 1
     ferry trace --out day.jsonl --requests 12000 --rate 20 --day-s 600 --seed 1
+    ferry trace --out chat.jsonl --requests 4000 --rate 20 --prefix-groups 8 \
+        --prefix-len 1024 --turns 4 --seed 1
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -41,6 +53,9 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     priority: str = "normal"  # high | normal | low
+    prefix_group: int = -1  # its system prompt (-1: none shared)
+    prefix_tokens: int = 0  # that system prompt's length, the head of prompt_tokens
+    session: int = -1  # its conversation (-1: none); earlier turns head its prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +73,10 @@ class TraceSpec:
     high_priority: float = 0.0  # fraction of high-priority requests
     day_s: float = 0.0  # length of one compressed day, seconds; 0: constant rate
     day_amplitude: float = 0.6  # day_s > 0: the rate swings +-60% around `rate`
+    prefix_groups: int = 0  # shared system prompts (0: none)
+    prefix_len: int = 0  # tokens of each
+    turns: int = 1  # turns per session
+    sessions_at_once: int = 32  # sessions interleaved turn by turn
 
 
 def generate(spec: TraceSpec) -> list[TraceRequest]:
@@ -67,6 +86,10 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
         raise ValueError("rate and cv must be positive, requests not negative")
     if spec.day_s < 0 or not 0 <= spec.day_amplitude < 1:
         raise ValueError("day_s must not be negative, day_amplitude must be in [0, 1)")
+    if spec.prefix_groups < 0 or spec.prefix_len < 0 or spec.turns < 1:
+        raise ValueError("prefix_groups and prefix_len must not be negative, turns at least 1")
+    if spec.sessions_at_once < 1:
+        raise ValueError("sessions_at_once must be at least 1")
     rng = random.Random(spec.seed)
     out: list[TraceRequest] = []
     t = 0.0
@@ -81,6 +104,41 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
                 priority="high" if rng.random() < spec.high_priority else "normal",
             )
         )
+    if spec.prefix_groups > 0 or spec.turns > 1:
+        out = _sessions(spec, out, random.Random(spec.seed + 1))
+    return out
+
+
+def _sessions(
+    spec: TraceSpec, requests: list[TraceRequest], rng: random.Random
+) -> list[TraceRequest]:
+    """Recast `requests` (their arrivals, lengths and priorities kept as drawn, a
+    prompt's length standing for its new user message) as turns of sessions."""
+    out: list[TraceRequest] = []
+    history: dict[int, int] = {}
+    group: dict[int, int] = {}
+    at_once = spec.sessions_at_once
+    prefix = spec.prefix_len if spec.prefix_groups > 0 else 0
+    order: list[int] = []  # the sessions of one round of turns, shuffled
+    for i, r in enumerate(requests):
+        wave, k = divmod(i, at_once * spec.turns)
+        if k % at_once == 0:  # a new round: every session of the wave, in a new order
+            order = list(range(wave * at_once, (wave + 1) * at_once))
+            rng.shuffle(order)
+        session = order[k % at_once]
+        if session not in group:
+            group[session] = rng.randrange(spec.prefix_groups) if spec.prefix_groups else -1
+        prompt = prefix + history.get(session, 0) + r.prompt_tokens
+        out.append(
+            dataclasses.replace(
+                r,
+                prompt_tokens=prompt,
+                prefix_group=group[session],
+                prefix_tokens=prefix,
+                session=session,
+            )
+        )
+        history[session] = history.get(session, 0) + r.prompt_tokens + r.output_tokens
     return out
 
 
@@ -174,6 +232,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--day-amplitude", type=float, default=0.6, help="day-shaped rate: swing around --rate"
     )
+    parser.add_argument("--prefix-groups", type=int, default=0, help="shared system prompts")
+    parser.add_argument("--prefix-len", type=int, default=0, help="tokens of each")
+    parser.add_argument("--turns", type=int, default=1, help="turns per session")
+    parser.add_argument(
+        "--sessions-at-once", type=int, default=32, help="sessions interleaved turn by turn"
+    )
     parser.add_argument("--seed", type=int, required=True)
 
 
@@ -192,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
         high_priority=args.high_priority,
         day_s=args.day_s,
         day_amplitude=args.day_amplitude,
+        prefix_groups=args.prefix_groups,
+        prefix_len=args.prefix_len,
+        turns=args.turns,
+        sessions_at_once=args.sessions_at_once,
     )
     requests = generate(spec)
     write(args.out, requests)

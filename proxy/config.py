@@ -65,6 +65,9 @@ class SchedulerConfig:
     prefix_credit: bool = False
     prefix_weight: float = 1.0
     affinity_margin_blocks: float = 8.0
+    # Above this freeness (blocks/request) instances count as equally free, so
+    # that at light load the prefix decides (a prefill saved is TTFT saved).
+    prefix_free_enough_blocks: float = 64.0
     # cache_aware (vllm-router's defaults): follow a prefix match above
     # cache_threshold of the prompt unless in-flight counts differ by more than
     # balance_abs_threshold and by a factor above balance_rel_threshold.
@@ -306,7 +309,12 @@ def _check_scheduler(s: SchedulerConfig) -> None:
 
 
 def _check_prefix(s: SchedulerConfig) -> None:
-    for key in ("prefix_weight", "affinity_margin_blocks", "balance_abs_threshold"):
+    for key in (
+        "prefix_weight",
+        "affinity_margin_blocks",
+        "prefix_free_enough_blocks",
+        "balance_abs_threshold",
+    ):
         value = getattr(s, key)
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"scheduler.{key}: must be a finite number, 0 or more (got {value})")

@@ -189,6 +189,7 @@ def _policy(s: SchedulerConfig) -> DispatchPolicy:
             "prefix_credit": s.prefix_credit,
             "prefix_weight": s.prefix_weight,
             "affinity_margin": s.affinity_margin_blocks,
+            "free_enough": s.prefix_free_enough_blocks,
         }
     elif s.policy == "cache_aware":
         options = {
@@ -202,7 +203,7 @@ def _policy(s: SchedulerConfig) -> DispatchPolicy:
 def _policy_changed(new: SchedulerConfig, old: SchedulerConfig) -> bool:
     keys: tuple[str, ...] = ("policy", "topk", "prefix_credit", "prefix_weight")
     keys += ("affinity_margin_blocks", "cache_threshold", "balance_abs_threshold")
-    keys += ("balance_rel_threshold",)
+    keys += ("balance_rel_threshold", "prefix_free_enough_blocks")
     return any(getattr(new, k) != getattr(old, k) for k in keys)
 
 

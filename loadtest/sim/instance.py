@@ -7,6 +7,9 @@ served while their blocks and the step's token budget allow (a head that does
 not fit blocks the queue, as in vLLM); the step takes `profile.step_time` of
 its tokens; at its end every request in it has one more token.
 
+With prefix caching on, an admitted request prefills only the tokens its
+instance's prefix cache lacks (loadtest/sim/prefix_cache.py).
+
 Invariant: a running request holds blocks for tokens + 1 (its next token).
 The instance also keeps the totals the proxy's ledger would: requests assigned,
 their blocks (prompt + generated), and the tokens of those still waiting for
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from loadtest.sim.prefix_cache import EngineCache, block_keys
 from loadtest.sim.profile import Profile
 from proxy.policy import Priority
 
@@ -46,6 +50,10 @@ class SimRequest:
         "klass",
         "last_token",
         "worst_gap",
+        "prefix_group",
+        "prefix_tokens",
+        "session",
+        "cached_tokens",
     )
 
     def __init__(
@@ -56,6 +64,9 @@ class SimRequest:
         output: int,
         priority: Priority,
         klass: Priority | None = None,
+        prefix_group: int = -1,
+        prefix_tokens: int = 0,
+        session: int = -1,
     ) -> None:
         self.id, self.arrival, self.prompt, self.output = id, arrival, prompt, output
         self.priority = priority  # what the scheduler sees
@@ -77,6 +88,9 @@ class SimRequest:
         self.queued = 0  # tokens counted in its instance's queued total (no token there yet)
         self.last_token: float | None = None  # when the previous token was produced
         self.worst_gap = 0.0  # longest wait between two of its tokens, seconds
+        # Shared structure (loadtest/sim/prefix_cache.py): system prompt and session.
+        self.prefix_group, self.prefix_tokens, self.session = prefix_group, prefix_tokens, session
+        self.cached_tokens = 0  # found in the prefix cache at its last admission
 
     @property
     def tokens(self) -> int:
@@ -84,11 +98,13 @@ class SimRequest:
 
 
 class Instance:
-    def __init__(self, name: str, profile: Profile) -> None:
+    def __init__(self, name: str, profile: Profile, prefix_caching: bool = False) -> None:
         self.name = name
         self.profile = profile
         self.bs = profile.block_size
         self.capacity = profile.kv_blocks
+        # vLLM's prefix cache: an admitted request prefills only what it lacks.
+        self.cache = EngineCache(profile.kv_blocks, profile.block_size) if prefix_caching else None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.used = 0  # blocks allocated or reserved
@@ -213,7 +229,8 @@ class Instance:
             r.blocks, r.running = need, True
             self.used += need
             free -= need
-            prefill += r.tokens
+            r.cached_tokens = self.cache.admit(r, r.tokens) if self.cache is not None else 0
+            prefill += r.tokens - r.cached_tokens
             if r.preempted_at is not None:
                 r.preempt_loss += now - r.preempted_at
                 r.preempted_at = None
@@ -248,6 +265,8 @@ class Instance:
                 r.demand = demand
             if r.generated >= r.output:
                 r.finish = now + self.profile.request_overhead_s
+                if self.cache is not None:  # its answer heads its session's next turn
+                    self.cache.insert(block_keys(r, r.tokens, self.bs))
                 self.detach(r)
                 finished.append(r)
             elif r.cut_to is not None:

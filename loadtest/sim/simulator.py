@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadtest.sim.instance import Instance, SimRequest
+from loadtest.sim.prefix_cache import index_key
 from loadtest.sim.profile import Profile
 from loadtest.trace import TraceRequest
 from proxy.policy import (
@@ -57,6 +58,7 @@ from proxy.policy.migration import MigrationSettings, RequestLoad, plan_migratio
 from proxy.policy.priority import make_room_victim
 from proxy.policy.scaling import ScalingSettings, scaling_signal
 from proxy.policy.virtual_usage import instance_view, request_blocks
+from proxy.prefix_index import PrefixIndex
 
 MODES = ("off", "lite", "full")
 MODEL = "m"
@@ -89,6 +91,12 @@ class SimSettings:
     scaling_interval_s: float = 10.0  # how often the rule is applied, simulated seconds
     startup_s: float = 40.0  # from asking for an instance to its first request
     scale_in_window_s: float = 60.0  # scale in to the highest desired count seen this long
+    # Prefix locality (loadtest/sim/prefix_cache.py): the engines cache prefixes;
+    # llumnix credits cached blocks (cache_aware always reads the index).
+    prefix_caching: bool = False
+    prefix_credit: bool = False
+    affinity_margin_blocks: float = 8.0
+    prefix_free_enough: float = 64.0
 
 
 class Simulator:
@@ -98,9 +106,21 @@ class Simulator:
         if settings.migration not in MODES:
             raise ValueError(f"migration must be one of {', '.join(MODES)}")
         self.profile, self.settings = profile, settings
-        self.instances = [Instance(f"i{n}", profile) for n in range(settings.instances)]
+        self.instances = [self._new_instance(f"i{n}") for n in range(settings.instances)]
         self.by_name = {i.name: i for i in self.instances}
-        self.policy = make_policy(settings.policy)
+        options: dict[str, float | bool] = {}
+        if settings.policy == "llumnix" and settings.prefix_credit:
+            options = {
+                "prefix_credit": True,
+                "affinity_margin": settings.affinity_margin_blocks,
+                "free_enough": settings.prefix_free_enough,
+            }
+        self.policy = make_policy(settings.policy, **options)
+        # Ferry's own prefix index, recorded at dispatch as the proxy records it.
+        self.prefixes = PrefixIndex(
+            block_size=profile.block_size,
+            enabled=settings.policy == "cache_aware" or bool(options),
+        )
         self.usage = UsageSettings(settings.high_priority_headroom_blocks)
         self.rng = random.Random(settings.seed)
         self.requests = []
@@ -108,7 +128,17 @@ class Simulator:
             klass = Priority.parse(t.priority)
             seen = klass if settings.priorities else Priority.NORMAL
             self.requests.append(
-                SimRequest(t.id, t.arrival_s, t.prompt_tokens, t.output_tokens, seen, klass)
+                SimRequest(
+                    t.id,
+                    t.arrival_s,
+                    t.prompt_tokens,
+                    t.output_tokens,
+                    seen,
+                    klass,
+                    t.prefix_group,
+                    t.prefix_tokens,
+                    t.session,
+                )
             )
         self.by_id = {r.id: r for r in self.requests}
         # Lite moves recompute on the destination; full moves carry their KV.
@@ -186,11 +216,24 @@ class Simulator:
         )
 
     # events -----------------------------------------------------------------
+    def _new_instance(self, name: str) -> Instance:
+        return Instance(name, self.profile, self.settings.prefix_caching)
+
     def _arrival(self, r: SimRequest) -> None:
         request = DispatchRequest(MODEL, r.prompt, r.priority)
+        key = None
+        if self.prefixes.enabled:
+            key = index_key(r, r.prompt, self.profile.block_size)
+            request = dataclasses.replace(
+                request,
+                cached_tokens=self.prefixes.cached_tokens(key),
+                affinity=self.prefixes.affinity(key),
+            )
         view = self.view()
         chosen = dispatch(self.policy, request, view, self.rng)
         self.dispatches += 1
+        if key is not None:
+            self.prefixes.record(chosen.name, key, chosen.capacity_blocks)
         inst = self.by_name[chosen.name]
         if r.priority is Priority.HIGH and self.settings.migration != "off":
             self._make_room(view, chosen, request_blocks(r.prompt, self.profile.block_size))
@@ -336,7 +379,7 @@ class Simulator:
             self._drain(inst)
 
     def _add_instance(self) -> None:
-        inst = Instance(f"i{len(self.born)}", self.profile)
+        inst = self._new_instance(f"i{len(self.born)}")
         inst.healthy = False
         self.instances.append(inst)
         self.by_name[inst.name] = inst

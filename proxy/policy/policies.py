@@ -51,8 +51,12 @@ class Llumnix:
     for their class not counted); the rest by `freeness`.
 
     With `prefix_credit` on, an instance caching c of the prompt's tokens ranks
-    by F + prefix_weight * floor(c / block_size) / max(B, 1): the request's
-    cached blocks are not demand there (virtual_usage.prefix_credit). With a
+    by min(F, free_enough) + prefix_weight * floor(c / block_size) / max(B, 1):
+    the request's cached blocks are not demand there (virtual_usage.prefix_credit),
+    and above `free_enough` blocks per request instances count as equally free, so
+    that at light load locality decides (a prefill saved is TTFT saved) while
+    under memory pressure freeness still does. Where no candidate caches any of
+    the prompt the ranking is plain F. With a
     session (`request.affinity`), its last instance is kept unless another is
     freer by more than `affinity_margin` blocks per request: a soft preference,
     so a session follows its cache but never onto an instance that is full.
@@ -70,11 +74,13 @@ class Llumnix:
         prefix_credit: bool = False,
         prefix_weight: float = 1.0,
         affinity_margin: float = 8.0,
+        free_enough: float = 64.0,
     ) -> None:
         self.topk = topk
         self.prefix_credit = prefix_credit
         self.prefix_weight = prefix_weight
         self.affinity_margin = affinity_margin
+        self.free_enough = free_enough
 
     def choose(
         self,
@@ -104,9 +110,9 @@ class Llumnix:
         cached = request.cached_tokens
         if not cached:
             return scores
-        w = self.prefix_weight
+        w, cap = self.prefix_weight, self.free_enough
         return [
-            s + w * prefix_credit(cached[v.name], v) if v.name in cached else s
+            min(s, cap) + w * prefix_credit(cached[v.name], v) if v.name in cached else min(s, cap)
             for v, s in zip(candidates, scores, strict=True)
         ]
 

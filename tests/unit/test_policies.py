@@ -214,3 +214,12 @@ def test_cache_aware_follows_the_match_unless_imbalanced() -> None:
     # Imbalanced (100 - 2 > 64 and 100 > 1.5 * 2): fewest in flight, match or not.
     busy = inst("a", inflight=100)
     assert credit_pick(busy, b, policy="cache_aware", **follow) == "b"  # type: ignore[arg-type]
+
+
+def test_above_free_enough_locality_decides() -> None:
+    # Both roomy (F well above 64 blocks/request): the one holding the prefix wins,
+    # even though the other is freer.
+    a = inst("a", freeness=300.0, batch=2, block_size=16)
+    b = inst("b", freeness=500.0, batch=2, block_size=16)
+    assert credit_pick(a, b, cached_tokens={"a": 160}, prefix_credit=True) == "a"
+    assert credit_pick(a, b, cached_tokens={"a": 160}, prefix_credit=True, free_enough=1e9) == "b"

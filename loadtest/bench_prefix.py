@@ -1,0 +1,135 @@
+"""Prefix locality in the simulator: four policies side by side on one trace.
+
+round_robin, cache_aware (vllm-router's default, over Ferry's approximate index),
+llumnix, and llumnix with prefix credit run on the same multi-turn,
+shared-system-prompt trace (`ferry trace --prefix-groups G --prefix-len L
+--turns T`) against simulated engines with prefix caching on, then llumnix with
+and without credit on a trace of the same shape with nothing shared. Printed:
+the engines' prefix hit rate (hit / queried prompt tokens, as vLLM's
+prefix_cache_hits / queries), P50 and P99 TTFT and throughput (output tokens
+per second of makespan), each also as a ratio to plain llumnix.
+
+    python -m loadtest.bench_prefix                    # 16 instances, 3,000 requests
+    python -m loadtest.bench_prefix --requests 800 --instances 4   # quick
+
+Real vLLM and vllm-router are not in this run: see the closing note of issue 13.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from loadtest import trace
+from loadtest.sim.profile import LLAMA7B_A10
+from loadtest.sim.simulator import SimSettings, Simulator
+from loadtest.sim.stats import DEFAULT_SLO, latencies
+
+RUNS = (
+    ("round_robin", "round_robin", False),
+    ("cache_aware", "cache_aware", False),
+    ("llumnix", "llumnix", False),
+    ("llumnix+prefix", "llumnix", True),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    name: str
+    hit_rate: float
+    ttft_p50: float
+    ttft_p99: float
+    tokens_per_s: float
+
+
+def run_one(
+    name: str, policy: str, credit: bool, requests: list[trace.TraceRequest], instances: int
+) -> Result:
+    settings = SimSettings(
+        instances=instances,
+        policy=policy,
+        prefix_caching=True,
+        prefix_credit=credit,
+        seed=1,
+    )
+    sim = Simulator(requests, LLAMA7B_A10, settings)
+    done = sim.run()
+    stats: dict[str, Any] = latencies(done, DEFAULT_SLO)
+    queried = sum(i.cache.queried_tokens for i in sim.instances if i.cache is not None)
+    hits = sum(i.cache.hit_tokens for i in sim.instances if i.cache is not None)
+    finished = [r for r in done if r.finish is not None]
+    span = max(r.finish for r in finished if r.finish is not None) - min(r.arrival for r in done)
+    return Result(
+        name,
+        hits / queried if queried else 0.0,
+        stats["ttft_p50"],
+        stats["ttft_p99"],
+        sum(r.generated for r in finished) / span if span > 0 else 0.0,
+    )
+
+
+def table(title: str, results: list[Result]) -> None:
+    base = next(r for r in results if r.name == "llumnix")
+    print(f"\n{title}")
+    print(
+        f"{'policy':<16}{'hit rate':>10}{'TTFT p50 s':>12}{'p99 s':>10}{'tok/s':>10}"
+        f"{'p50 / llumnix':>15}{'p99 / llumnix':>15}{'tok/s / llumnix':>17}"
+    )
+    for r in results:
+        print(
+            f"{r.name:<16}{r.hit_rate:>10.3f}{r.ttft_p50:>12.3f}{r.ttft_p99:>10.3f}"
+            f"{r.tokens_per_s:>10.0f}{r.ttft_p50 / base.ttft_p50:>15.2f}"
+            f"{r.ttft_p99 / base.ttft_p99:>15.2f}{r.tokens_per_s / base.tokens_per_s:>17.3f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--instances", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--rate", type=float, default=0.0, help="req/s (0: 10 per instance)")
+    parser.add_argument("--prefix-groups", type=int, default=8)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--sessions-at-once", type=int, default=0, help="0: 8 per instance")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    rate = args.rate or 10.0 * args.instances
+    spec = trace.TraceSpec(
+        requests=args.requests,
+        rate=rate,
+        seed=args.seed,
+        input_mean=128,
+        output_mean=128,
+        max_len=1024,
+        prefix_groups=args.prefix_groups,
+        prefix_len=args.prefix_len,
+        turns=args.turns,
+        sessions_at_once=args.sessions_at_once or 8 * args.instances,
+    )
+    shared = trace.generate(spec)
+    print(
+        f"{args.instances} simulated instances ({LLAMA7B_A10.name}, prefix caching on), "
+        f"{args.requests} requests at {rate:g}/s: {args.prefix_groups} system prompts of "
+        f"{args.prefix_len} tokens, {args.turns} turns per session"
+    )
+    table(
+        "shared prefixes",
+        [run_one(name, p, c, shared, args.instances) for name, p, c in RUNS],
+    )
+    # Nothing shared: the same lengths and arrivals, every block a request's own.
+    alone = [
+        trace.TraceRequest(r.id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority)
+        for r in shared
+    ]
+    table(
+        "nothing shared (same lengths and arrivals)",
+        [run_one(name, p, c, alone, args.instances) for name, p, c in RUNS[2:]],
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
