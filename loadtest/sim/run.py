@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scaling.add_argument(
         "--scale-in-window", type=float, default=60.0, help="scale-in stabilization, seconds"
     )
+    parser.add_argument(
+        "--prefix-caching", action="store_true", help="engines cache prefixes (prefill what's new)"
+    )
+    parser.add_argument(
+        "--prefix-credit", action="store_true", help="llumnix: credit cached blocks (README)"
+    )
     parser.add_argument("--slo-ttft", type=float, default=SLO_TTFT_S)
     parser.add_argument("--slo-decode", type=float, default=SLO_DECODE_S)
     parser.add_argument("--seed", type=int, default=0)
@@ -101,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         scaling_interval_s=args.scale_interval,
         startup_s=args.startup_s,
         scale_in_window_s=args.scale_in_window,
+        prefix_caching=args.prefix_caching,
+        prefix_credit=args.prefix_credit,
     )
     summary = simulate(
         requests,
