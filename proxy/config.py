@@ -64,7 +64,7 @@ class SchedulerConfig:
     # more than affinity_margin_blocks (blocks per request).
     prefix_credit: bool = False
     prefix_weight: float = 1.0
-    affinity_margin_blocks: float = 8.0
+    affinity_margin_blocks: float = 32.0
     # Above this freeness (blocks/request) instances count as equally free, so
     # that at light load the prefix decides (a prefill saved is TTFT saved).
     prefix_free_enough_blocks: float = 64.0
@@ -138,9 +138,6 @@ class ServerConfig:
     # to `shutdown_grace_s` to finish before Ferry exits.
     shutdown_delay_s: float = 5.0
     shutdown_grace_s: float = 30.0
-    # One JSON line per request on stdout (proxy/access_log.py); off by default so
-    # a benchmark or a busy Ferry logs nothing it was not asked to.
-    access_log: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,7 +95,7 @@ class SimSettings:
     # llumnix credits cached blocks (cache_aware always reads the index).
     prefix_caching: bool = False
     prefix_credit: bool = False
-    affinity_margin_blocks: float = 8.0
+    affinity_margin_blocks: float = 32.0
     prefix_free_enough: float = 64.0
 
 
