@@ -17,7 +17,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Debian's prometheus package: the tests check /metrics with promtool and run the
+# Grafana dashboard's queries on a real Prometheus. Installed as root (CI is);
+# anyone else is told how, and those tests skip where CI is not set.
+PROMETHEUS := /usr/bin/prometheus
+$(PROMETHEUS):
+	@if [ "$$(id -u)" = 0 ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; \
+	else echo "note: 'sudo apt-get install prometheus' for the metrics and dashboard tests"; fi
+
+setup: $(STAMP) $(PROMETHEUS)
 
 demo: setup
 	$(BIN)/python -m loadtest.demo

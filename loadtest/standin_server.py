@@ -43,6 +43,7 @@ class StandIn:
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
         self.seen_bodies: list[dict[str, Any]] = []
+        self.seen_headers: list[dict[str, str]] = []  # of each POST, in order
         self.dead = False  # tests: `kill()` was called
         self.api_key: str | None = None  # tests: refuse calls without this bearer key
         # tests: a streamed /v1/responses waits for this after its first delta
@@ -79,6 +80,7 @@ class StandIn:
     async def _note_answer(self, request: web.Request, response: web.StreamResponse) -> None:
         if request.method == "POST":  # recorded before the client can see the answer
             self.answers.append((request.path, response.status))
+            self.seen_headers.append(dict(request.headers))
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         """The JSON object a route takes, or a 4xx as vLLM answers it (it checks

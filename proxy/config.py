@@ -138,6 +138,9 @@ class ServerConfig:
     # to `shutdown_grace_s` to finish before Ferry exits.
     shutdown_delay_s: float = 5.0
     shutdown_grace_s: float = 30.0
+    # One JSON line per request on stdout (proxy/access_log.py); off by default so
+    # a benchmark or a busy Ferry logs nothing it was not asked to.
+    access_log: bool = False
 
 
 @dataclass(frozen=True, slots=True)

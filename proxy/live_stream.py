@@ -58,6 +58,9 @@ class Request:
     path: str
     priority: Priority
     model: str
+    # The request id and trace context (proxy/access_log.py), sent with every
+    # continuation so the engines' logs and traces join the client's request.
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class LiveStream:
@@ -86,6 +89,9 @@ class LiveStream:
         self.max_resumes = max_resumes
         self.tag = tag  # full mode: how the source's shim finds this request
         self.resumes = 0
+        # Each cut-over that took, for the access log: from, to, reason, tokens
+        # generated before it, and the downtime once the first token after it came.
+        self.moves: list[dict[str, Any]] = []
         self.kv_moving = False  # a full-mode copy is under way (see migrator)
         self._order: MoveOrder | None = None
         self._pending = b""  # bytes read from the current upstream, not yet relayed
@@ -230,7 +236,9 @@ class LiveStream:
                 self.placement.record_prompt_ids(self.call.instance, self.splicer.prompt_ids)
         if fed.tokens:
             ledger.add_generated(self.call.entry, fed.tokens)
-            self.timing.token()
+            downtime = self.timing.token(self.instance)
+            if downtime is not None and self.moves:
+                self.moves[-1]["downtime_s"] = round(downtime, 6)
 
     @staticmethod
     async def _write(response: web.StreamResponse, out: list[bytes]) -> None:
@@ -284,6 +292,15 @@ class LiveStream:
                 )
                 if order.reason == "failover":
                     self.resumes += 1
+                self.moves.append(
+                    {
+                        "from": source,
+                        "to": dest,
+                        "reason": order.reason,
+                        "after_tokens": len(splicer.generated),
+                        "downtime_s": None,
+                    }
+                )
                 return "moved"
             self.metrics.migrations.labels(order.reason, "destination_failed").inc()
         self.timing.uncut()
@@ -328,7 +345,7 @@ class LiveStream:
                 path,
                 sse.dumps(body),
                 stream=True,
-                headers={"Content-Type": "application/json"},
+                headers={**request.headers, "Content-Type": "application/json"},
             )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("continuation on %s failed: %s", dest, _why(exc))

@@ -1,9 +1,17 @@
 """Ferry's own Prometheus metrics (`ferry_` prefix), on a registry of its own.
 
 Latencies are as the client sees them: time to first token from the moment the
-request reached Ferry, inter-token latency between two relayed token chunks.
+request reached Ferry, inter-token latency between two relayed token chunks, and
+the whole request (`ferry_request_duration_seconds`). They carry `model` and
+`instance` labels: TTFT and ITL the instance that produced the token, the duration
+and the token counters the instance that finished the request. Cardinality stays
+bounded: `model` is a model one of the instances serves, else "other" (or "none"
+for a request that names none), and `instance` is a configured instance.
 Per-instance gauges are refreshed from the cluster view at each `/metrics` read,
 and so is the scaling signal (`ferry_desired_instances`, proxy/policy/scaling.py).
+Freeness is always finite: a draining instance (freeness -inf to the scheduler)
+exports the freeness it would have without the drain, and `ferry_instance_draining`
+says it drains. The process, GC and platform collectors run on Ferry's registry.
 """
 
 from __future__ import annotations
@@ -11,10 +19,20 @@ from __future__ import annotations
 import math
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from proxy.cluster import Cluster
 from proxy.policy.scaling import ScalingSettings, scaling_signal
+from proxy.policy.virtual_usage import instance_freeness
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -33,6 +51,11 @@ _LATENCY_BUCKETS = (
     30,
     60,
 )
+# A whole request: a short completion to a long generation of many minutes.
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# proxy/live_stream.py and proxy/migrator.py: why a stream moved, how the cut-over went.
+MIGRATION_REASONS = ("failover", "drain", "rebalance", "priority")
+MIGRATION_OUTCOMES = ("ok", "no_destination", "destination_failed", "no_prompt_ids")
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
 
 
@@ -41,6 +64,10 @@ class FerryMetrics:
         # The scaling rule's thresholds; a reload may swap them (a frozen value).
         self.scaling = ScalingSettings() if scaling is None else scaling
         self.registry = r = CollectorRegistry(auto_describe=True)
+        # The process's CPU, memory and file descriptors, and Python's GC: what one
+        # event loop on one core runs out of first.
+        for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):
+            r.register(collector)
         self.requests = Counter(
             "ferry_requests",
             "Requests relayed, by instance and outcome.",
@@ -49,14 +76,40 @@ class FerryMetrics:
         )
         self.ttft = Histogram(
             "ferry_time_to_first_token_seconds",
-            "Time to first token as the client sees it.",
+            "Time to first token as the client sees it, by model and the instance that"
+            " produced it.",
+            ["model", "instance"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "ferry_inter_token_latency_seconds",
-            "Gap between two token chunks relayed.",
+            "Gap between two token chunks relayed, by model and the instance that produced"
+            " the later one.",
+            ["model", "instance"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "ferry_request_duration_seconds",
+            "Whole request as the client sees it (arrival to last byte), by model and the"
+            " instance that finished it.",
+            ["model", "instance"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "ferry_prompt_tokens",
+            "Prompt tokens of finished requests (the engine's count where it reports one),"
+            " by model and the instance that finished them.",
+            ["model", "instance"],
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "ferry_generation_tokens",
+            "Tokens generated for clients (a moved request's once, as the client got"
+            " them), by model and the instance that finished the request.",
+            ["model", "instance"],
             registry=r,
         )
         self.decision = Histogram(
@@ -79,8 +132,16 @@ class FerryMetrics:
         )
         self.freeness = Gauge(
             "ferry_instance_freeness",
-            "Llumnix freeness (KV blocks per request).",
+            "Llumnix freeness (KV blocks per request); a draining instance shows the"
+            " freeness it would have without the drain.",
             ["instance"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "ferry_instance_kv_usage_ratio",
+            "KV cache in use, 0..1: source=engine as the engine's last scrape says,"
+            " source=ledger Ferry's own requests' blocks as its ledger counts them.",
+            ["instance", "source"],
             registry=r,
         )
         self.healthy = Gauge(
@@ -102,6 +163,11 @@ class FerryMetrics:
             ["reason", "outcome"],
             registry=r,
         )
+        # Every reason and outcome exists from the start at 0, so a dashboard's
+        # increase() sees the first one (a series born at 1 shows no increase).
+        for reason in MIGRATION_REASONS:
+            for outcome in MIGRATION_OUTCOMES:
+                self.migrations.labels(reason, outcome)
         self.migration_downtime = Histogram(
             "ferry_migration_downtime_seconds",
             "Gap in the client's stream at a cut-over: last token before to first after.",
@@ -148,6 +214,19 @@ class FerryMetrics:
             ["reason"],
             registry=r,
         )
+        self.moves_planned = Counter(
+            "ferry_rescheduler_moves_planned",
+            "Moves the rescheduler planned and submitted, by kind of request (queued or running).",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("queued", "running"):  # both series exist from the start
+            self.moves_planned.labels(kind)
+        self.rescheduler_ticks = Counter(
+            "ferry_rescheduler_ticks",
+            "Rescheduler ticks (one plan each).",
+            registry=r,
+        )
         self.scrape_age = Gauge(
             "ferry_scrape_age_seconds",
             "Age of the last good scrape.",
@@ -182,16 +261,36 @@ class FerryMetrics:
                 gauge.remove(instance)
             except KeyError:  # never rendered
                 pass
+        for source in ("engine", "ledger"):
+            try:
+                self.kv_usage.remove(instance, source)
+            except KeyError:
+                pass
+
+    def model_label(self, model: str | None, served: frozenset[str]) -> str:
+        """The `model` label: bounded by the models the instances serve."""
+        if not model:
+            return "none"
+        return model if model in served else "other"
 
     def render(self, cluster: Cluster, now: float | None = None) -> bytes:
         now = time.monotonic() if now is None else now
         for view in cluster.view().instances:
             state = cluster.instances[view.name]
             self.inflight.labels(view.name).set(view.inflight)
-            self.freeness.labels(view.name).set(view.freeness)
+            freeness = view.freeness
+            if view.draining:  # -inf to the scheduler; the load it carries to a dashboard
+                freeness = instance_freeness(view.capacity_blocks, view.virtual_blocks, view.batch)
+            self.freeness.labels(view.name).set(freeness)
+            if state.snapshot is not None:
+                self.kv_usage.labels(view.name, "engine").set(view.kv_usage)
+            if view.capacity_blocks > 0:
+                ledger = cluster.ledger.blocks(view.name) / view.capacity_blocks
+                self.kv_usage.labels(view.name, "ledger").set(ledger)
             self.healthy.labels(view.name).set(1 if view.healthy else 0)
             self.draining.labels(view.name).set(1 if view.draining else 0)
             self.ejected.labels(view.name).set(1 if cluster.ejected_for(view.name) else 0)
+            self.ejections.labels(view.name)  # at 0 until the first (see the migrations)
             age = now - state.snapshot_at if state.snapshot_at is not None else float("inf")
             self.scrape_age.labels(view.name).set(age)
         signal = scaling_signal(cluster.view(), self.scaling)

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from migration_shim import wire
-from proxy import continuation, sse, token_ids
+from proxy import access_log, continuation, sse, token_ids
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.live_stream import LiveStream, Request
@@ -39,7 +39,9 @@ from proxy.upstream import Call, Upstreams
 log = logging.getLogger("ferry.relay")
 
 SESSION_HEADER = "x-session-id"  # a soft affinity (the body's `user` stands in without it)
-_FORWARD_HEADERS = ("authorization", "x-request-id", "openai-organization", "openai-project")
+# Sent on as the client sent them; the request id and the trace context
+# (access_log.TRACE_HEADERS) go on every call, continuations included.
+_FORWARD_HEADERS = ("authorization", "openai-organization", "openai-project")
 # Outcomes that count against the instance (outlier ejection); a client's own
 # 4xx and a client hanging up never do.
 _INSTANCE_FAILURES = frozenset({"connect_error", "upstream_error", "upstream_5xx", "stream_broken"})
@@ -86,7 +88,10 @@ class Relay:
         pass-through call, sent as it came and answered as the instance answers;
         `stream` says whether its body asked for a stream (an idle timeout applies)."""
         stream = stream if body is None else bool(body.get("stream"))
+        record = access_log.record_of(request)
+        record.model, record.priority = model, priority.name.lower()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers.update(record.upstream_headers)
         # A body Ferry read goes on as the JSON it re-encodes; any other as it
         # came, Content-Type and all (a charset, a multipart boundary).
         content_type = (
@@ -111,6 +116,11 @@ class Relay:
                     503, exc.reason, code="no_instance", headers={"Retry-After": self.retry_after}
                 )
             name = chosen.name
+            record.instances.append(name)
+            record.model_label = self.metrics.model_label(
+                model, self.cluster.instances[name].models
+            )
+            timing = sse.TokenTiming(self.metrics, self.clock, arrived, record.model_label)
             if priority is Priority.HIGH:
                 blocks = request_blocks(prompt_estimate, self.cluster.block_size(name))
                 self.migrator.make_room(chosen, blocks)
@@ -139,6 +149,8 @@ class Relay:
                 )
                 self._count(name, outcome, _describe(exc))
                 self.metrics.retries.labels(outcome).inc()
+                record.retries.append({"instance": name, "reason": outcome})
+                record.outcome = outcome
                 failed = error_response(
                     503,
                     f"instance {name} failed before answering: {_describe(exc)}",
@@ -148,16 +160,18 @@ class Relay:
                 tried.add(name)
                 continue
             outcome = "error"
+            live: LiveStream | None = None
             try:
                 if upstream.status != 200:
                     response, outcome = await self._whole(upstream, call, wants_ids, body is None)
                     if _retryable(upstream) and attempt < self.retries:
                         self.metrics.retries.labels(str(upstream.status)).inc()
+                        record.retries.append({"instance": name, "reason": str(upstream.status)})
                         failed = response
                         tried.add(name)
                         continue
                     return response
-                live = self._live(call, body, path, priority, wants_ids, tag, arrived)
+                live = self._live(call, body, path, priority, wants_ids, tag, timing, record)
                 if live is not None:
                     self.migrator.register(live)
                     try:
@@ -165,11 +179,13 @@ class Relay:
                     finally:
                         self.migrator.unregister(live)
                         name = live.instance
+                        record.instances.extend(m["to"] for m in live.moves)
+                        record.migrations = live.moves
                 elif body is None:
                     response, outcome = await self._pass_on(request, upstream, call)
                 elif stream:
                     response, outcome = await self._stream(
-                        request, upstream, call, wants_ids, arrived
+                        request, upstream, call, wants_ids, timing
                     )
                 else:
                     response, outcome = await self._whole(upstream, call, wants_ids, body is None)
@@ -180,6 +196,7 @@ class Relay:
             finally:
                 call.close()
                 self._count(name, outcome, outcome)
+                _note_end(record, outcome, timing, call, live)
         assert failed is not None  # every attempt that does not return sets it
         return failed
 
@@ -212,7 +229,8 @@ class Relay:
         priority: Priority,
         wants_ids: bool,
         tag: str | None,
-        arrived: float,
+        timing: sse.TokenTiming,
+        record: access_log.AccessRecord,
     ) -> LiveStream | None:
         """A movable stream, or None where migration does not apply (a move
         continues from the token ids, so the engine must report them)."""
@@ -228,7 +246,13 @@ class Relay:
                 log.info("request on %s not migratable: %s", name, why)
             return None
         request = Request(
-            self.migrator.next_id(), body, endpoint, path, priority, str(body.get("model", ""))
+            self.migrator.next_id(),
+            body,
+            endpoint,
+            path,
+            priority,
+            str(body.get("model", "")),
+            headers=record.upstream_headers,
         )
         return LiveStream(
             request,
@@ -237,7 +261,7 @@ class Relay:
             upstreams=self.upstreams,
             placement=self.placement,
             metrics=self.metrics,
-            timing=sse.TokenTiming(self.metrics, self.clock, arrived),
+            timing=timing,
             clock=self.clock,
             max_resumes=self.max_resumes,
             tag=tag,
@@ -293,10 +317,9 @@ class Relay:
         upstream: aiohttp.ClientResponse,
         call: Call,
         wants_ids: bool,
-        arrived: float,
+        timing: sse.TokenTiming,
     ) -> tuple[web.StreamResponse, str]:
         """A stream that cannot move: relay its events as they come."""
-        timing = sse.TokenTiming(self.metrics, self.clock, arrived)
         pending = b""
 
         def relay(data: bytes) -> bytes:
@@ -356,10 +379,28 @@ class Relay:
         if generated:
             self.cluster.ledger.add_generated(call.entry, generated)
         if token:
-            timing.token()
+            timing.token(call.instance)
         if wants_ids or not seen:
             return event + b"\n\n"
         return token_ids.hide(event) + b"\n\n"
+
+
+def _note_end(
+    record: access_log.AccessRecord,
+    outcome: str,
+    timing: sse.TokenTiming,
+    call: Call,
+    live: LiveStream | None,
+) -> None:
+    """What the access log and the token counters say of the call that ended: the
+    tokens as the client got them (a moved stream's whole prompt and generation)."""
+    record.outcome, record.ttft_s = outcome, timing.ttft
+    prompt, completion = call.entry.prompt_tokens, call.entry.generated_tokens
+    if live is not None:
+        ids = live.splicer.prompt_ids
+        prompt = len(ids) if ids is not None else prompt
+        completion = len(live.splicer.generated)
+    record.prompt_tokens, record.completion_tokens = prompt, completion
 
 
 def _retryable(upstream: aiohttp.ClientResponse) -> bool:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 from proxy.cluster import Cluster
+from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
 from proxy.policy import ClusterView
 from proxy.policy.migration import MigrationSettings, plan_migrations, sources
@@ -28,8 +29,10 @@ class Rescheduler:
         settings: MigrationSettings,
         *,
         interval_s: float,
+        metrics: FerryMetrics | None = None,
     ) -> None:
         self.cluster = cluster
+        self.metrics = metrics
         self.migrator = migrator
         self.settings = settings
         self.interval_s = interval_s
@@ -61,6 +64,8 @@ class Rescheduler:
 
     def tick(self) -> int:
         """Plan and submit moves; returns how many were submitted."""
+        if self.metrics is not None:
+            self.metrics.rescheduler_ticks.inc()
         room = self.migrator.free_slots
         if room <= 0:
             return 0
@@ -73,7 +78,11 @@ class Rescheduler:
         candidates = {n: self.migrator.candidates(n) for n in names}
         block_size = {n: self.cluster.block_size(n) for n in names}
         plan = plan_migrations(view, candidates, block_size, self.settings)[:room]
+        running = {r.id for loads in candidates.values() for r in loads if r.running}
         for move in plan:
+            if self.metrics is not None:
+                kind = "running" if move.request_id in running else "queued"
+                self.metrics.moves_planned.labels(kind).inc()
             log.info(
                 "rebalance: request %s %s -> %s: %s",
                 move.request_id,

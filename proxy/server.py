@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy import admin, openai_request
+from proxy import access_log, admin, openai_request
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig
 from proxy.errors import error_response, openai_errors
@@ -71,15 +71,21 @@ def build_app(
     config: FerryConfig, load: Callable[[], FerryConfig] | None = None
 ) -> web.Application:
     """The app for `config`; `load()` re-reads the configuration file on a reload."""
-    app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[openai_errors])
     sched = config.scheduler
+    metrics = FerryMetrics(sched.scaling_settings())
+    # The access log's middleware comes first: every answer carries the request id,
+    # and every request (a 404 too) gets its line.
+    observe = access_log.middleware(metrics, config.server.access_log)
+    app = web.Application(
+        client_max_size=config.server.max_body_bytes, middlewares=[observe, openai_errors]
+    )
+    app.on_response_prepare.append(access_log.echo_request_id)
     cluster = Cluster(
         config.instances,
         _usage(sched),
         sched.unhealthy_after_failures,
         sched.ejection_settings(),
     )
-    metrics = FerryMetrics(sched.scaling_settings())
     cluster.prefixes.enabled = _prefix_index_on(sched)
     app[CLUSTER] = cluster
     app[METRICS] = metrics
@@ -126,6 +132,7 @@ def build_app(
                 migrator,
                 _migration_settings(config),
                 interval_s=sched.rebalance_interval_s,
+                metrics=metrics,
             )
             applied = sched
 
@@ -329,6 +336,8 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
     connections while in-flight requests get `shutdown_grace_s` to finish.
     SIGHUP reloads the configuration file (`load()`)."""
     app = build_app(config, load)
+    if config.server.access_log:
+        access_log.install_handler()
     # handler_cancellation: a client that hangs up cancels its handler, which
     # closes the upstream connection, which makes vLLM abort the request.
     runner = web.AppRunner(

@@ -75,15 +75,20 @@ async def finish(response: web.StreamResponse, data: bytes | None = None) -> Non
 
 
 class TokenTiming:
-    """Records TTFT at the first token and inter-token gaps after it; a move's
-    downtime is the gap from the last token before the cut to the first after."""
+    """Records TTFT at the first token and inter-token gaps after it, labelled by
+    `model` (a bounded label, see `FerryMetrics.model_label`) and the instance that
+    produced the token; a move's downtime is the gap from the last token before
+    the cut to the first after."""
 
-    __slots__ = ("metrics", "clock", "arrived", "last", "cut_at")
+    __slots__ = ("metrics", "clock", "arrived", "model", "last", "cut_at", "ttft")
 
-    def __init__(self, metrics: FerryMetrics, clock: Callable[[], float], arrived: float) -> None:
-        self.metrics, self.clock, self.arrived = metrics, clock, arrived
+    def __init__(
+        self, metrics: FerryMetrics, clock: Callable[[], float], arrived: float, model: str
+    ) -> None:
+        self.metrics, self.clock, self.arrived, self.model = metrics, clock, arrived, model
         self.last: float | None = None
         self.cut_at: float | None = None
+        self.ttft: float | None = None  # seconds, once the first token came
 
     @property
     def first_token_seen(self) -> bool:
@@ -96,13 +101,19 @@ class TokenTiming:
     def uncut(self) -> None:
         self.cut_at = None
 
-    def token(self) -> None:
+    def token(self, instance: str) -> float | None:
+        """A token chunk from `instance` reached the client; the downtime it ended
+        (seconds), if it is the first after a move."""
         now = self.clock()
+        downtime = None
         if self.cut_at is not None:
-            self.metrics.migration_downtime.observe(now - self.cut_at)
+            downtime = now - self.cut_at
+            self.metrics.migration_downtime.observe(downtime)
             self.cut_at = None
         if self.last is None:
-            self.metrics.ttft.observe(now - self.arrived)
+            self.ttft = now - self.arrived
+            self.metrics.ttft.labels(self.model, instance).observe(self.ttft)
         else:
-            self.metrics.itl.observe(now - self.last)
+            self.metrics.itl.labels(self.model, instance).observe(now - self.last)
         self.last = now
+        return downtime

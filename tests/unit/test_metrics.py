@@ -46,3 +46,29 @@ def test_an_idle_cluster_asks_for_fewer_down_to_the_minimum() -> None:
     assert gauges(FerryMetrics(), idle)["ferry_desired_instances"] == 2.0
     kept = FerryMetrics(ScalingSettings(min_instances=3))
     assert gauges(kept, idle)["ferry_desired_instances"] == 3.0
+
+
+def test_a_draining_instance_shows_a_finite_freeness() -> None:
+    cluster = cluster_of((4, 0.5), (4, 0.5))
+    cluster.set_draining("i0", True)
+    text = FerryMetrics().render(cluster, now=0.0).decode()
+    samples = {
+        (s.name, s.labels.get("instance"), s.labels.get("source")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    # The scheduler sees -inf; the dashboard sees the load: (100 - 50 blocks used) / 4.
+    freeness = samples["ferry_instance_freeness", "i0", None]
+    assert freeness == samples["ferry_instance_freeness", "i1", None] == 12.5
+    assert samples["ferry_instance_draining", "i0", None] == 1.0
+    assert samples["ferry_instance_kv_usage_ratio", "i0", "engine"] == 0.5  # scraped
+    assert samples["ferry_instance_kv_usage_ratio", "i0", "ledger"] == 0.0  # nothing of Ferry's
+    assert ("process_cpu_seconds_total", None, None) in samples
+
+
+def test_the_model_label_is_bounded_by_the_models_served() -> None:
+    metrics = FerryMetrics()
+    served = frozenset({"m"})
+    assert metrics.model_label("m", served) == "m"
+    assert metrics.model_label("anything else", served) == "other"
+    assert metrics.model_label(None, served) == "none"

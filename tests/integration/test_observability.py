@@ -1,0 +1,161 @@
+"""Following a request: its id and trace context end to end, its access-log line,
+and the metrics it leaves, checked by Prometheus's own `promtool` (stand-in servers,
+not vLLM)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.helpers import wait_until
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def promtool() -> str:
+    """Debian's `prometheus` package ships it; `make setup` installs it (CI must have it)."""
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool missing: `make setup` installs Debian's prometheus package")
+        pytest.skip("promtool missing (Debian's prometheus package; `make setup` installs it)")
+    return path
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "ferry.access"]
+    return [x for x in lines if not x["path"].startswith("/admin/")]
+
+
+def lower(headers: dict[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    return urllib.request.urlopen(request, timeout=30)
+
+
+def test_a_moved_stream_keeps_its_request_id_and_trace_context(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ferry.access")
+    (source, a), (dest, b) = standins(2, itl_s=0.02)
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+        server={"access_log": True},
+    )
+    trace = {"x-request-id": "req-42", "traceparent": TRACEPARENT, "tracestate": "ferry=1"}
+    body = {"model": "standin", "prompt": "hi", "max_tokens": 40, "stream": True}
+    events = []
+    with post(proxy.url + "/v1/completions", body, trace) as resp:
+        assert resp.headers["x-request-id"] == "req-42"
+        for line in resp:
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 5:
+                    drain = urllib.request.Request(
+                        proxy.url + "/admin/instances/i0/drain?migrate=true",
+                        data=b"",
+                        headers={"Authorization": "Bearer t"},
+                    )
+                    with urllib.request.urlopen(drain, timeout=5) as answer:
+                        assert json.load(answer)["migrating"] == 1
+    assert "".join(e["choices"][0]["text"] for e in events) == " tok" * 40
+    # The first call and the continuation both carry the id and the trace context.
+    for standin in (source, dest):
+        sent = lower(standin.seen_headers[-1])
+        assert sent["x-request-id"] == "req-42"
+        assert sent["traceparent"] == TRACEPARENT and sent["tracestate"] == "ferry=1"
+    assert dest.seen_bodies[-1]["prompt"][:3] == [1, 2, 3]  # it was the continuation
+    wait_until(lambda: bool(access_lines(caplog)))
+    [line] = access_lines(caplog)
+    assert line["request_id"] == "req-42" and line["status"] == 200 and line["outcome"] == "ok"
+    assert (line["model"], line["priority"], line["path"]) == (
+        "standin",
+        "normal",
+        "/v1/completions",
+    )
+    assert line["instances"] == ["i0", "i1"] and line["instance"] == "i1"
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (3, 40)
+    assert 0 < line["ttft_s"] <= line["duration_s"]
+    [move] = line["migrations"]
+    assert (move["from"], move["to"], move["reason"]) == ("i0", "i1", "drain")
+    assert move["after_tokens"] >= 5 and 0 <= move["downtime_s"] < line["duration_s"]
+
+
+def test_every_answer_has_a_request_id(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ferry.access")
+    [(standin, a)] = standins(1, itl_s=0.001)
+    proxy = ferry([a.url], server={"access_log": True})
+    body = {"model": "standin", "prompt": "hi", "max_tokens": 3}
+    with post(proxy.url + "/v1/completions", body) as resp:
+        rid = resp.headers["x-request-id"]
+    assert len(rid) == 32 and lower(standin.seen_headers[-1])["x-request-id"] == rid
+    # A client's id that is no usable header value is replaced.
+    with post(proxy.url + "/v1/completions", body, {"x-request-id": "x" * 200}) as resp:
+        assert len(resp.headers["x-request-id"]) == 32
+    for url, data in (
+        (proxy.url + "/v1/completions", {"model": "nope", "prompt": "x"}),  # 404 model
+        (proxy.url + "/v1/completions", {"prompt": 1}),  # 400
+        (proxy.url + "/nowhere", {}),  # 404 route
+    ):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(url, data, {"x-request-id": "mine-1"})
+        with err.value as answer:
+            assert answer.headers["x-request-id"] == "mine-1"
+            assert "error" in json.load(answer)
+    wait_until(lambda: len(access_lines(caplog)) == 5)
+    lines = access_lines(caplog)
+    assert [x["status"] for x in lines] == [200, 200, 404, 400, 404]
+    assert lines[0]["completion_tokens"] == 3 and lines[0]["instance"] == "i0"
+    assert lines[2]["instance"] is None and lines[2]["request_id"] == "mine-1"
+
+
+def test_metrics_are_labelled_and_pass_promtool(standins: Any, ferry: Any) -> None:
+    tool = promtool()
+    [(_, a), (_, b)] = standins(2, itl_s=0.001)
+    proxy = ferry([a.url, b.url], admin_token="t", scheduler={"policy": "round_robin"})
+    for stream in (True, False):
+        body = {"model": "standin", "prompt": "hi", "max_tokens": 4, "stream": stream}
+        with post(proxy.url + "/v1/completions", body) as resp:
+            resp.read()
+    drain = urllib.request.Request(
+        proxy.url + "/admin/instances/i1/drain", data=b"", headers={"Authorization": "Bearer t"}
+    )
+    urllib.request.urlopen(drain, timeout=5).close()
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    checked = subprocess.run(
+        [tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    for sample in (
+        'ferry_time_to_first_token_seconds_count{instance="i0",model="standin"} 1.0',
+        'ferry_inter_token_latency_seconds_count{instance="i0",model="standin"} 3.0',
+        'ferry_request_duration_seconds_count{instance="i1",model="standin"} 1.0',
+        'ferry_generation_tokens_total{instance="i0",model="standin"} 4.0',
+        'ferry_prompt_tokens_total{instance="i1",model="standin"} 3.0',
+        'ferry_instance_draining{instance="i1"} 1.0',
+    ):
+        assert sample in text
+    assert "process_cpu_seconds_total" in text and "python_gc_collections_total" in text
+    freeness = [x for x in text.splitlines() if x.startswith("ferry_instance_freeness{")]
+    assert len(freeness) == 2 and not any("inf" in x.lower() for x in freeness)
