@@ -1,26 +1,34 @@
-"""`make demo`: two real vLLM CPU servers behind Ferry, a short mixed workload.
+"""`make demo`: what sets Ferry apart, on two real vLLM CPU servers.
 
-Builds the tiny local model, starts the two servers of `configs/demo.yaml`
-(pinned to core 0), starts `ferry serve --config configs/demo.yaml`, sends a
-seeded mix of completions and chat, streaming and not, short and long, some at
-high priority, then prints what each instance got and the TTFT the client saw.
+The same seeded, bursty, heavy-tailed workload runs twice through Ferry: once
+with `round_robin` (what nginx and vllm-router do by default), once with
+`llumnix` and lite migration. During the second run one instance is drained
+with `ferry drain` while streams run on it: they move to the other instance and
+finish with every token. The demo prints both runs side by side (TTFT, worst
+stall, the engines' own preemption counters), what the drain moved, and draws
+TTFT over time for both runs with the drain marked.
+
+`python -m loadtest.demo --short` runs a smaller workload (the test does).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import random
-import re
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import openai
 
+from adapters.vllm import parse_metrics
 from loadtest.tiny_model import build
 from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
 from proxy.config import load_config
@@ -28,138 +36,300 @@ from proxy.config import load_config
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "demo.yaml"
 WORK = ROOT / ".ferry"
-REQUESTS = 40
-RATE_PER_S = 6.0
+KV_CACHE_BYTES = 4_000_000  # ~2,000 tokens of the tiny model per server: KV pressure is real
 WORDS = ["load", "balance", "cache", "token", "quick", "brown", "fox", "scheduler"]
 
 
-async def one(client: openai.AsyncOpenAI, rng: random.Random) -> float | None:
-    """Send one request of a random kind; return the client's TTFT if it streamed."""
-    long = rng.random() < 0.25
-    max_tokens = rng.randint(200, 600) if long else rng.randint(8, 64)
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 120)))
-    priority = "high" if rng.random() < 0.1 else "normal"
-    chat, stream = rng.random() < 0.5, rng.random() < 0.7
-    args: dict[str, Any] = {
-        "model": "tiny",
-        "max_tokens": max_tokens,
-        "extra_headers": {"x-ferry-priority": priority},
-        "extra_body": {"ignore_eos": True},
-    }
-    create = client.chat.completions.create if chat else client.completions.create
-    if chat:
-        args["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        args["prompt"] = prompt
-    started = time.perf_counter()
-    if not stream:
-        await create(**args)
-        return None
-    ttft = None
-    async for chunk in await create(stream=True, **args):
-        if ttft is None and chunk.choices:
-            choice = chunk.choices[0]
-            text = choice.delta.content if chat else choice.text
-            if text or choice.finish_reason:
-                ttft = time.perf_counter() - started
-    return ttft
+@dataclass(frozen=True)
+class Workload:
+    requests: int = 60
+    rate_per_s: float = 3.0
+    burstiness_cv: float = 3.0  # Gamma inter-arrivals: bursts, then quiet
+    drain_at: float = 0.4  # fraction of the requests sent when the drain starts
+    seed: int = 7
 
 
-async def workload(url: str) -> list[float]:
-    rng = random.Random(7)
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=0, timeout=300)
-    tasks = []
-    for _ in range(REQUESTS):
-        tasks.append(asyncio.create_task(one(client, random.Random(rng.random()))))
-        await asyncio.sleep(rng.expovariate(RATE_PER_S))
-    ttfts = [t for t in await asyncio.gather(*tasks) if t is not None]
-    await client.close()
-    return ttfts
+SHORT = Workload(requests=16, rate_per_s=3.0)
 
 
-def percentile(values: list[float], q: float) -> float:
+@dataclass
+class Stream:
+    sent_at: float  # seconds since the run started
+    max_tokens: int
+    ttft: float | None = None
+    worst_stall: float = 0.0  # the longest gap between two tokens
+    tokens: int = 0
+
+
+@dataclass
+class Run:
+    policy: str
+    streams: list[Stream] = field(default_factory=list)
+    preemptions: int = 0
+    drained_at: float | None = None
+    drain: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [s.ttft for s in self.streams if s.ttft is not None]
+
+    @property
+    def complete(self) -> int:
+        return sum(1 for s in self.streams if s.tokens == s.max_tokens)
+
+
+def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def dispatch_counts(metrics_text: str) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for name, outcome, value in re.findall(
-        r'ferry_requests_total\{instance="([^"]+)",outcome="([^"]+)"\} ([0-9.e+]+)', metrics_text
-    ):
-        counts[f"{name} ({outcome})"] = int(float(value))
-    return counts
+def request_specs(workload: Workload) -> list[tuple[float, int, int]]:
+    """(gap before it, prompt words, max tokens) per request: the same every run."""
+    rng = random.Random(workload.seed)
+    shape = 1.0 / workload.burstiness_cv**2
+    specs = []
+    for _ in range(workload.requests):
+        gap = rng.gammavariate(shape, 1.0 / (workload.rate_per_s * shape))
+        # Heavy tails: most answers are short, a few are long and hold KV for long.
+        max_tokens = min(800, max(8, int(rng.lognormvariate(4.6, 0.9))))
+        specs.append((gap, rng.randint(10, 300), max_tokens))
+    return specs
+
+
+async def one(client: openai.AsyncOpenAI, words: int, max_tokens: int, stream: Stream) -> None:
+    rng = random.Random(words * 1000 + max_tokens)
+    prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+    started = last = time.perf_counter()
+    chunks = await client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    async for chunk in chunks:
+        if not chunk.choices:
+            continue
+        ids = getattr(chunk.choices[0], "token_ids", None) or []
+        if not ids:
+            continue
+        now = time.perf_counter()
+        if stream.ttft is None:
+            stream.ttft = now - started
+        else:
+            stream.worst_stall = max(stream.worst_stall, now - last)
+        last = now
+        stream.tokens += len(ids)
+
+
+async def workload_run(url: str, workload: Workload, run: Run, drain: Any | None = None) -> None:
+    """Send the workload; call `drain(run)` in a thread once `drain_at` of it is sent."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=0, timeout=600)
+    started = time.perf_counter()
+    tasks, drainer = [], None
+    for i, (gap, words, max_tokens) in enumerate(request_specs(workload)):
+        await asyncio.sleep(gap)
+        if drain is not None and drainer is None and i >= workload.drain_at * workload.requests:
+            run.drained_at = time.perf_counter() - started
+            drainer = asyncio.create_task(asyncio.to_thread(drain, run))
+        stream = Stream(time.perf_counter() - started, max_tokens)
+        run.streams.append(stream)
+        tasks.append(asyncio.create_task(one(client, words, max_tokens, stream)))
+    await asyncio.gather(*tasks)
+    if drainer is not None:
+        await drainer
+    await client.close()
 
 
 def get(url: str, token: str | None = None) -> str:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as resp:
-        return resp.read().decode()
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
+        return str(resp.read().decode())
 
 
-def wait_healthy(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            get(url + "/health")
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"ferry at {url} did not become healthy")
+def preemptions(urls: list[str]) -> int:
+    return sum(parse_metrics(get(u + "/metrics")).preemptions_total for u in urls)
 
 
-def main() -> int:
+def ferry_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "proxy.cli", *args]
+
+
+def write_config(path: Path, urls: list[str], policy: str, port: int, token: str) -> None:
+    migration = "off" if policy == "round_robin" else "lite"
+    config = {
+        "instances": [
+            {"name": f"vllm-{chr(ord('a') + i)}", "url": u, "migration": migration}
+            for i, u in enumerate(urls)
+        ],
+        "scheduler": {"policy": policy, "scrape_interval_s": 0.25, "seed": 1},
+        "server": {"port": port, "shutdown_delay_s": 0},
+        "admin_token": token,
+    }
+    path.write_text(json.dumps(config, indent=2))
+
+
+def run_once(
+    urls: list[str], policy: str, workload: Workload, work: Path, port: int, drain: bool
+) -> Run:
+    """One run of the workload through a fresh `ferry serve` with `policy`."""
+    token = "demo-token"
+    config = work / f"demo-{policy}.yaml"
+    write_config(config, urls, policy, port, token)
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        ferry_command("serve", "--config", str(config), "--log-level", "WARNING")
+    )
+    run = Run(policy)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                get(url + "/readyz")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ferry at {url} did not become ready") from None
+                time.sleep(0.2)
+        before = preemptions(urls)
+        admin = ["--url", url, "--admin-token", token]
+
+        def drain_busiest(run: Run) -> None:
+            deadline = time.monotonic() + 10
+            while True:  # the drain is worth showing with streams to move
+                rows = json.loads(get(url + "/admin/instances", token))
+                busiest = max(rows, key=lambda r: r["inflight"])
+                if busiest["inflight"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            run.drain = {"instance": busiest["name"], "inflight": busiest["inflight"]}
+            done = subprocess.run(
+                ferry_command("drain", busiest["name"], *admin), capture_output=True, text=True
+            )
+            run.drain["output"] = done.stdout.strip()
+            subprocess.run(ferry_command("undrain", busiest["name"], *admin), capture_output=True)
+
+        asyncio.run(workload_run(url, workload, run, drain_busiest if drain else None))
+        run.preemptions = preemptions(urls) - before
+        if drain:
+            run.drain.update(migration_figures(get(url + "/metrics")))
+        return run
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def migration_figures(metrics_text: str) -> dict[str, float]:
+    """Moves the drain made and their downtime, from Ferry's own metrics."""
+    figures = {"moved": 0.0, "downtime_sum": 0.0, "downtime_count": 0.0}
+    for line in metrics_text.splitlines():
+        if line.startswith('ferry_migrations_total{outcome="ok",reason="drain"}'):
+            figures["moved"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("ferry_migration_downtime_seconds_sum"):
+            figures["downtime_sum"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("ferry_migration_downtime_seconds_count"):
+            figures["downtime_count"] = float(line.rsplit(" ", 1)[1])
+    return figures
+
+
+def report(runs: list[Run]) -> str:
+    """Both runs side by side, one line per figure saying what it means."""
+    ms = 1000.0
+    rows = [
+        ("P50 TTFT (ms)", lambda r: quantile(r.ttfts, 0.5) * ms, "half the streams waited less"),
+        ("P99 TTFT (ms)", lambda r: quantile(r.ttfts, 0.99) * ms, "the tail a user feels"),
+        (
+            "P99 worst stall (ms)",
+            lambda r: quantile([s.worst_stall for s in r.streams], 0.99) * ms,
+            "longest pause inside a stream",
+        ),
+        ("preemptions", lambda r: r.preemptions, "the engines' own count of evicted KV"),
+    ]
+    names = [r.policy for r in runs]
+    lines = [f"{'':<22}" + "".join(f"{n:>14}" for n in names)]
+    for label, value, meaning in rows:
+        lines.append(f"{label:<22}" + "".join(f"{value(r):>14.0f}" for r in runs) + f"   {meaning}")
+    lines.append(
+        f"{'streams complete':<22}"
+        + "".join(f"{f'{r.complete}/{len(r.streams)}':>14}" for r in runs)
+        + "   every token of every stream arrived"
+    )
+    return "\n".join(lines)
+
+
+def drain_report(run: Run) -> str:
+    d = run.drain
+    count = d.get("downtime_count", 0.0)
+    mean_ms = 1000 * d.get("downtime_sum", 0.0) / count if count else 0.0
+    return (
+        f"drain of {d.get('instance')} at t={run.drained_at:.1f}s with {d.get('inflight')} in "
+        f"flight: {d.get('moved', 0):.0f} streams moved (mean downtime {mean_ms:.0f} ms); "
+        f"{run.complete}/{len(run.streams)} streams of this run finished with all their tokens"
+    )
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for run, marker in zip(runs, ("o", "s"), strict=True):
+        points = sorted((s.sent_at, s.ttft) for s in run.streams if s.ttft is not None)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker, label=run.policy, ms=4)
+        if run.drained_at is not None:
+            ax.axvline(run.drained_at, color="grey", ls="--")
+            ax.annotate("drain", (run.drained_at, ax.get_ylim()[1] * 0.9), color="grey")
+    ax.set_xlabel("request sent at (s)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_yscale("log")
+    ax.set_title("TTFT over time, same workload: round_robin vs llumnix (drain marked)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def demo(urls: list[str], workload: Workload, work: Path, port: int) -> tuple[list[Run], Path]:
+    """Run both policies on servers at `urls`; print the comparison; return runs and the PNG."""
+    work.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for policy, drain in (("round_robin", False), ("llumnix", True)):
+        print(f"running {workload.requests} streams through ferry ({policy})...", flush=True)
+        runs.append(run_once(urls, policy, workload, work, port, drain))
+    png = work / "demo-ttft.png"
+    plot(runs, png)
+    print()
+    print(report(runs))
+    print()
+    print(drain_report(runs[1]))
+    print(f"\nTTFT over time: {png}")
+    return runs, png
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--short", action="store_true", help="a smaller workload")
+    args = parser.parse_args(argv)
     config = load_config(CONFIG)
     model = build(WORK / "tiny-llama")
     servers: list[VLLMServer] = []
-    ferry: subprocess.Popen[bytes] | None = None
     try:
         print(f"starting {len(config.instances)} vLLM CPU servers (about a minute)...", flush=True)
         for inst in config.instances:
             port = urlsplit(inst.url).port or 80
-            servers.append(start_vllm(model, port, WORK / "logs", kv_cache_bytes=8_000_000))
+            servers.append(start_vllm(model, port, WORK / "logs", kv_cache_bytes=KV_CACHE_BYTES))
         wait_ready(servers)
-        url = f"http://{config.server.host}:{config.server.port}"
-        ferry = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "proxy.cli",
-                "serve",
-                "--config",
-                str(CONFIG),
-                "--log-level",
-                "WARNING",
-            ]
-        )
-        wait_healthy(url)
-        print(f"ferry is up at {url}; sending {REQUESTS} requests at {RATE_PER_S}/s...", flush=True)
-        started = time.perf_counter()
-        ttfts = asyncio.run(workload(url))
-        elapsed = time.perf_counter() - started
-        print(f"\ndone in {elapsed:.1f}s\n\nrequests per instance (outcome):")
-        for key, count in sorted(dispatch_counts(get(url + "/metrics")).items()):
-            print(f"  {key:<24} {count}")
-        p50, p99 = 1000 * percentile(ttfts, 50), 1000 * percentile(ttfts, 99)
-        print(f"\nclient TTFT over {len(ttfts)} streams: P50 {p50:.0f} ms, P99 {p99:.0f} ms\n")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "proxy.cli",
-                "status",
-                "--url",
-                url,
-                "--admin-token",
-                config.admin_token or "",
-            ],
-            check=False,
+        demo(
+            [s.url for s in servers],
+            SHORT if args.short else Workload(),
+            WORK,
+            config.server.port,
         )
         return 0
     finally:
-        if ferry is not None:
-            ferry.terminate()
-            ferry.wait(10)
         for server in servers:
             server.stop()
 

@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--log-level", default="INFO")
 
+    init = sub.add_parser("init", help="write the documented example configuration")
+    init.add_argument("path", nargs="?", default="ferry.yaml", help="where ('-': stdout)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+
     def admin_command(name: str, help: str) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help)
         command.add_argument("--url", default="http://127.0.0.1:8000", help="the running ferry")
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         return _serve(args)
+    if args.command == "init":
+        return _init(args)
     if args.command == "trace":
         return trace.run(args)
     if args.command == "sim":
@@ -114,6 +120,24 @@ def _version() -> str:
         return version("llm-ferry")
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown"
+
+
+def _init(args: argparse.Namespace) -> int:
+    """Write the example configuration shipped in the package (configs/example.yaml)."""
+    from importlib.resources import files
+    from pathlib import Path
+
+    text = files("proxy").joinpath("data/example.yaml").read_text()
+    if args.path == "-":
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.path)
+    if path.exists() and not args.force:
+        print(f"ferry init: {path} exists; --force overwrites it", file=sys.stderr)
+        return 1
+    path.write_text(text)
+    print(f"wrote {path}: edit instances, then `ferry serve --config {path}`")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

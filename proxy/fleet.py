@@ -62,6 +62,9 @@ class Fleet:
         self.load = load
         self.poll_s = poll_s
         self._removals: dict[str, asyncio.Task[None]] = {}
+        # Instances that DNS discovery owns (proxy/discovery.py): a reload of the
+        # file neither removes them nor reports them.
+        self.discovered: frozenset[str] = frozenset()
 
     @property
     def removing(self) -> frozenset[str]:
@@ -138,7 +141,10 @@ class Fleet:
 
     def apply(self, new: FerryConfig) -> dict[str, Any]:
         """Make the running fleet match `new`; returns what changed."""
-        old, current = self.config, {n: s.config for n, s in self.cluster.instances.items()}
+        old = self.config
+        current = {
+            n: s.config for n, s in self.cluster.instances.items() if n not in self.discovered
+        }
         wanted = {i.name: i for i in new.instances}
         added, changed = [], []
         for name, instance in wanted.items():
@@ -162,6 +168,8 @@ class Fleet:
             for f in dataclasses.fields(new.server)
             if getattr(new.server, f.name) != getattr(old.server, f.name)
         ]
+        if new.discovery != old.discovery:
+            restart.append("discovery")
         summary = {
             "added": added,
             "removed": removed,

@@ -57,10 +57,17 @@ class Site:
         return f"http://127.0.0.1:{self.port}"
 
 
-async def start_site(app: web.Application, *, handler_cancellation: bool = False) -> Site:
+async def start_site(
+    app: web.Application,
+    *,
+    handler_cancellation: bool = False,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> Site:
+    """Serve `app` on `host:port` (0: a free port); `Site.url` names 127.0.0.1."""
     runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, host, port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return Site(runner, port, app)

@@ -1,0 +1,139 @@
+"""Instances found in DNS: a Kubernetes headless Service's name resolves to one
+address per ready pod; Ferry resolves it every `refresh_s` and applies the
+difference to the running fleet. It needs nothing but DNS.
+
+- An address that appears becomes an instance `<name>@<address>:<port>`
+  (`DiscoveryConfig.instance`); it takes traffic after its first good scrape.
+- An address that disappears is removed through the fleet: drained (its streams
+  moved off where migration is on), forgotten once empty. One that comes back
+  before then is taken back (undrained).
+- A name that fails to resolve keeps the last set found (with a warning): one
+  DNS hiccup never empties the fleet. Scaling the Service to zero pods therefore
+  keeps the last instances until their scrapes fail them.
+
+Start/stop contract: `refresh_all()` once before serving, then `start()` runs
+one task per name; `stop()` cancels them and waits. The resolver and the sleep
+are arguments, so tests control both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from proxy.config import DiscoveryConfig
+from proxy.fleet import Fleet, FleetError
+
+log = logging.getLogger("ferry.discovery")
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """The addresses `host` resolves to, sorted, through the loop's resolver
+    (getaddrinfo on a thread: /etc/hosts, then DNS, as nsswitch.conf says)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    added: tuple[str, ...]  # names to add
+    restored: tuple[str, ...]  # names being removed that are wanted again
+    removed: tuple[str, ...]  # names to remove
+
+
+def diff(owned: Iterable[str], removing: Iterable[str], wanted: Iterable[str]) -> Change:
+    """What to do so that the names of one source match `wanted`.
+
+    `owned`: the source's names still in the fleet; `removing`: those of them
+    already draining towards removal."""
+    owned_set, removing_set, wanted_set = set(owned), set(removing), set(wanted)
+    return Change(
+        added=tuple(sorted(wanted_set - owned_set)),
+        restored=tuple(sorted(wanted_set & owned_set & removing_set)),
+        removed=tuple(sorted(owned_set - wanted_set - removing_set)),
+    )
+
+
+class Discovery:
+    def __init__(
+        self,
+        fleet: Fleet,
+        sources: tuple[DiscoveryConfig, ...],
+        *,
+        resolver: Resolver = resolve,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.fleet = fleet
+        self.sources = sources
+        self.resolver = resolver
+        self.sleep = sleep
+        self._owned: list[set[str]] = [set() for _ in sources]
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def refresh_all(self) -> None:
+        for index in range(len(self.sources)):
+            await self.refresh(index)
+
+    async def refresh(self, index: int) -> Change | None:
+        """Resolve source `index` once and apply the difference; None when the
+        name did not resolve (nothing changes)."""
+        source = self.sources[index]
+        try:
+            addresses = await self.resolver(source.dns, source.port)
+        except OSError as exc:  # socket.gaierror included
+            log.warning(
+                "discovery: %s did not resolve (%s); keeping %d instances",
+                source.dns,
+                exc,
+                len(self._owned[index]),
+            )
+            return None
+        wanted = {source.instance(a).name: source.instance(a) for a in addresses}
+        owned = self._owned[index]
+        owned &= set(self.fleet.cluster.instances)  # removals that finished
+        change = diff(owned, owned & self.fleet.removing, wanted)
+        for name in change.added:
+            try:
+                self.fleet.add(wanted[name])
+            except FleetError as exc:  # a configured instance of that name
+                log.warning("discovery: %s not added: %s", name, exc)
+                continue
+            owned.add(name)
+        for name in change.restored:
+            self.fleet.undrain(name)
+        for name in change.removed:
+            self.fleet.remove(name, migrate=True)
+        self.fleet.discovered = frozenset().union(*self._owned)
+        if change.added or change.restored or change.removed:
+            log.info(
+                "discovery: %s: added %s, back %s, removing %s",
+                source.dns,
+                list(change.added),
+                list(change.restored),
+                list(change.removed),
+            )
+        return change
+
+    def start(self) -> None:
+        for index, source in enumerate(self.sources):
+            task = asyncio.create_task(self._run(index), name=f"discovery-{source.dns}")
+            self._tasks.append(task)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _run(self, index: int) -> None:
+        while True:
+            await self.sleep(self.sources[index].refresh_s)
+            try:
+                await self.refresh(index)
+            except Exception:  # one bad round must not end discovery
+                log.exception("discovery: %s: refresh failed", self.sources[index].dns)

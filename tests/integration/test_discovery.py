@@ -1,0 +1,112 @@
+"""DNS discovery against the system resolver: a name in /etc/hosts stands for a
+Kubernetes headless Service, and stand-in servers (not vLLM) on 127.0.0.1 and
+127.0.0.2 for its pods. Instances appear with the addresses, disappear (drained,
+their streams finished) when one goes, and stay when the name stops resolving."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest.standin_server import StandIn
+from proxy.server import FLEET
+from tests.helpers import Ferry, LoopThread, Site, start_site, wait_until
+from tests.integration.test_fleet import join, streams
+
+HOSTS = Path("/etc/hosts")
+NAME = "ferry-discovery-test.test"  # .test: reserved, never a real name
+
+
+def _without_ours(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if NAME not in line.split())
+
+
+@pytest.fixture
+def hosts() -> Iterator[Callable[[list[str]], None]]:
+    """Set the addresses NAME resolves to through /etc/hosts; removed after."""
+    nsswitch = Path("/etc/nsswitch.conf")
+    if nsswitch.exists() and "files" not in next(
+        (line for line in nsswitch.read_text().splitlines() if line.startswith("hosts:")), "files"
+    ):
+        pytest.skip("nsswitch.conf does not consult /etc/hosts")
+    if not os.access(HOSTS, os.W_OK):
+        pytest.skip("/etc/hosts is not writable (run as root)")
+
+    def point(addresses: list[str]) -> None:
+        # Rewritten in place: other lines stay as they are now.
+        text = _without_ours(HOSTS.read_text())
+        if text and not text.endswith("\n"):
+            text += "\n"
+        HOSTS.write_text(text + "".join(f"{a} {NAME}\n" for a in addresses))
+
+    yield point
+    HOSTS.write_text(_without_ours(HOSTS.read_text()))
+
+
+def test_instances_follow_dns(
+    hosts: Any, loop_thread: LoopThread, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = StandIn(itl_s=0.02)
+    site_a = loop_thread.run(start_site(a.app(), handler_cancellation=True))
+    b = StandIn(itl_s=0.02)
+    sites: list[Site] = [site_a]
+    try:
+        # The same port on the second address, as pods behind one Service.
+        sites.append(
+            loop_thread.run(
+                start_site(b.app(), handler_cancellation=True, host="127.0.0.2", port=site_a.port)
+            )
+        )
+        run_discovery(hosts, a, b, site_a.port, ferry, caplog)
+    finally:
+        for site in sites:
+            loop_thread.run(site.runner.cleanup())
+
+
+def run_discovery(
+    hosts: Any, a: StandIn, b: StandIn, port: int, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    name_a, name_b = f"pool@127.0.0.1:{port}", f"pool@127.0.0.2:{port}"
+    hosts(["127.0.0.1", "127.0.0.2"])
+    source = {"dns": NAME, "port": port, "refresh_s": 0.1, "name": "pool"}
+    proxy: Ferry = ferry([], discovery=[source], scheduler={"policy": "round_robin"})
+
+    # Both found before the first request (the first round runs before serving).
+    assert set(proxy.cluster.instances) == {name_a, name_b}
+    assert proxy.cluster.instances[name_b].config.url == f"http://127.0.0.2:{port}"
+    wait_until(lambda: all(s.healthy for s in proxy.cluster.instances.values()))
+    threads, texts = streams(proxy.url, 4, 50)  # 1 s streams, two on each
+    wait_until(lambda: a.running == 2 and b.running == 2)
+
+    # 127.0.0.2 leaves the name: drained, its streams end in place, then removed.
+    hosts(["127.0.0.1"])
+    wait_until(lambda: proxy.cluster.instances[name_b].draining, timeout=5)
+    assert b.running == 2
+    join(threads)
+    assert len(texts) == 4 and all(texts)
+    wait_until(lambda: set(proxy.cluster.instances) == {name_a}, timeout=5)
+
+    # It comes back: added again.
+    hosts(["127.0.0.1", "127.0.0.2"])
+    wait_until(lambda: set(proxy.cluster.instances) == {name_a, name_b}, timeout=5)
+
+    # The name stops resolving: the last set stays, nothing drains.
+    hosts([])
+    wait_until(lambda: any("did not resolve" in r.getMessage() for r in caplog.records))
+    served = a.served + b.served
+    threads, texts = streams(proxy.url, 2, 10)
+    join(threads)
+    assert a.served + b.served == served + 2
+    assert set(proxy.cluster.instances) == {name_a, name_b}
+    assert not any(s.draining for s in proxy.cluster.instances.values())
+
+    # A reload of the file (no instances in it) leaves discovery's instances alone.
+    fleet = proxy.site.app[FLEET]
+    summary = proxy.loop.call(fleet.apply, dataclasses.replace(fleet.config, instances=()))
+    assert summary["removed"] == [] and summary["restart_required"] == []
+    assert set(proxy.cluster.instances) == {name_a, name_b}

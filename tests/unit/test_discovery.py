@@ -1,0 +1,88 @@
+"""DNS discovery's pure parts: the difference it applies, the instances it makes,
+and its configuration (the resolver itself: tests/integration/test_discovery.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from proxy.config import DISCOVERY_KEYS, ConfigError, parse_config
+from proxy.discovery import Change, diff
+
+
+def test_diff_adds_removes_and_takes_back() -> None:
+    assert diff([], [], ["p@a:1", "p@b:1"]) == Change(("p@a:1", "p@b:1"), (), ())
+    assert diff(["p@a:1", "p@b:1"], [], ["p@a:1"]) == Change((), (), ("p@b:1",))
+    # Already on its way out: not removed twice; wanted again: taken back.
+    assert diff(["p@a:1", "p@b:1"], ["p@b:1"], ["p@a:1"]) == Change((), (), ())
+    assert diff(["p@a:1", "p@b:1"], ["p@b:1"], ["p@a:1", "p@b:1"]) == Change((), ("p@b:1",), ())
+    assert diff(["p@a:1"], [], ["p@a:1"]) == Change((), (), ())
+
+
+def test_discovered_instances_take_the_template() -> None:
+    config = parse_config(
+        {
+            "instances": [],
+            "discovery": [
+                {
+                    "dns": "vllm-headless.ns.svc.cluster.local",
+                    "port": 8000,
+                    "migration": "lite",
+                    "labels": {"pool": "a"},
+                    "api_key": "${KEY}",
+                }
+            ],
+        },
+        env={"KEY": "sk-1"},
+    )
+    (source,) = config.discovery
+    assert source.name == "vllm-headless" and source.refresh_s == 10.0
+    inst = source.instance("10.0.0.3")
+    assert inst.name == "vllm-headless@10.0.0.3:8000" and inst.url == "http://10.0.0.3:8000"
+    assert inst.migration == "lite" and inst.labels == {"pool": "a"}
+    assert inst.auth_headers() == {"Authorization": "Bearer sk-1"}
+    assert source.instance("fd00::7").url == "http://[fd00::7]:8000"
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dns": "x"}, "discovery[0].port: is required"),
+        ({"dns": "x", "port": 0}, "discovery[0].port: must be between 1 and 65535"),
+        ({"dns": "x", "port": 1, "scheme": "ftp"}, "discovery[0].scheme: must be one of"),
+        ({"dns": "x", "port": 1, "refresh_s": 0}, "discovery[0].refresh_s: must be at least"),
+        ({"dns": "x/y", "port": 1}, "discovery[0].dns: must be a DNS name"),
+        ({"dns": "x", "port": 1, "name": "a@b"}, "discovery[0].name: must contain no"),
+        ({"dns": "x", "port": 1, "migration": "on"}, "discovery[0].migration: must be one of"),
+        ({"dns": "x", "port": 1, "url": "http://x"}, "discovery[0].url: unknown key; allowed:"),
+    ],
+)
+def test_discovery_errors_name_the_yaml_path(entry: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_config({"discovery": [entry]}, env={})
+
+
+def test_instances_may_be_empty_only_with_discovery() -> None:
+    assert parse_config({"discovery": [{"dns": "x", "port": 1}]}, env={}).instances == ()
+    with pytest.raises(ConfigError, match="instances: must be a non-empty list"):
+        parse_config({"instances": []}, env={})
+    with pytest.raises(ConfigError, match=r"discovery\[1\].name: 'x' port 1 is already"):
+        parse_config({"discovery": [{"dns": "x", "port": 1}, {"dns": "x.y", "port": 1}]}, env={})
+
+
+def test_the_documented_example_parses() -> None:
+    """configs/example.yaml shows `discovery:` commented out; uncommented, it loads."""
+    text = (Path(__file__).resolve().parents[2] / "configs" / "example.yaml").read_text()
+    lines = text.splitlines()
+    start = lines.index("# discovery:")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("#"):
+            break
+        block.append(line[2:])
+    raw = yaml.safe_load("\n".join(block))
+    (source,) = parse_config(raw, env={}).discovery
+    assert source.instance("10.0.0.3").name == "vllm@10.0.0.3:8000"
+    assert set(raw["discovery"][0]) == set(DISCOVERY_KEYS) | {"engine", "migration"}
