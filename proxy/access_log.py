@@ -33,12 +33,15 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.metrics import FerryMetrics
+
+if TYPE_CHECKING:
+    from proxy.tracing import Spans
 
 log = logging.getLogger("ferry.access")
 
@@ -105,13 +108,14 @@ def record_of(request: web.Request) -> AccessRecord:
     return record
 
 
-def middleware(metrics: FerryMetrics, enabled: bool) -> Any:
-    """Give each request its id and record; at its end, observe its duration and
-    tokens and, when `enabled`, write its line."""
+def middleware(metrics: FerryMetrics, enabled: bool, spans: Spans | None = None) -> Any:
+    """Give each request its id and record (and span, with `spans`); at its end,
+    observe its duration and tokens and, when `enabled`, write its line."""
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         record = request[RECORD] = _new_record(request)
+        span = spans.start(record, request.headers) if spans is not None else None
         try:
             response = await handler(request)
             if record.status is None:  # a stream has its status once prepared
@@ -130,6 +134,9 @@ def middleware(metrics: FerryMetrics, enabled: bool) -> Any:
             if record.outcome == "client_disconnect":
                 record.status = 499  # nginx's code for it
             _finish(record, metrics, enabled)
+            if span is not None:
+                assert spans is not None
+                spans.end(span, record)
 
     return observe
 

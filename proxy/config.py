@@ -141,6 +141,8 @@ class ServerConfig:
     # One JSON line per request on stdout (proxy/access_log.py); off by default so
     # a benchmark or a busy Ferry logs nothing it was not asked to.
     access_log: bool = False
+    # An OpenTelemetry span per request (proxy/tracing.py); needs the `otel` extra.
+    otel: bool = False
 
 
 @dataclass(frozen=True, slots=True)

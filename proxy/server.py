@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy import access_log, admin, openai_request
+from proxy import access_log, admin, openai_request, tracing
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig
 from proxy.errors import error_response, openai_errors
@@ -75,7 +75,8 @@ def build_app(
     metrics = FerryMetrics(sched.scaling_settings())
     # The access log's middleware comes first: every answer carries the request id,
     # and every request (a 404 too) gets its line.
-    observe = access_log.middleware(metrics, config.server.access_log)
+    spans = tracing.Spans() if config.server.otel else None
+    observe = access_log.middleware(metrics, config.server.access_log, spans)
     app = web.Application(
         client_max_size=config.server.max_body_bytes, middlewares=[observe, openai_errors]
     )
@@ -338,6 +339,8 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
     app = build_app(config, load)
     if config.server.access_log:
         access_log.install_handler()
+    if config.server.otel:
+        tracing.install()
     # handler_cancellation: a client that hangs up cancels its handler, which
     # closes the upstream connection, which makes vLLM abort the request.
     runner = web.AppRunner(

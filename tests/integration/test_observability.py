@@ -159,3 +159,34 @@ def test_metrics_are_labelled_and_pass_promtool(standins: Any, ferry: Any) -> No
     assert "process_cpu_seconds_total" in text and "python_gc_collections_total" in text
     freeness = [x for x in text.splitlines() if x.startswith("ferry_instance_freeness{")]
     assert len(freeness) == 2 and not any("inf" in x.lower() for x in freeness)
+
+
+def test_with_otel_a_request_is_a_span_under_the_clients_trace(standins: Any, ferry: Any) -> None:
+    trace = pytest.importorskip("opentelemetry.trace", reason="the otel extra is not installed")
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, sdk.TracerProvider):  # the process's first: this test's
+        provider = sdk.TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    [(standin, a)] = standins(1, itl_s=0.001)
+    proxy = ferry([a.url], server={"otel": True})
+    body = {"model": "standin", "prompt": "hi", "max_tokens": 3, "stream": True}
+    with post(proxy.url + "/v1/completions", body, {"traceparent": TRACEPARENT}) as resp:
+        resp.read()
+    wait_until(lambda: bool(exporter.get_finished_spans()))
+    [span] = exporter.get_finished_spans()
+    trace_id, parent_id = TRACEPARENT.split("-")[1:3]
+    assert f"{span.context.trace_id:032x}" == trace_id
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == parent_id
+    assert span.kind is trace.SpanKind.SERVER and span.name == "POST /v1/completions"
+    attributes = dict(span.attributes or {})
+    assert attributes["ferry.instance"] == "i0" and attributes["gen_ai.usage.output_tokens"] == 3
+    assert attributes["http.response.status_code"] == 200
+    # The engine is sent Ferry's span as the parent, in the client's trace.
+    sent = lower(standin.seen_headers[-1])["traceparent"].split("-")
+    assert sent[1] == trace_id and sent[2] == f"{span.context.span_id:016x}"
