@@ -51,6 +51,34 @@ class InstanceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Instances found in DNS (proxy/discovery.py): every address `dns` resolves
+    to becomes an instance `<name>@<address>:<port>` made from `template`, e.g.
+    a Kubernetes headless Service's name, which resolves to its ready pods."""
+
+    dns: str
+    port: int
+    scheme: str = "http"
+    refresh_s: float = 10.0  # how often the name is resolved again
+    name: str = ""  # instance name prefix; "" takes the name's first label
+    # engine, migration, labels, api_key, headers of every instance found
+    template: InstanceConfig = field(default_factory=lambda: InstanceConfig("", ""))
+
+    def instance(self, address: str) -> InstanceConfig:
+        """The instance at `address` (an IPv4 or IPv6 address)."""
+        host = f"[{address}]" if ":" in address else address
+        return replace(
+            self.template,
+            name=f"{self.name}@{address}:{self.port}",
+            url=f"{self.scheme}://{host}:{self.port}",
+        )
+
+
+DISCOVERY_KEYS = ("dns", "port", "scheme", "refresh_s", "name")
+DISCOVERY_INSTANCE_KEYS = ("engine", "migration", "labels", "api_key", "headers")
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     policy: str = "llumnix"
     scrape_interval_s: float = 0.25
@@ -151,6 +179,7 @@ class FerryConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     admin_token: str | None = None
+    discovery: tuple[DiscoveryConfig, ...] = ()
 
 
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryConfig:
@@ -169,8 +198,9 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryCon
 def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
     env = dict(os.environ) if env is None else env
     top = _mapping(raw, "(top level)")
-    _reject_unknown(top, {"instances", "scheduler", "server", "admin_token"}, "")
-    instances = _instances(top.get("instances"), env)
+    _reject_unknown(top, {"instances", "scheduler", "server", "admin_token", "discovery"}, "")
+    discovery = _discovery(top.get("discovery", []), env)
+    instances = _instances(top.get("instances"), env, allow_none=bool(discovery))
     scheduler = _section(SchedulerConfig, top.get("scheduler", {}), "scheduler")
     server = _section(ServerConfig, top.get("server", {}), "server")
     _check_scheduler(scheduler)
@@ -183,6 +213,7 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
         scheduler=scheduler,
         server=server,
         admin_token=token or env.get("FERRY_ADMIN_TOKEN") or None,
+        discovery=discovery,
     )
 
 
@@ -203,9 +234,17 @@ def config_from_backends(
     return parse_config(raw)
 
 
-def _instances(raw: Any, env: dict[str, str]) -> tuple[InstanceConfig, ...]:
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError("instances: must be a non-empty list of {name, url, engine}")
+def _instances(
+    raw: Any, env: dict[str, str], allow_none: bool = False
+) -> tuple[InstanceConfig, ...]:
+    """`allow_none`: discovery finds the instances, so the list may be empty or absent."""
+    if allow_none and raw is None:
+        return ()
+    if not isinstance(raw, list) or not (raw or allow_none):
+        raise ConfigError(
+            "instances: must be a non-empty list of {name, url, engine}"
+            " (or a list, maybe empty, next to discovery)"
+        )
     result: list[InstanceConfig] = []
     names: set[str] = set()
     for i, item in enumerate(raw):
@@ -253,6 +292,42 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
         api_key=_expand(inst.api_key, f"{where}.api_key", env),
         headers={k: _expand(v, f"{where}.headers.{k}", env) or "" for k, v in inst.headers.items()},
     )
+
+
+def _discovery(raw: Any, env: dict[str, str]) -> tuple[DiscoveryConfig, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError("discovery: must be a list of {dns, port, refresh_s, ...}")
+    result: list[DiscoveryConfig] = []
+    for i, item in enumerate(raw):
+        where = f"discovery[{i}]"
+        entry = _mapping(item, where)
+        _reject_unknown(entry, {*DISCOVERY_KEYS, *DISCOVERY_INSTANCE_KEYS}, where)
+        own = {k: v for k, v in entry.items() if k in DISCOVERY_KEYS}
+        source = _section(DiscoveryConfig, own, where, required=("dns", "port"))
+        _check_discovery(source, where)
+        name = source.name or source.dns.split(".")[0]
+        template = {k: v for k, v in entry.items() if k in DISCOVERY_INSTANCE_KEYS}
+        # Checked as one instance would be, under this entry's YAML path.
+        url = f"{source.scheme}://{source.dns}:{source.port}"
+        inst = parse_instance({"name": name, "url": url, **template}, where, env)
+        source = replace(source, name=name, template=inst)
+        if any((d.name, d.port) == (name, source.port) for d in result):
+            raise ConfigError(f"{where}.name: {name!r} port {source.port} is already discovered")
+        result.append(source)
+    return tuple(result)
+
+
+def _check_discovery(d: DiscoveryConfig, where: str) -> None:
+    if not d.dns or "/" in d.dns or ":" in d.dns:
+        raise ConfigError(f"{where}.dns: must be a DNS name (got {d.dns!r})")
+    if not 1 <= d.port <= 65535:
+        raise ConfigError(f"{where}.port: must be between 1 and 65535 (got {d.port})")
+    if d.scheme not in ("http", "https"):
+        raise ConfigError(f"{where}.scheme: must be one of http, https (got {d.scheme!r})")
+    if not (math.isfinite(d.refresh_s) and d.refresh_s >= 0.1):
+        raise ConfigError(f"{where}.refresh_s: must be at least 0.1 seconds (got {d.refresh_s})")
+    if "/" in d.name or "@" in d.name:
+        raise ConfigError(f"{where}.name: must contain no '/' or '@' (got {d.name!r})")
 
 
 def _expand(value: str | None, where: str, env: dict[str, str]) -> str | None:

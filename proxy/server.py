@@ -29,6 +29,7 @@ from aiohttp import web
 from proxy import access_log, admin, openai_request, tracing
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig
+from proxy.discovery import Discovery
 from proxy.errors import error_response, openai_errors
 from proxy.fleet import Fleet, FleetError
 from proxy.kv_migration import FullModeSettings, KVMigrator
@@ -65,6 +66,7 @@ ENGINE_ROUTES = (
     "/generative_scoring",
 )
 FLEET = web.AppKey("fleet", Fleet)
+DISCOVERY = web.AppKey("discovery", Discovery)
 
 
 def build_app(
@@ -160,11 +162,15 @@ def build_app(
             app[FLEET] = Fleet(
                 config, cluster, scraper, migrator, metrics, retune=retune, load=load
             )
+            discovery = app[DISCOVERY] = Discovery(app[FLEET], config.discovery)
+            await discovery.refresh_all()
             # One round before serving, so the first requests find healthy instances.
             await asyncio.gather(*(_first_look(scraper, n) for n in cluster.instances))
             scraper.start()
             rescheduler.start()
+            discovery.start()
             yield
+            await discovery.stop()
             await app[FLEET].stop()
             await rescheduler.stop()
             await migrator.stop()
