@@ -42,6 +42,7 @@ class StandIn:
         self.break_after: int | None = None  # tests: drop the connection after n tokens
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
+        self.headers_delay_s = 0.0  # tests: a busy server sends a stream's headers late
         self.seen_bodies: list[dict[str, Any]] = []
         self.seen_headers: list[dict[str, str]] = []  # of each POST, in order
         self.dead = False  # tests: `kill()` was called
@@ -183,6 +184,7 @@ class StandIn:
             await asyncio.sleep(self.ttft_s + self.itl_s * n)
             return web.json_response(self._response(rid, "completed", TOKEN_TEXT * n, n))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await asyncio.sleep(self.headers_delay_s)
         await resp.prepare(request)
         events = 0
 
@@ -273,6 +275,7 @@ class StandIn:
         self, request: web.Request, chat: bool, n: int, ids: bool
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await asyncio.sleep(self.headers_delay_s)
         await resp.prepare(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-standin-{self.served}"
         await asyncio.sleep(self.ttft_s)

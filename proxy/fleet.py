@@ -130,6 +130,7 @@ class Fleet:
             task.cancel()
             log.info("instance %s: removal called off", name)
         self.cluster.set_draining(name, False)
+        self.migrator.stop_draining(name)
 
     def reload(self) -> dict[str, Any]:
         """Read the configuration file again and apply the difference."""
@@ -205,6 +206,7 @@ class Fleet:
             await asyncio.sleep(self.poll_s)
         await self.scraper.unwatch(name)
         self.cluster.remove(name)
+        self.migrator.stop_draining(name)
         self.metrics.forget(name)
         del self._removals[name]
         self._changed()

@@ -45,6 +45,9 @@ class Migrator:
         self.kv = kv
         self.prewarm = prewarm
         self.streams: dict[int, LiveStream] = {}
+        # Instances drained with their streams moving off: a stream that registers
+        # there later (its instance was slow to answer) moves off as it arrives.
+        self.evacuating: set[str] = set()
         self._ids = itertools.count(1)
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
         self._max = max(1, max_concurrent)
@@ -63,6 +66,8 @@ class Migrator:
 
     def register(self, stream: LiveStream) -> None:
         self.streams[stream.request.id] = stream
+        if stream.instance in self.evacuating:
+            self.submit(stream, None, "drain")
 
     def unregister(self, stream: LiveStream) -> None:
         self.streams.pop(stream.request.id, None)
@@ -103,11 +108,16 @@ class Migrator:
         task.add_done_callback(self._moves.discard)
 
     def drain(self, instance: str) -> int:
-        """Move every live stream off `instance`; returns how many."""
+        """Move every live stream off `instance`, and those that arrive there until
+        `stop_draining`; returns how many there are now."""
+        self.evacuating.add(instance)
         streams = self.streams_on(instance)
         for stream in streams:
             self.submit(stream, None, "drain")
         return len(streams)
+
+    def stop_draining(self, instance: str) -> None:
+        self.evacuating.discard(instance)
 
     def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
         """A high-priority request goes to `chosen`: move a lower one off if it

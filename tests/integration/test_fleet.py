@@ -252,3 +252,25 @@ def test_sighup_and_the_cli_change_a_running_ferry(standins: Any, tmp_path: Path
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_a_drain_moves_streams_whose_instance_answers_after_it(standins: Any, ferry: Any) -> None:
+    """A busy instance sends a stream's headers late: the stream is in flight (billed)
+    but not yet movable when the drain comes; it moves as soon as it is."""
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
+    a.headers_delay_s = 0.5
+    proxy: Ferry = ferry(
+        [site_a.url, site_b.url],
+        admin_token=TOKEN,
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    threads, texts = streams(proxy.url, 4, 60)
+    wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 2)
+    code, row = send(proxy.url + "/admin/instances/i0/drain?migrate=true", "POST")
+    assert code == 200 and row["migrating"] == 0  # none has answered yet
+    wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 0, timeout=1.2)  # not 1.7 s
+    join(threads)
+    assert texts == [" tok" * 60] * 4
+    text = get(proxy.url + "/metrics")[1]["raw"]
+    assert 'ferry_migrations_total{outcome="ok",reason="drain"} 2.0' in text
