@@ -147,6 +147,13 @@ class Fleet:
             n: s.config for n, s in self.cluster.instances.items() if n not in self.discovered
         }
         wanted = {i.name: i for i in new.instances}
+        clash = sorted(set(wanted) & self.discovered)
+        if clash:  # refused before anything changes
+            raise FleetError(
+                409,
+                f"instances: {clash[0]!r} is an instance DNS discovery found",
+                "instance_exists",
+            )
         added, changed = [], []
         for name, instance in wanted.items():
             if name not in current:

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from loadtest.standin_server import StandIn
+from proxy.config import InstanceConfig
+from proxy.fleet import FleetError
 from proxy.server import FLEET
 from tests.helpers import Ferry, LoopThread, Site, start_site, wait_until
 from tests.integration.test_fleet import join, streams
@@ -110,3 +112,15 @@ def run_discovery(
     summary = proxy.loop.call(fleet.apply, dataclasses.replace(fleet.config, instances=()))
     assert summary["removed"] == [] and summary["restart_required"] == []
     assert set(proxy.cluster.instances) == {name_a, name_b}
+
+    # A file that names an instance discovery found is refused whole.
+    clash = dataclasses.replace(
+        fleet.config,
+        instances=(
+            InstanceConfig("other", "http://127.0.0.1:9"),
+            fleet.cluster.instances[name_a].config,
+        ),
+    )
+    with pytest.raises(FleetError, match="DNS discovery found"):
+        proxy.loop.call(fleet.apply, clash)
+    assert set(proxy.cluster.instances) == {name_a, name_b}  # "other" was not added
