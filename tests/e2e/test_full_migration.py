@@ -175,14 +175,16 @@ def test_destination_killed_mid_copy_rolls_back(
     full: Any, vllm_pair: list[VLLMServer], doomed: VLLMServer
 ) -> None:
     proxy = full([vllm_pair[0], doomed], migration_bandwidth_mb_s=0.1)
-    reference, _, _ = stream_ids(api(vllm_pair[0].url), False, 700, on_chunk=lambda n: None)
+    # Long after the cut, so the copy meets the dead destination before the
+    # request ends at the source (on a quiet machine 400 tokens were too few).
+    reference, _, _ = stream_ids(api(vllm_pair[0].url), False, 1000, on_chunk=lambda n: None)
 
     def drain_then_kill() -> None:
         post(f"{proxy.url}/admin/instances/i0/drain?migrate=true")
-        threading.Timer(0.5, doomed.kill).start()
+        threading.Timer(0.2, doomed.kill).start()
 
     ids, _, last = stream_ids(
-        api(proxy.url), False, 700, on_chunk=on_i0_then(proxy, 300, drain_then_kill)
+        api(proxy.url), False, 1000, on_chunk=on_i0_then(proxy, 300, drain_then_kill)
     )
     assert ids == reference and last.choices[0].finish_reason == "length"
     wait_until(lambda: kv_outcome(proxy, "rolled_back") == 1, timeout=30)
