@@ -33,15 +33,21 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.metrics import FerryMetrics
 
-if TYPE_CHECKING:
-    from proxy.tracing import Spans
+
+class Spans(Protocol):
+    """What the middleware needs of tracing (proxy/tracing.py implements it)."""
+
+    def start(self, record: AccessRecord, headers: Any) -> Any: ...
+
+    def end(self, span: Any, record: AccessRecord) -> None: ...
+
 
 log = logging.getLogger("ferry.access")
 
