@@ -410,23 +410,10 @@ def _check_prefix(s: SchedulerConfig) -> None:
 
 
 def _check_scaling(s: SchedulerConfig) -> None:
-    out, into = s.scale_out_freeness_below, s.scale_in_freeness_above
-    if not (math.isfinite(out) and math.isfinite(into)):
-        raise ConfigError(
-            "scheduler.scale_out_freeness_below, scheduler.scale_in_freeness_above: must be finite"
-        )
-    if out >= into:
-        raise ConfigError(
-            f"scheduler.scale_out_freeness_below: must be below scheduler.scale_in_freeness_above"
-            f" (got {out:g} >= {into:g})"
-        )
-    if s.min_instances < 1:
-        raise ConfigError(f"scheduler.min_instances: must be at least 1 (got {s.min_instances})")
-    if s.max_instances is not None and s.max_instances < s.min_instances:
-        raise ConfigError(
-            f"scheduler.max_instances: must be at least scheduler.min_instances"
-            f" ({s.min_instances}), or null for no cap (got {s.max_instances})"
-        )
+    try:
+        s.scaling_settings()
+    except ValueError as e:
+        raise ConfigError(f"scheduler.{e}") from None
 
 
 def _check_server(s: ServerConfig) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from loadtest.paged_standin import DEFAULT_PROFILE, PagedStandIn
 from loadtest.standin_server import StandIn
-from tests.helpers import Ferry, LoopThread, Site, ferry_config, start_site
+from tests.helpers import Ferry, LoopThread, Site, Sites, ferry_config
 
 
 @pytest.fixture(scope="session")
@@ -19,45 +19,33 @@ def loop_thread() -> Iterator[LoopThread]:
 
 
 @pytest.fixture
-def standins(loop_thread: LoopThread) -> Iterator[Callable[..., list[tuple[StandIn, Site]]]]:
-    """Factory: start n stand-in servers (not vLLM) on the loop thread."""
-    started: list[Site] = []
-
-    def make(n: int, **options: Any) -> list[tuple[StandIn, Site]]:
-        result = []
-        for _ in range(n):
-            standin = StandIn(**options)
-            site = loop_thread.run(start_site(standin.app()))
-            started.append(site)
-            result.append((standin, site))
-        return result
-
-    yield make
-    for site in started:
-        loop_thread.run(site.runner.cleanup())
+def sites(loop_thread: LoopThread) -> Iterator[Sites]:
+    started = Sites(loop_thread)
+    yield started
+    started.close()
 
 
 @pytest.fixture
-def paged_standins(
-    loop_thread: LoopThread,
-) -> Iterator[Callable[..., list[tuple[PagedStandIn, Site]]]]:
+def standins(sites: Sites) -> Callable[..., list[tuple[StandIn, Site]]]:
+    """Factory: start n stand-in servers (not vLLM) on the loop thread."""
+    return lambda n, **options: [sites.start(StandIn(**options)) for _ in range(n)]
+
+
+@pytest.fixture
+def paged_standins(sites: Sites) -> Callable[..., list[tuple[PagedStandIn, Site]]]:
     """Factory: start n paged-KV stand-in engines (not vLLM); other options override
     the fields of their `loadtest.sim.profile.Profile`."""
-    started: list[Site] = []
 
     def make(n: int, stream_interval: int = 1, **profile: Any) -> list[tuple[PagedStandIn, Site]]:
-        result = []
-        for _ in range(n):
-            engine = dataclasses.replace(DEFAULT_PROFILE, **profile)
-            standin = PagedStandIn(engine, stream_interval=stream_interval)
-            site = loop_thread.run(start_site(standin.app(), handler_cancellation=True))
-            started.append(site)
-            result.append((standin, site))
-        return result
+        engine = dataclasses.replace(DEFAULT_PROFILE, **profile)
+        return [
+            sites.start(
+                PagedStandIn(engine, stream_interval=stream_interval), handler_cancellation=True
+            )
+            for _ in range(n)
+        ]
 
-    yield make
-    for site in started:
-        loop_thread.run(site.runner.cleanup())
+    return make
 
 
 @pytest.fixture

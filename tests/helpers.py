@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -17,12 +21,14 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pytest
 from aiohttp import web
 
 from proxy.config import FerryConfig, parse_config
 from proxy.server import CLUSTER, build_app
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 class LoopThread:
@@ -73,6 +79,25 @@ async def start_site(
     return Site(runner, port, app)
 
 
+class Sites:
+    """Servers started on the loop thread for one test, all stopped after it."""
+
+    def __init__(self, loop: LoopThread) -> None:
+        self.loop = loop
+        self.started: list[Site] = []
+
+    def start(self, server: S, *, handler_cancellation: bool = False) -> tuple[S, Site]:
+        """Serve `server.app()` on a free port."""
+        app = server.app()  # type: ignore[attr-defined]
+        site = self.loop.run(start_site(app, handler_cancellation=handler_cancellation))
+        self.started.append(site)
+        return server, site
+
+    def close(self) -> None:
+        for site in self.started:
+            self.loop.run(site.runner.cleanup())
+
+
 def wait_until(predicate: Any, timeout: float = 10.0, poll: float = 0.05) -> None:
     """Poll `predicate` until it is true; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -99,6 +124,53 @@ def call_json(
     except urllib.error.HTTPError as exc:
         with exc:  # an unclosed error response leaks its socket
             return exc.code, json.load(exc)
+
+
+def debian_tool(name: str, package: str) -> str:
+    """The path of a server or tool from a Debian package `make setup` installs.
+
+    Missing, the test skips on a developer's machine and fails under CI, which
+    must have run the setup."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} missing: `make setup` installs Debian's {package} package")
+        pytest.skip(f"{name} missing (Debian's {package} package; `make setup` installs it)")
+    return path
+
+
+def ferry_process(
+    config: dict[str, Any], path: Any, stderr: Any = subprocess.DEVNULL
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`ferry serve` in its own process, on `config` (written to `path`) and a free
+    port: the process and its URL, ready."""
+    port = free_port()
+    server = {**config.get("server", {}), "port": port}
+    path.write_text(json.dumps({**config, "server": server}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: status(url + "/readyz") == 200, timeout=30)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def status(url: str) -> int:
+    """The HTTP status of a GET, 0 when nothing listens."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return int(exc.code)
+    except OSError:
+        return 0
 
 
 def free_port() -> int:

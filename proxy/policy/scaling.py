@@ -60,18 +60,22 @@ class ScalingSettings:
     max_instances: int | None = None  # None: no cap (the autoscaler's own applies)
 
     def __post_init__(self) -> None:
+        # Messages name the keys as the YAML spells them (under `scheduler.`).
         out, into = self.scale_out_freeness_below, self.scale_in_freeness_above
-        if not (math.isfinite(out) and math.isfinite(into) and out < into):
+        if not (math.isfinite(out) and math.isfinite(into)):
+            raise ValueError("scale_out_freeness_below, scale_in_freeness_above: must be finite")
+        if out >= into:
             raise ValueError(
-                f"scale_out_freeness_below ({out}) must be below scale_in_freeness_above ({into})"
+                "scale_out_freeness_below: must be below scale_in_freeness_above"
+                f" (got {out:g} >= {into:g})"
             )
         # No scale to zero: with no instance there is no freeness to wake up on.
         if self.min_instances < 1:
-            raise ValueError(f"min_instances must be >= 1 (got {self.min_instances})")
+            raise ValueError(f"min_instances: must be at least 1 (got {self.min_instances})")
         if self.max_instances is not None and self.max_instances < self.min_instances:
             raise ValueError(
-                f"max_instances ({self.max_instances}) must be >= min_instances"
-                f" ({self.min_instances})"
+                f"max_instances: must be at least min_instances ({self.min_instances}),"
+                f" or null for no cap (got {self.max_instances})"
             )
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -21,8 +19,7 @@ import pytest
 from loadtest.vllm_servers import VLLMServer, metric, start_vllm, wait_ready
 from proxy.config import load_config
 from tests.e2e.test_migration import api, once_at, stream_ids
-from tests.helpers import Ferry, call_json, free_port, wait_until
-from tests.integration.test_shutdown import status
+from tests.helpers import Ferry, call_json, ferry_process, free_port, status, wait_until
 
 KEY = "vllm-e2e-key"
 ADMIN = "ops"
@@ -142,24 +139,14 @@ def test_an_operators_day_with_streams_in_flight(
 
 
 def test_sigterm_lets_real_streams_finish(vllm_pair: list[VLLMServer], tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    path = tmp_path / "ferry.yaml"
-    path.write_text(
-        json.dumps(
-            {
-                "instances": [{"name": "a", "url": vllm_pair[0].url, "migration": "lite"}],
-                "server": {"port": port, "shutdown_delay_s": 0.5, "shutdown_grace_s": 60},
-            }
-        )
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc, url = ferry_process(
+        {
+            "instances": [{"name": "a", "url": vllm_pair[0].url, "migration": "lite"}],
+            "server": {"shutdown_delay_s": 0.5, "shutdown_grace_s": 60},
+        },
+        tmp_path / "ferry.yaml",
     )
     try:
-        wait_until(lambda: status(url + "/readyz") == 200, timeout=30)
         reference, _, _ = stream_ids(api(vllm_pair[0].url), False, TOKENS, on_chunk=lambda n: None)
         streams = Streams(url, 3)
         proc.send_signal(signal.SIGTERM)

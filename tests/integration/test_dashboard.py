@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -25,19 +24,10 @@ import pytest
 import yaml
 
 from loadtest import render_dashboard as dash
-from tests.helpers import free_port, wait_until
+from tests.helpers import debian_tool, free_port, wait_until
 
 SCRAPE_S = 1
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus missing: `make setup` installs Debian's prometheus package")
-        pytest.skip("prometheus missing (Debian's prometheus package; `make setup` installs it)")
-    return path
 
 
 def start_prometheus(tmp: Path, ferry: str, engines: list[str]) -> tuple[subprocess.Popen, str]:
@@ -55,7 +45,7 @@ def start_prometheus(tmp: Path, ferry: str, engines: list[str]) -> tuple[subproc
     port = free_port()
     process = subprocess.Popen(
         [
-            prometheus_binary(),
+            debian_tool("prometheus", "prometheus"),
             f"--config.file={tmp / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
@@ -103,7 +93,7 @@ def load(proxy: str, stop: threading.Event, worker: int) -> None:
 
 
 def test_every_dashboard_query_returns_data(standins: Any, ferry: Any, tmp_path: Path) -> None:
-    prometheus_binary()
+    debian_tool("prometheus", "prometheus")
     # A first token after 0.2 s, so that TTFT and end-to-end latency differ.
     (_, a), (_, b), (bad, c) = standins(3, itl_s=0.02, ttft_s=0.2)
     bad.fail_status = 500  # every call fails: retried elsewhere, then the instance is ejected

@@ -15,9 +15,8 @@ from typing import Any
 import openai
 
 from proxy.config import load_config
-from tests.helpers import Ferry, call_json, free_port, wait_until
+from tests.helpers import Ferry, call_json, free_port, status, wait_until
 from tests.integration.test_proxy import get, post
-from tests.integration.test_shutdown import status
 
 TOKEN = "fleet"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -15,19 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import debian_tool, wait_until
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-def promtool() -> str:
-    """Debian's `prometheus` package ships it; `make setup` installs it (CI must have it)."""
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool missing: `make setup` installs Debian's prometheus package")
-        pytest.skip("promtool missing (Debian's prometheus package; `make setup` installs it)")
-    return path
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
@@ -130,7 +118,7 @@ def test_every_answer_has_a_request_id(
 
 
 def test_metrics_are_labelled_and_pass_promtool(standins: Any, ferry: Any) -> None:
-    tool = promtool()
+    tool = debian_tool("promtool", "prometheus")
     [(_, a), (_, b)] = standins(2, itl_s=0.001)
     proxy = ferry([a.url, b.url], admin_token="t", scheduler={"policy": "round_robin"})
     for stream in (True, False):

@@ -5,36 +5,25 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
 import pytest
 
 from proxy.openai_request import CHARS_PER_TOKEN
-from tests.helpers import Ferry, LoopThread, Site, start_site, wait_until
+from tests.helpers import Ferry, Site, Sites, wait_until
 from tests.integration.openai_standin import OpenAIStandIn
 
 ADMIN = "sekret"
 
 
 @pytest.fixture
-def generic(loop_thread: LoopThread) -> Iterator[Callable[..., list[tuple[OpenAIStandIn, Site]]]]:
+def generic(sites: Sites) -> Callable[..., list[tuple[OpenAIStandIn, Site]]]:
     """Factory: start n generic OpenAI-compatible stand-ins on the loop thread."""
-    started: list[Site] = []
-
-    def make(n: int, **options: Any) -> list[tuple[OpenAIStandIn, Site]]:
-        result = []
-        for _ in range(n):
-            standin = OpenAIStandIn(**options)
-            site = loop_thread.run(start_site(standin.app(), handler_cancellation=True))
-            started.append(site)
-            result.append((standin, site))
-        return result
-
-    yield make
-    for site in started:
-        loop_thread.run(site.runner.cleanup())
+    return lambda n, **options: [
+        sites.start(OpenAIStandIn(**options), handler_cancellation=True) for _ in range(n)
+    ]
 
 
 def front(ferry: Any, sites: list[Site], **sections: Any) -> Ferry:

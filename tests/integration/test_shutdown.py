@@ -3,56 +3,32 @@ front of a stand-in server (not vLLM)."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import openai
 
-from tests.helpers import free_port, wait_until
-
-
-def status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        return int(exc.code)
-    except OSError:
-        return 0  # not listening
+from tests.helpers import ferry_process, status, wait_until
 
 
 def test_sigterm_stops_readiness_at_once_and_finishes_streams(
     standins: Any, tmp_path: Path
 ) -> None:
     [(_, site)] = standins(1, itl_s=0.05)  # 40 tokens: a 2 s stream
-    port = free_port()
-    config = tmp_path / "ferry.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "instances": [{"name": "a", "url": site.url}],
-                "scheduler": {"scrape_interval_s": 0.1},
-                "server": {"port": port, "shutdown_delay_s": 1.0, "shutdown_grace_s": 10.0},
-            }
-        )
-    )
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
-        stdout=subprocess.DEVNULL,
+    proc, url = ferry_process(
+        {
+            "instances": [{"name": "a", "url": site.url}],
+            "scheduler": {"scrape_interval_s": 0.1},
+            "server": {"shutdown_delay_s": 1.0, "shutdown_grace_s": 10.0},
+        },
+        tmp_path / "ferry.yaml",
         stderr=subprocess.PIPE,
     )
     try:
-        wait_until(lambda: status(url + "/readyz") == 200, timeout=30)
         assert status(url + "/livez") == 200
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         texts: list[str] = []
