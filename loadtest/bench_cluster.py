@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.demo import wait_healthy
+from loadtest.ferry_process import wait_healthy
 from loadtest.replay import replay
 from loadtest.sim.stats import summarize
 from loadtest.tiny_model import build

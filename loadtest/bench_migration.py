@@ -29,7 +29,7 @@ from pathlib import Path
 
 import openai
 
-from loadtest.demo import wait_healthy
+from loadtest.ferry_process import wait_healthy
 from loadtest.tiny_model import build
 from loadtest.vllm_servers import start_vllm, wait_ready
 from proxy.config import load_config

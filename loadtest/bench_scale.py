@@ -50,7 +50,7 @@ from typing import Any
 
 from adapters.vllm import parse_metrics
 from loadtest.bench_cluster import start
-from loadtest.demo import wait_healthy
+from loadtest.ferry_process import wait_healthy
 from loadtest.paged_standin import DEFAULT_PROFILE
 from loadtest.replay import replay
 from loadtest.sim.instance import SimRequest

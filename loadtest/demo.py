@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import openai
 
 from adapters.vllm import parse_metrics
+from loadtest.ferry_process import ferry_command, wait_healthy
 from loadtest.tiny_model import build
 from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
 from proxy.config import load_config
@@ -153,10 +154,6 @@ def preemptions(urls: list[str]) -> int:
     return sum(parse_metrics(get(u + "/metrics")).preemptions_total for u in urls)
 
 
-def ferry_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "proxy.cli", *args]
-
-
 def write_config(path: Path, urls: list[str], policy: str, port: int, token: str) -> None:
     migration = "off" if policy == "round_robin" else "lite"
     config = {
@@ -184,15 +181,7 @@ def run_once(
     )
     run = Run(policy)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                get(url + "/readyz")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ferry at {url} did not become ready") from None
-                time.sleep(0.2)
+        wait_healthy(url, proc, path="/readyz")
         before = preemptions(urls)
         admin = ["--url", url, "--admin-token", token]
 

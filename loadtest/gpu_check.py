@@ -29,7 +29,7 @@ from typing import Any
 import openai
 
 from loadtest import bench_migration
-from loadtest.demo import wait_healthy
+from loadtest.ferry_process import wait_healthy
 from loadtest.tiny_model import build
 from loadtest.vllm_servers import metric, start_vllm, wait_ready
 from migration_shim import wire

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.vllm import parse_metrics
+from loadtest.ferry_process import wait_healthy
 from loadtest.measure_profile import format_report, measure
 from loadtest.replay import replay
 from loadtest.sim.simulator import SimSettings, Simulator
@@ -85,19 +86,6 @@ def pinnable() -> bool:
 def get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as resp:
         return str(resp.read().decode())
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"ferry exited with {process.returncode}")
-        try:
-            get(url + "/health")
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"ferry at {url} did not become healthy in {timeout_s}s")
 
 
 def start_ferry(backends: list[str], port: int) -> subprocess.Popen[bytes]:
