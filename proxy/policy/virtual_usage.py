@@ -12,8 +12,10 @@ Its virtual usage adds what the scheduling goal needs:
   high-priority requests see it without the reservation (it is theirs);
 - draining: every request counts as infinite (freeness -inf, never chosen).
 Freeness F = (M - sum of virtual usage) / B, M the instance's KV capacity in
-blocks and B its batch size; larger is freer. An idle instance has B = 0 and
-counts as B = 1 so that F stays finite and bigger idle instances rank first.
+blocks and B its batch size; larger is freer. Over capacity (a queue forms) F is
+the negative surplus itself, M - sum of virtual usage, not divided by B. An idle
+instance has B = 0 and counts as B = 1 so that F stays finite and bigger idle
+instances rank first.
 
 Prefix credit (issue 13): on an instance that already caches c of a request's
 prompt tokens, the request's demand is only its uncached blocks and its prefill
@@ -59,16 +61,22 @@ def instance_virtual_usage(
 def instance_freeness(
     capacity_blocks: int, virtual_blocks: float, batch: int, *, draining: bool = False
 ) -> float:
-    """F = (M - virtual_blocks) / max(B, 1) in blocks per request.
+    """F = (M - virtual_blocks) / max(B, 1) in blocks per request; over capacity
+    (M < virtual_blocks) F = M - virtual_blocks, the blocks a new request queues
+    behind.
 
-    With an unknown capacity (M = 0: the engine does not publish its cache size)
-    freeness degrades to -B, i.e. fewest requests first.
+    Dividing a negative surplus by B would rank the busier of two overloaded
+    instances freer (-35/12 > -28/7): under overload new work would pile onto the
+    longer queue. Both forms meet at 0, so adding a request never makes an
+    instance freer. With an unknown capacity (M = 0: the engine does not publish
+    its cache size) freeness degrades to -B, i.e. fewest requests first.
     """
     if draining:
         return -math.inf
     if capacity_blocks <= 0:
         return -float(batch)
-    return (capacity_blocks - virtual_blocks) / max(batch, 1)
+    free = capacity_blocks - virtual_blocks
+    return free if free < 0 else free / max(batch, 1)
 
 
 def prefix_credit(cached_tokens: int, view: InstanceView) -> float:

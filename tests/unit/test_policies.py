@@ -52,6 +52,24 @@ def test_freeness_is_free_blocks_per_request() -> None:
     assert instance_freeness(100, 0.0, 0, draining=True) == float("-inf")
     # Unknown capacity: fewest requests first.
     assert instance_freeness(0, 0.0, 3) == -3.0
+    # Over capacity: the blocks a new request queues behind, not divided by the batch
+    # (seen on real vLLM: 35 blocks by 12 requests looked freer than 28 by 7).
+    assert instance_freeness(15, 35.0, 12) == -20.0
+    assert instance_freeness(15, 35.0, 12) < instance_freeness(15, 28.0, 7)
+
+
+@given(
+    capacity=st.integers(1, 10_000),
+    used=st.floats(0, 20_000),
+    batch=st.integers(0, 500),
+    blocks=st.integers(1, 100),
+)
+def test_one_more_request_never_makes_an_instance_freer(
+    capacity: int, used: float, batch: int, blocks: int
+) -> None:
+    before = instance_freeness(capacity, used, batch)
+    assert instance_freeness(capacity, used + blocks, batch + 1) <= before
+    assert instance_freeness(capacity, used + blocks, batch) <= before
 
 
 def test_virtual_usage_counts_blocks_and_priority_headroom() -> None:
