@@ -91,9 +91,7 @@ def prompt(cut: int, tail: int, length: int) -> list[int]:
 # One step of an engine's life: store a prompt, evict a block, or clear.
 ops = st.lists(
     st.one_of(
-        st.tuples(
-            st.just("store"), st.integers(0, 40), st.integers(0, 3), st.integers(0, 48)
-        ),
+        st.tuples(st.just("store"), st.integers(0, 40), st.integers(0, 3), st.integers(0, 48)),
         st.tuples(st.just("evict"), st.integers(0, 1000)),
         st.tuples(st.just("clear")),
     ),

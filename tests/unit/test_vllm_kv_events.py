@@ -22,7 +22,9 @@ def payload(*events: dict[str, Any]) -> bytes:
     return msgspec.msgpack.encode([1796084222.5, list(events), 0])
 
 
-def stored(hashes: list[Any], parent: Any, ids: list[int], size: int, **more: Any) -> dict[str, Any]:
+def stored(
+    hashes: list[Any], parent: Any, ids: list[int], size: int, **more: Any
+) -> dict[str, Any]:
     return {
         "type": "BlockStored",
         "block_hashes": hashes,
