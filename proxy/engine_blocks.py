@@ -75,6 +75,7 @@ class EngineBlocks:
     seed: str | None = None  # the seed that reproduces the engine's hashes, once checked
     hashing: str = "unknown"  # unknown | engine (reproduced) | tokens (Ferry's keys)
     next_seq: int | None = None  # None: nothing received since the last reset
+    reached: int = 0  # the furthest next_seq of this engine process (kept across resets)
     replay_floor: int | None = None  # seqs in [floor, next_seq) are a replay's overlap
     synced: bool = False
     complete: bool = False
@@ -107,6 +108,7 @@ class EngineBlocks:
             # The counter went back: a new engine process, with an empty cache.
             self.restarts += 1
             self.clears += 1
+            self.reached = 0
             self._clear()
             self.hashing, self.seed = "unknown", None
             self.next_seq = self.replay_floor = None
@@ -145,6 +147,16 @@ class EngineBlocks:
             self.complete = True
         self.synced = True
 
+    def restarted_while_away(self, reached_before: int) -> bool:
+        """After a reconnection's replay: did the counter start again below what
+        the engine had reached? Then it is a new process with an empty cache."""
+        if self.next_seq is None or self.next_seq >= reached_before:
+            return False
+        self.restarts += 1
+        self.clears += 1
+        self.reached = self.next_seq
+        return True
+
     def follow(self) -> None:
         """No replay to catch up from: follow what comes, incomplete."""
         self.synced = True
@@ -161,6 +173,7 @@ class EngineBlocks:
         if seq == 0:
             self.complete = True  # the engine's first batch: its cache was empty before
         self.next_seq = seq + 1
+        self.reached = max(self.reached, self.next_seq)
         for event in events:
             if isinstance(event, BlocksStored):
                 self._store(event)

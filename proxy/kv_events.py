@@ -65,6 +65,9 @@ class KVEvents:
                 self.cluster.prefixes.forget_engine(name)
         for name, endpoints in wanted.items():
             if name not in self._tasks:
+                fmt = self.cluster.instances[name].adapter.kv_events
+                assert fmt is not None  # as checked above
+                self.cluster.prefixes.engine(name, fmt)  # shown (unsynced) from now on
                 task = asyncio.create_task(self._follow(name, endpoints), name=f"kv-events-{name}")
                 self._tasks[name] = (endpoints, task)
 
@@ -118,7 +121,7 @@ class KVEvents:
             log.info("kv events of %s: disconnected", name)
             engine.reset()
             return
-        reached, clears = engine.next_seq, engine.clears
+        reached, clears = engine.reached, engine.clears
         engine.reset()
         if ends.replay is None:
             engine.follow()
@@ -126,9 +129,7 @@ class KVEvents:
             await self._replay(engine, fmt, ends.replay, engine.begin_replay(0))
             if not engine.synced:
                 engine.follow()  # no answer: follow what comes, incomplete
-        if reached is not None and engine.next_seq is not None and engine.next_seq < reached:
-            engine.restarts += 1  # the counter started again: a new engine process
-            engine.clears += 1
+        engine.restarted_while_away(reached)
         self._cleared(name, engine, clears)
         log.info("kv events of %s: connected, %s", name, engine.describe())
 

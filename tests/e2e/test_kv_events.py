@@ -93,7 +93,7 @@ def rows(proxy: Ferry) -> dict[str, dict[str, Any]]:
         proxy.url + "/admin/instances", headers={"Authorization": f"Bearer {TOKEN}"}
     )
     assert status == 200, body
-    return {row["name"]: row["prefix_index"] for row in body["instances"]}
+    return {row["name"]: row["prefix_index"] for row in body}
 
 
 def modes(proxy: Ferry) -> dict[str, str]:
