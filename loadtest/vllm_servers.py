@@ -116,11 +116,13 @@ def start_vllm(
     events = replay = None
     if kv_events_ports is not None:
         events, replay = (f"tcp://127.0.0.1:{p}" for p in kv_events_ports)
+        # vLLM binds its PUB socket only on a wildcard address (`*`); given a
+        # host it connects out, to a subscriber that binds. Ferry connects.
         config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": events,
-            "replay_endpoint": replay,
+            "endpoint": f"tcp://*:{kv_events_ports[0]}",
+            "replay_endpoint": f"tcp://*:{kv_events_ports[1]}",
         }
         cmd += ["--kv-events-config", json.dumps(config)]
     if cpus and shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:

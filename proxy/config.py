@@ -44,6 +44,8 @@ class InstanceConfig:
     # Where the engine publishes its KV cache events (vLLM's --kv-events-config
     # endpoint, seen from Ferry: tcp://HOST:PORT or ipc://PATH) and its replay
     # endpoint; set, the instance's prefix index is precise (proxy/kv_events.py).
+    # Ferry connects, so the engine must bind: vLLM binds `tcp://*:PORT` (given
+    # a host instead, its publisher connects out and Ferry never hears it).
     kv_events: str | None = None
     kv_events_replay: str | None = None
 
