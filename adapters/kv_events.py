@@ -8,7 +8,7 @@ prefix index (proxy/engine_blocks.py) reads the events. Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 # An engine's own name for a block, as an int. vLLM publishes the low 64 bits
@@ -57,13 +57,14 @@ class KVEventsFormat:
       `KVEventsDecodeError`.
     - `block_hashes(token_ids, block_size, seed)`: the engine's own hashes of the
       full blocks of a token sequence, as `decode` gives them, for a hash seed the
-      engine may be using; a prefix cached on the engine is a run of these.
+      engine may be using, lazily (a lookup stops at the first block the engine
+      lacks); a prefix cached on the engine is a run of these.
     - `seeds`: the seeds to try, in order (`block_hashes` is checked against the
       first stored block of a sequence before it is trusted).
     - `replay_end`: the seq frame that ends a replay's answer.
     """
 
     decode: Callable[[bytes], list[KVEvent]]
-    block_hashes: Callable[[Sequence[int], int, str], list[EngineHash]]
+    block_hashes: Callable[[Sequence[int], int, str], Iterator[EngineHash]]
     seeds: tuple[str, ...]
     replay_end: bytes

@@ -29,8 +29,9 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from adapters.kv_events import (
@@ -53,13 +54,42 @@ def token_block_key(parent: int, block: tuple[int, ...]) -> int:
     return hash((parent, block))
 
 
-def token_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Ferry's chained keys of the full blocks of `token_ids`."""
-    hashes, prev = [], TOKEN_ROOT
+def iter_token_block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[int]:
+    """Ferry's chained keys of the full blocks of `token_ids`, one at a time."""
+    prev = TOKEN_ROOT
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         prev = token_block_key(prev, tuple(token_ids[start : start + block_size]))
-        hashes.append(prev)
-    return hashes
+        yield prev
+
+
+def token_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Ferry's chained keys of the full blocks of `token_ids`."""
+    return list(iter_token_block_hashes(token_ids, block_size))
+
+
+class LazyChain:
+    """A sequence's block hashes, computed only as far as a lookup walks: a
+    prompt that misses at its first block costs one hash, not one per block
+    (vLLM's sha256 is ~10 µs a block: 20 ms for a 32k-token prompt in blocks of
+    16). Shared by the instances of one lookup that hash alike."""
+
+    def __init__(self, hashes: Iterator[int]) -> None:
+        self._source = hashes
+        self._done: list[int] = []
+
+    def run(self, held: dict[int, int] | Counter[int]) -> int:
+        """How many leading hashes are held (a chain: the prefix up to the first miss)."""
+        n = 0
+        for h in itertools.chain(self._done, self._more()):
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def _more(self) -> Iterator[int]:
+        for h in self._source:
+            self._done.append(h)
+            yield h
 
 
 @dataclass(slots=True)
@@ -221,7 +251,7 @@ class EngineBlocks:
     def _check_hashing(self, first_block: Sequence[int], published: EngineHash) -> None:
         """Which of the format's seeds reproduces the engine's hashes, if any."""
         for seed in self.format.seeds:
-            if self.format.block_hashes(first_block, len(first_block), seed) == [published]:
+            if list(self.format.block_hashes(first_block, len(first_block), seed)) == [published]:
                 self.hashing, self.seed = "engine", seed
                 return
         self.hashing = "tokens"
@@ -230,23 +260,25 @@ class EngineBlocks:
     def __len__(self) -> int:
         return len(self.held)
 
-    def cached_tokens(self, token_ids: Sequence[int], memo: dict[object, list[int]]) -> int:
-        """Tokens of `token_ids` the engine holds as a cached prefix (whole blocks).
-        `memo` carries one request's block hashes across instances (they
-        differ only by block size and seed)."""
+    def cached_tokens(self, token_ids: Sequence[int], memo: dict[object, LazyChain]) -> int:
+        """Tokens of `token_ids` the engine would reuse from its cache: whole
+        blocks it holds, within the first len - 1 tokens (vLLM always computes
+        the last one). `memo` carries one request's block hashes across
+        instances (they differ only by block size and seed)."""
         size = self.block_size
         if not size or not self.held:
             return 0
+        usable = token_ids[: len(token_ids) - 1]
         if self.hashing == "engine" and self.seed is not None:
             key: object = ("engine", size, self.seed)
             if key not in memo:
-                memo[key] = self.format.block_hashes(token_ids, size, self.seed)
-            found = _run(memo[key], self.held)
+                memo[key] = LazyChain(self.format.block_hashes(usable, size, self.seed))
+            found = memo[key].run(self.held)
         else:
             key = ("tokens", size)
             if key not in memo:
-                memo[key] = token_block_hashes(token_ids, size)
-            found = _run(memo[key], self.keys)
+                memo[key] = LazyChain(iter_token_block_hashes(usable, size))
+            found = memo[key].run(self.keys)
         return found * size
 
     def describe(self) -> dict[str, object]:
@@ -261,13 +293,3 @@ class EngineBlocks:
             "lost_gaps": self.lost_gaps,
             "restarts": self.restarts,
         }
-
-
-def _run(hashes: Sequence[int], held: dict[int, int] | Counter[int]) -> int:
-    """How many leading hashes are held (a chain: the prefix up to the first miss)."""
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n

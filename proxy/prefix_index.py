@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.kv_events import KVEventsFormat
-from proxy.engine_blocks import EngineBlocks, token_block_hashes
+from proxy.engine_blocks import EngineBlocks, LazyChain, token_block_hashes
 
 CHARS_PER_TOKEN = 4
 DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
@@ -204,7 +204,7 @@ class PrefixIndex:
             return {}
         cached = self._cached_text(key)
         if key.token_ids is not None:
-            memo: dict[object, list[int]] = {}
+            memo: dict[object, LazyChain] = {}
             for name, engine in self.engines.items():
                 if engine.synced:
                     cached.pop(name, None)
@@ -282,7 +282,7 @@ class PrefixIndex:
         out: dict[str, int] = {}
         if not self.enabled:
             return out
-        memo: dict[object, list[int]] = {}
+        memo: dict[object, LazyChain] = {}
         for name in names:
             engine = self.engines.get(name)
             if engine is not None and engine.synced:

@@ -148,7 +148,7 @@ def test_a_ferry_started_later_catches_up_from_the_replay(
     precise: Callable[[], Ferry], events_vllm: VLLMServer
 ) -> None:
     first = precise()
-    ids = fresh_ids(random.Random(14), 3 * BLOCK)
+    ids = fresh_ids(random.Random(14), 3 * BLOCK + 10)
     complete(events_vllm.url, ids)
     wait_until(lambda: cached(first, ids) == {"real": 3 * BLOCK})
     # A second Ferry sees no live event for this prompt: only the replay has it.

@@ -57,7 +57,8 @@ def batch(*events: Any) -> Any:
     return kv_events.KVEventBatch(ts=0.0, events=list(events))
 
 
-PROMPTS = [[p * 100 + i for i in range(3 * SIZE)] for p in range(1, 5)]
+# Three full blocks and one token more: vLLM always computes a prompt's last token.
+PROMPTS = [[p * 100 + i for i in range(3 * SIZE + 1)] for p in range(1, 5)]
 
 
 class Follower:

@@ -15,7 +15,12 @@ import pytest
 
 from adapters import get_adapter
 from adapters.kv_events import AllCleared, BlocksRemoved, BlocksStored, KVEventsDecodeError
-from adapters.vllm_kv_events import DEFAULT_SEED, block_hashes, decode
+from adapters.vllm_kv_events import DEFAULT_SEED, decode
+from adapters.vllm_kv_events import block_hashes as lazy_block_hashes
+
+
+def block_hashes(ids: list[int], size: int, seed: str) -> list[int]:
+    return list(lazy_block_hashes(ids, size, seed))
 
 
 def payload(*events: dict[str, Any]) -> bytes:
