@@ -268,16 +268,18 @@ class EngineBlocks:
         size = self.block_size
         if not size or not self.held:
             return 0
-        usable = token_ids[: len(token_ids) - 1]
+        usable = max(0, len(token_ids) - 1) // size  # blocks (islice: no copy of the ids)
         if self.hashing == "engine" and self.seed is not None:
             key: object = ("engine", size, self.seed)
             if key not in memo:
-                memo[key] = LazyChain(self.format.block_hashes(usable, size, self.seed))
+                hashes = self.format.block_hashes(token_ids, size, self.seed)
+                memo[key] = LazyChain(itertools.islice(hashes, usable))
             found = memo[key].run(self.held)
         else:
             key = ("tokens", size)
             if key not in memo:
-                memo[key] = LazyChain(iter_token_block_hashes(usable, size))
+                hashes = iter_token_block_hashes(token_ids, size)
+                memo[key] = LazyChain(itertools.islice(hashes, usable))
             found = memo[key].run(self.keys)
         return found * size
 

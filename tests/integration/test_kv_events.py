@@ -196,3 +196,23 @@ def test_without_a_replay_endpoint_it_follows_what_comes(
             break
     wait_until(lambda: f.cached(PROMPTS[1]) == 3 * SIZE or f.cached(PROMPTS[2]) == 3 * SIZE)
     assert f.cached(PROMPTS[0]) == 0 and not f.state()["complete"]
+
+
+def test_sync_follows_the_fleet(
+    publisher: Callable[..., Any], follower: Callable[..., Follower], ports: tuple[int, int]
+) -> None:
+    pub = publisher()
+    pub.publish(batch(stored(PROMPTS[0])))
+    f = follower(*ports)
+    wait_until(lambda: f.state()["synced"], 10)
+    # An instance added at runtime with the same engine's events is followed too.
+    raw = {"name": "b", "url": "http://127.0.0.1:9", "kv_events": f"tcp://127.0.0.1:{ports[0]}"}
+    f.loop.call(f.cluster.add, parse_instance(raw, "instance", {}))
+    f.loop.call(f.events.sync)
+    wait_until(lambda: f.loop.call(f.cluster.prefixes.mode, "b") == "precise", 10)
+    # Removed: no longer followed, and its record is gone.
+    f.loop.call(f.cluster.remove, "a")
+    f.loop.call(f.events.sync)
+    assert set(f.cluster.prefixes.engines) == {"b"}
+    pub.publish(batch(stored(PROMPTS[1])))
+    wait_until(lambda: f.loop.call(f.cluster.prefixes.engines["b"].describe)["blocks"] == 3)
