@@ -70,8 +70,9 @@ def token_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 class LazyChain:
     """A sequence's block hashes, computed only as far as a lookup walks: a
     prompt that misses at its first block costs one hash, not one per block
-    (vLLM's sha256 is ~10 µs a block: 20 ms for a 32k-token prompt in blocks of
-    16). Shared by the instances of one lookup that hash alike."""
+    (vLLM's sha256 measured 7.6 µs a block here: 16 ms of event loop for a
+    32k-token prompt in blocks of 16 that is cached whole, 5 µs when its first
+    block misses). Shared by the instances of one lookup that hash alike."""
 
     def __init__(self, hashes: Iterator[int]) -> None:
         self._source = hashes
