@@ -97,18 +97,20 @@ class KVEvents:
                 ready = dict(await poller.poll())
                 # Looked up each time: a reconfigured instance's record is a new one.
                 engine = prefixes.engine(name, fmt)
-                if monitor in ready:
-                    event = parse_monitor_message(await monitor.recv_multipart())
-                    await self._connection(name, engine, fmt, endpoints, event["event"])
-                if sub in ready:
-                    _topic, seq_frame, payload = await sub.recv_multipart()
-                    seq = int.from_bytes(seq_frame, "big")
-                    await self._batch(name, engine, fmt, endpoints, seq, payload)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug here must not take the proxy down; the index goes approximate
-            log.exception("kv events of %s: stopped following", name)
-            prefixes.forget_engine(name)
+                try:
+                    if monitor in ready:
+                        event = parse_monitor_message(await monitor.recv_multipart())
+                        await self._connection(name, engine, fmt, endpoints, event["event"])
+                    if sub in ready:
+                        frames = await sub.recv_multipart()
+                        if len(frames) != 3:  # (topic, seq, payload)
+                            raise KVEventsDecodeError(f"{len(frames)} frames, not 3")
+                        seq = int.from_bytes(frames[1], "big")
+                        await self._batch(name, engine, fmt, endpoints, seq, frames[2])
+                except (KVEventsDecodeError, zmq.ZMQError) as exc:
+                    # Start over: the next batch replays everything from seq 0.
+                    log.warning("kv events of %s: %s; resyncing", name, exc)
+                    engine.reset()
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
