@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -90,6 +91,7 @@ def prompt(cut: int, tail: int, length: int) -> list[int]:
 
 
 # One step of an engine's life: store a prompt, evict a block, or clear.
+Op = tuple[Any, ...]
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("store"), st.integers(0, 40), st.integers(0, 3), st.integers(0, 48)),
@@ -101,7 +103,7 @@ ops = st.lists(
 QUERIES = [prompt(c, t, 48) for c in (0, 8, 20, 40) for t in range(4)]
 
 
-def run_op(engine: ModelEngine, op: tuple) -> tuple[int, list[KVEvent]]:  # type: ignore[type-arg]
+def run_op(engine: ModelEngine, op: Op) -> tuple[int, list[KVEvent]]:
     if op[0] == "store":
         return engine.store(prompt(op[1], op[2], op[3]))
     if op[0] == "evict":
@@ -140,7 +142,7 @@ def connected(blocks: EngineBlocks, engine: ModelEngine) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(ops)
-def test_in_order_the_index_is_the_engines_cache(steps: list[tuple]) -> None:  # type: ignore[type-arg]
+def test_in_order_the_index_is_the_engines_cache(steps: list[Op]) -> None:
     engine, blocks = ModelEngine(), EngineBlocks(FORMAT)
     connected(blocks, engine)
     for op in steps:
@@ -153,7 +155,7 @@ def test_in_order_the_index_is_the_engines_cache(steps: list[tuple]) -> None:  #
 
 @settings(max_examples=60, deadline=None)
 @given(ops, st.sets(st.integers(0, 39)))
-def test_dropped_batches_are_replayed(steps: list[tuple], dropped: set[int]) -> None:  # type: ignore[type-arg]
+def test_dropped_batches_are_replayed(steps: list[Op], dropped: set[int]) -> None:
     engine, blocks = ModelEngine(), EngineBlocks(FORMAT)
     connected(blocks, engine)
     for i, op in enumerate(steps):
@@ -171,7 +173,7 @@ def test_dropped_batches_are_replayed(steps: list[tuple], dropped: set[int]) -> 
 @settings(max_examples=60, deadline=None)
 @given(ops, st.sets(st.integers(0, 39)), st.integers(0, 5))
 def test_a_gap_the_buffer_lost_never_claims_a_block_the_engine_dropped(
-    steps: list[tuple],  # type: ignore[type-arg]
+    steps: list[Op],
     dropped: set[int],
     keep: int,
 ) -> None:
