@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from adapters.kv_events import KVEventsFormat
 from adapters.snapshot import EngineSnapshot
 
 
@@ -30,6 +31,9 @@ class EngineAdapter:
     - `returns_token_ids`: those fields make it report token ids. Lite migration
       needs them (a continuation is the prompt ids plus the generated ids).
     - `runs_shim`: the engine can run `migration_shim` (full-mode migration).
+    - `kv_events`: how the engine publishes its prefix cache's changes and names
+      its blocks (an instance's `kv_events:` endpoint makes its prefix index
+      precise); None for an engine that publishes none.
     """
 
     name: str
@@ -38,6 +42,7 @@ class EngineAdapter:
     token_id_request_fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     returns_token_ids: bool = False
     runs_shim: bool = False
+    kv_events: KVEventsFormat | None = None
 
     def __post_init__(self) -> None:
         if (self.metrics_path is None) != (self.parse_metrics is None):

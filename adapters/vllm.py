@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapters import vllm_kv_events
 from adapters.engine import EngineAdapter
 from adapters.snapshot import EngineSnapshot, MetricsParseError
 
@@ -126,4 +127,5 @@ ADAPTER = EngineAdapter(
     token_id_request_fields=TOKEN_ID_REQUEST_FIELDS,
     returns_token_ids=True,
     runs_shim=True,
+    kv_events=vllm_kv_events.FORMAT,
 )

@@ -8,6 +8,7 @@ only. On this machine kind a busy server stalls whatever shares its core, so
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,6 +28,9 @@ class VLLMServer:
     port: int
     process: subprocess.Popen[bytes]
     log_path: Path
+    # Where it publishes KV cache events and replays them (None: it does not).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
     @property
     def url(self) -> str:
@@ -69,6 +73,7 @@ def start_vllm(
     extra_args: tuple[str, ...] = (),
     shim_kv_port: int | None = None,
     via_ferry: bool = False,
+    kv_events_ports: tuple[int, int] | None = None,
 ) -> VLLMServer:
     """Launch one server and return at once; call `wait_ready` before using it.
 
@@ -78,6 +83,7 @@ def start_vllm(
     `shim_kv_port` turns Ferry's migration shim on (full-mode migration),
     receiving KV blocks on that port; `via_ferry` starts the server the way
     users do, with `ferry vllm`, instead of spelling out the shim's flags.
+    `kv_events_ports` (events, replay) turns its KV cache events on (zmq).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
@@ -107,6 +113,18 @@ def start_vllm(
         from migration_shim.launcher import shim_flags
 
         cmd += shim_flags(shim_kv_port)
+    events = replay = None
+    if kv_events_ports is not None:
+        events, replay = (f"tcp://127.0.0.1:{p}" for p in kv_events_ports)
+        # vLLM binds its PUB socket only on a wildcard address (`*`); given a
+        # host it connects out, to a subscriber that binds. Ferry connects.
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{kv_events_ports[0]}",
+            "replay_endpoint": f"tcp://*:{kv_events_ports[1]}",
+        }
+        cmd += ["--kv-events-config", json.dumps(config)]
     if cpus and shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
         cmd = ["taskset", "-c", cpus, *cmd]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
@@ -115,7 +133,7 @@ def start_vllm(
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    return VLLMServer(port, process, log_path)
+    return VLLMServer(port, process, log_path, events, replay)
 
 
 def metric(url: str, line_start: str) -> float:

@@ -41,6 +41,13 @@ class InstanceConfig:
     # environment. Kept out of reprs, so out of logs.
     api_key: str | None = field(default=None, repr=False)
     headers: dict[str, str] = field(default_factory=dict, repr=False)
+    # Where the engine publishes its KV cache events (vLLM's --kv-events-config
+    # endpoint, seen from Ferry: tcp://HOST:PORT or ipc://PATH) and its replay
+    # endpoint; set, the instance's prefix index is precise (proxy/kv_events.py).
+    # Ferry connects, so the engine must bind: vLLM binds `tcp://*:PORT` (given
+    # a host instead, its publisher connects out and Ferry never hears it).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
     def auth_headers(self) -> dict[str, str]:
         """The headers every call to this instance carries."""
@@ -283,6 +290,7 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
             f"{where}.migration: must be off for engine {inst.engine} (got {inst.migration!r}):"
             " a moved stream goes on from its token ids, and this engine returns none"
         )
+    _check_kv_events(inst, where)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.labels.items()):
         raise ConfigError(f"{where}.labels: must map strings to strings")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.headers.items()):
@@ -292,6 +300,32 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
         api_key=_expand(inst.api_key, f"{where}.api_key", env),
         headers={k: _expand(v, f"{where}.headers.{k}", env) or "" for k, v in inst.headers.items()},
     )
+
+
+def _check_kv_events(inst: InstanceConfig, where: str) -> None:
+    if inst.kv_events is None:
+        if inst.kv_events_replay is not None:
+            raise ConfigError(f"{where}.kv_events_replay: needs {where}.kv_events (the events)")
+        return
+    if ADAPTERS[inst.engine].kv_events is None:
+        raise ConfigError(
+            f"{where}.kv_events: must be unset for engine {inst.engine}: it publishes no KV events"
+        )
+    for key in ("kv_events", "kv_events_replay"):
+        endpoint = getattr(inst, key)
+        if endpoint is not None and not _zmq_endpoint(endpoint):
+            raise ConfigError(
+                f"{where}.{key}: must be tcp://HOST:PORT (the engine's address as Ferry"
+                f" reaches it, not *) or ipc://PATH (got {endpoint!r})"
+            )
+
+
+def _zmq_endpoint(endpoint: str) -> bool:
+    """An address Ferry can connect a zmq socket to."""
+    if endpoint.startswith("ipc://"):
+        return len(endpoint) > len("ipc://")
+    match = re.fullmatch(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})", endpoint)
+    return match is not None and 1 <= int(match.group(2)) <= 65535
 
 
 def _discovery(raw: Any, env: dict[str, str]) -> tuple[DiscoveryConfig, ...]:

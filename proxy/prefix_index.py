@@ -15,11 +15,19 @@ Two keys, because Ferry has no token ids when it places a request:
   chunk boundary is not a block boundary, so the cached length in tokens is
   matched chunks * block_size, capped at the request's estimate. Inserted when a
   request is placed (before the engine has it), as vllm-router does.
-- **token blocks** (what a move reads): the prompt ids the engine reports
-  (`return_token_ids`) hashed over full blocks exactly as vLLM chains them, but
-  with Python's `hash`, not vLLM's sha256/cbor: it needs to match itself, not
-  the engine. Precise mode (vLLM's KV events) would fill the same index with the
-  engine's own hashes; it is not built yet.
+- **token blocks** (what a move reads, and dispatch when the prompt is token
+  ids): the prompt ids the engine reports (`return_token_ids`) hashed over full
+  blocks exactly as vLLM chains them, but with Python's `hash`, not vLLM's
+  sha256: it needs to match itself, not the engine.
+
+**Precise mode**: an instance whose engine publishes KV events (its `kv_events:`
+endpoint) gets an `EngineBlocks` (proxy/engine_blocks.py), the engine's own set
+of cached blocks, followed by proxy/kv_events.py. While it is synced, token-id
+lookups on that instance read it instead of Ferry's guess, so a prefix the
+engine evicted stops counting and one cached by traffic that bypassed Ferry
+starts. Text-keyed lookups (chat, text prompts: Ferry has no token ids before
+the engine answers) stay approximate everywhere; on a precise instance the text
+chunks are dropped when the engine drops its whole cache (a clear, a restart).
 
 Eviction is LRU over chunks, a stand-in for vLLM's LRU over free blocks: a block
 in use by a running request is never evicted there, so the index may forget a
@@ -36,6 +44,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.kv_events import KVEventsFormat
+from proxy.engine_blocks import EngineBlocks, LazyChain, token_block_hashes
+
 CHARS_PER_TOKEN = 4
 DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
 _SEED = 0x5EED
@@ -50,13 +61,13 @@ def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:
     return hashes
 
 
-def token_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids`, as vLLM keys its blocks."""
-    hashes, prev = [], _SEED
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash((prev, tuple(token_ids[start : start + block_size])))
-        hashes.append(prev)
-    return hashes
+def prompt_ids(body: Mapping[str, Any] | None) -> tuple[int, ...] | None:
+    """A completion's prompt when the client sent token ids (then dispatch can
+    look it up precisely); None otherwise."""
+    prompt = body.get("prompt") if body is not None else None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return tuple(prompt)
+    return None
 
 
 def prompt_text(body: Mapping[str, Any] | None) -> str:
@@ -140,18 +151,20 @@ class BlockLRU:
 @dataclass(frozen=True, slots=True)
 class PrefixKey:
     """What dispatch knows of a request's prefix: its text chunk hashes (for a
-    chunk of `chunk_chars`), its estimated prompt tokens, and its session."""
+    chunk of `chunk_chars`), its estimated prompt tokens, its session, and its
+    token ids when the client sent them."""
 
     chunks: tuple[int, ...]
     prompt_tokens: int
     session: str | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
 class InstancePrefixes:
     text: BlockLRU
     tokens: BlockLRU
-    mode: str = "approximate"  # approximate | precise (KV events; not built) | off
+    mode: str = "approximate"  # approximate | off
 
 
 @dataclass(slots=True)
@@ -170,6 +183,8 @@ class PrefixIndex:
     # chunk hash -> instances holding it: a lookup walks the request's chunks
     # over their holders, so it costs O(chunks x holders), not O(instances).
     holders: dict[int, set[str]] = field(default_factory=dict)
+    # Instances whose engine publishes KV events: what it holds (precise mode).
+    engines: dict[str, EngineBlocks] = field(default_factory=dict)
 
     @property
     def chunk_chars(self) -> int:
@@ -179,13 +194,28 @@ class PrefixIndex:
         self, body: Mapping[str, Any] | None, prompt_tokens: int, session: str | None = None
     ) -> PrefixKey:
         chunks = text_chunk_hashes(prompt_text(body), self.chunk_chars)
-        return PrefixKey(tuple(chunks), prompt_tokens, session)
+        return PrefixKey(tuple(chunks), prompt_tokens, session, prompt_ids(body))
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int]:
-        """Estimated cached prompt tokens of `key` on each instance that has any
-        (absent: 0), at most the request's estimate."""
+        """Cached prompt tokens of `key` on each instance that has any (absent: 0):
+        what a precise instance holds of its token ids, else estimated from text,
+        at most the request's estimate."""
+        if not self.enabled:
+            return {}
+        cached = self._cached_text(key)
+        if key.token_ids is not None:
+            memo: dict[object, LazyChain] = {}
+            for name, engine in self.engines.items():
+                if engine.synced:
+                    cached.pop(name, None)
+                    n = engine.cached_tokens(key.token_ids, memo)
+                    if n:
+                        cached[name] = min(n, key.prompt_tokens)
+        return cached
+
+    def _cached_text(self, key: PrefixKey) -> dict[str, int]:
         chunks = key.chunks
-        if not chunks or not self.enabled:
+        if not chunks:
             return {}
         holders = self.holders
         first = holders.get(chunks[0])
@@ -246,12 +276,20 @@ class PrefixIndex:
     def cached_token_blocks(
         self, token_ids: Sequence[int], block_size: int, names: Iterable[str]
     ) -> dict[str, int]:
-        """Cached tokens of an exact id sequence on each named instance (for moves)."""
+        """Cached tokens of an exact id sequence on each named instance (for moves):
+        what the engine holds where it is precise, else Ferry's guess."""
         hashes = token_block_hashes(token_ids, block_size)
         out: dict[str, int] = {}
         if not self.enabled:
             return out
+        memo: dict[object, LazyChain] = {}
         for name in names:
+            engine = self.engines.get(name)
+            if engine is not None and engine.synced:
+                n = engine.cached_tokens(token_ids, memo)
+                if n:
+                    out[name] = n
+                continue
             entry = self.instances.get(name)
             if entry is not None and entry.mode != "off" and hashes:
                 n = entry.tokens.match(hashes)
@@ -260,22 +298,51 @@ class PrefixIndex:
         return out
 
     def mode(self, name: str) -> str:
+        """off (no policy reads the index), precise (following the engine's KV
+        events, caught up) or approximate."""
         if not self.enabled:
             return "off"
+        engine = self.engines.get(name)
+        if engine is not None and engine.synced:
+            return "precise"
         entry = self.instances.get(name)
         return entry.mode if entry is not None else "approximate"
 
     def describe(self, name: str) -> dict[str, Any]:
-        """For /admin/instances: the mode, and the blocks held (text chunks, token blocks)."""
+        """For /admin/instances: the mode, and the blocks held (the engine's blocks
+        where it publishes KV events; Ferry's text chunks and token blocks)."""
         entry = self.instances.get(name)
+        engine = self.engines.get(name)
         return {
             "mode": self.mode(name),
+            "blocks": len(engine) if engine is not None else len(entry.tokens) if entry else 0,
             "text_blocks": len(entry.text) if entry else 0,
             "token_blocks": len(entry.tokens) if entry else 0,
             "capacity_blocks": entry.text.capacity if entry else None,
+            "kv_events": engine.describe() if engine is not None else None,
         }
 
+    def engine(self, name: str, format: KVEventsFormat) -> EngineBlocks:
+        """The precise record of `name`'s engine (made on first use)."""
+        engine = self.engines.get(name)
+        if engine is None:
+            engine = self.engines[name] = EngineBlocks(format)
+        return engine
+
+    def forget_engine(self, name: str) -> None:
+        """`name` no longer publishes KV events (or they are no longer followed)."""
+        self.engines.pop(name, None)
+
+    def engine_cleared(self, name: str) -> None:
+        """The engine dropped its whole cache: Ferry's text chunks for it go too."""
+        entry = self.instances.get(name)
+        if entry is not None:
+            self._drop(name, list(entry.text))
+            entry.text = BlockLRU(entry.text.capacity)
+            entry.tokens = BlockLRU(entry.tokens.capacity)
+
     def forget(self, name: str) -> None:
+        self.engines.pop(name, None)
         entry = self.instances.pop(name, None)
         if entry is not None:
             self._drop(name, list(entry.text))

@@ -32,6 +32,7 @@ from proxy.config import FerryConfig, SchedulerConfig
 from proxy.discovery import Discovery
 from proxy.errors import error_response, openai_errors
 from proxy.fleet import Fleet, FleetError
+from proxy.kv_events import KVEvents
 from proxy.kv_migration import FullModeSettings, KVMigrator
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
@@ -130,6 +131,7 @@ def build_app(
                 models_refresh_s=sched.models_refresh_s,
             )
             app[SCRAPER] = scraper
+            events = KVEvents(cluster)
             rescheduler = Rescheduler(
                 cluster,
                 migrator,
@@ -157,6 +159,7 @@ def build_app(
                 kv.settings = _full_mode(s)
                 rescheduler.retune(_migration_settings(new), s.rebalance_interval_s)
                 metrics.scaling = s.scaling_settings()
+                events.sync()  # instances added, removed or given new endpoints
                 applied = s
 
             app[FLEET] = Fleet(
@@ -167,6 +170,7 @@ def build_app(
             # One round before serving, so the first requests find healthy instances.
             await asyncio.gather(*(_first_look(scraper, n) for n in cluster.instances))
             scraper.start()
+            events.sync()
             rescheduler.start()
             discovery.start()
             yield
@@ -175,6 +179,7 @@ def build_app(
             await rescheduler.stop()
             await migrator.stop()
             await scraper.stop()
+            await events.stop()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", _openai_handler("completions"))

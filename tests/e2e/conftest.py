@@ -38,14 +38,44 @@ def vllm_pair(
 
 def shim_pair(model: Path, logs: Path) -> Iterator[list[VLLMServer]]:
     """Two servers of `model` with migration_shim on (full-mode tests need it, and
-    lite mode ignores it), stopped when the caller's fixture ends."""
-    servers = [start_vllm(model, free_port(), logs, shim_kv_port=free_port()) for _ in range(2)]
+    lite mode ignores it) and KV cache events published (the precise prefix
+    index's tests follow them; nothing else subscribes), stopped when the
+    caller's fixture ends."""
+    servers = [
+        start_vllm(
+            model,
+            free_port(),
+            logs,
+            shim_kv_port=free_port(),
+            kv_events_ports=(free_port(), free_port()),
+        )
+        for _ in range(2)
+    ]
     try:
         wait_ready(servers)
         yield servers
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def events_vllm(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    """One server that publishes KV cache events: the first of `vllm_pair` when
+    the session starts that pair anyway, else one of its own (a lone test run
+    then starts one server, not two)."""
+    if any("vllm_pair" in item.fixturenames for item in request.session.items):  # type: ignore[attr-defined]
+        yield request.getfixturevalue("vllm_pair")[0]
+        return
+    logs = tmp_path_factory.mktemp("vllm-events-logs")
+    server = start_vllm(tiny_model, free_port(), logs, kv_events_ports=(free_port(), free_port()))
+    try:
+        wait_ready([server])
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@ installed into a fresh venv with its runtime dependencies (from the package
 index pip is configured with), then `ferry --version` and `ferry init`.
 
 About 20 s here: the wheel builds without isolation (this venv's setuptools),
-and pip fetches aiohttp, uvloop, prometheus-client and pyyaml (cached after once).
+and pip fetches aiohttp, uvloop, prometheus-client, pyyaml, pyzmq and msgspec (cached
+after once).
 """
 
 from __future__ import annotations

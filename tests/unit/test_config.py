@@ -79,8 +79,45 @@ def test_admin_token_from_environment() -> None:
         ),
         (
             base(instances=[{"name": "a", "url": "http://h:1", "weight": 2}]),
-            r"^instances\[0\]\.weight: unknown key; allowed: api_key, engine, headers, labels,"
-            r" migration, name, url",
+            r"^instances\[0\]\.weight: unknown key; allowed: api_key, engine, headers, kv_events,"
+            r" kv_events_replay, labels, migration, name, url",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "kv_events": "tcp://*:5557"}]),
+            r"^instances\[0\]\.kv_events: must be tcp://HOST:PORT .* \(got 'tcp://\*:5557'\)",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "kv_events": "tcp://h:70000"}]),
+            r"^instances\[0\]\.kv_events: must be tcp://HOST:PORT",
+        ),
+        (
+            base(
+                instances=[
+                    {
+                        "name": "a",
+                        "url": "http://h:1",
+                        "kv_events": "tcp://h:1",
+                        "kv_events_replay": "h:2",
+                    }
+                ]
+            ),
+            r"^instances\[0\]\.kv_events_replay: must be tcp://HOST:PORT",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "kv_events_replay": "tcp://h:2"}]),
+            r"^instances\[0\]\.kv_events_replay: needs instances\[0\]\.kv_events",
+        ),
+        (
+            base(
+                instances=[
+                    {"name": "a", "url": "http://h:1", "engine": "openai", "kv_events": "tcp://h:1"}
+                ]
+            ),
+            r"^instances\[0\]\.kv_events: must be unset for engine openai",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "kv_events": 5557}]),
+            r"^instances\[0\]\.kv_events: must be str \| None",
         ),
         (
             base(scheduler={"policy": "fastest"}),
@@ -143,3 +180,23 @@ def test_engines_come_from_the_adapter_registry() -> None:
     (instance,) = parse_config(raw, env={}).instances
     assert (instance.engine, instance.migration) == ("openai", "off")
     assert parse_config(base(), env={}).instances[0].engine == "vllm"  # the default
+
+
+def test_kv_events_endpoints_are_kept() -> None:
+    config = parse_config(
+        {
+            "instances": [
+                {
+                    "name": "a",
+                    "url": "http://h:1",
+                    "kv_events": "tcp://10.0.0.7:5557",
+                    "kv_events_replay": "tcp://[::1]:5558",
+                },
+                {"name": "b", "url": "http://h:2", "kv_events": "ipc:///run/vllm-events"},
+            ]
+        },
+        env={},
+    )
+    a, b = config.instances
+    assert (a.kv_events, a.kv_events_replay) == ("tcp://10.0.0.7:5557", "tcp://[::1]:5558")
+    assert (b.kv_events, b.kv_events_replay) == ("ipc:///run/vllm-events", None)

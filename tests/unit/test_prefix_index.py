@@ -5,6 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adapters.kv_events import BlocksStored
+from adapters.vllm_kv_events import DEFAULT_SEED, FORMAT
 from proxy.prefix_index import (
     BlockLRU,
     PrefixIndex,
@@ -136,3 +138,52 @@ def test_lookup_agrees_with_each_instance_lru(
     for name in list(index.instances):
         index.forget(name)
     assert index.holders == {}
+
+
+def precise_engine(index: PrefixIndex, name: str, ids: list[int], size: int) -> None:
+    """`name`'s engine reported storing the full blocks of `ids` (seq 0, synced)."""
+    engine = index.engine(name, FORMAT)
+    hashes = tuple(FORMAT.block_hashes(ids, size, DEFAULT_SEED))
+    engine.reset()
+    engine.begin_replay(0)
+    engine.replay_done()
+    engine.receive(0, [BlocksStored(hashes, None, tuple(ids[: len(hashes) * size]), size)])
+
+
+def test_a_precise_instance_answers_token_id_prompts_from_the_engine() -> None:
+    index = PrefixIndex(block_size=16)
+    ids = list(range(100))
+    body = {"prompt": ids}
+    # Ferry placed the prompt on both; only b's engine says it holds it (a evicted it).
+    for name in ("a", "b"):
+        index.record(name, index.key(body, 100), capacity_blocks=100)
+    precise_engine(index, "b", ids[:64], 16)
+    precise_engine(index, "a", [7] * 64, 16)
+    assert (index.mode("a"), index.mode("b"), index.mode("c")) == (
+        "precise",
+        "precise",
+        "approximate",
+    )
+    assert index.cached_tokens(index.key(body, 100)) == {"b": 64}
+    # A text prompt has no token ids: it stays keyed by text everywhere.
+    text = {"prompt": "x" * 400}
+    index.record("a", index.key(text, 100), capacity_blocks=100)
+    assert index.cached_tokens(index.key(text, 100)) == {"a": 96}  # 6 chunks of 64 chars
+    # Moves read the engine too.
+    assert index.cached_token_blocks(ids + [1, 2], 16, ["a", "b"]) == {"b": 64}
+    row = index.describe("b")
+    assert row["mode"] == "precise" and row["blocks"] == 4 and row["kv_events"]["complete"]
+
+
+def test_an_engine_that_clears_takes_its_text_chunks_along() -> None:
+    index = PrefixIndex(block_size=1)
+    text = index.key({"prompt": "y" * 40}, 10)
+    index.record("a", text, capacity_blocks=100)
+    precise_engine(index, "a", list(range(8)), 4)
+    index.engine_cleared("a")
+    assert index.cached_tokens(text) == {} and index.describe("a")["text_blocks"] == 0
+    # An unsynced record (disconnected) is not used: the instance is approximate.
+    index.engines["a"].reset()
+    assert index.mode("a") == "approximate"
+    index.forget("a")
+    assert "a" not in index.engines
