@@ -2,11 +2,14 @@
 
 The same seeded, bursty, heavy-tailed workload runs twice through Ferry: once
 with `round_robin` (what nginx and vllm-router do by default), once with
-`llumnix` and lite migration. During the second run one instance is drained
-with `ferry drain` while streams run on it: they move to the other instance and
-finish with every token. The demo prints both runs side by side (TTFT, worst
-stall, the engines' own preemption counters), what the drain moved, and draws
-TTFT over time for both runs with the drain marked.
+`llumnix` and lite migration. At the same point of each run the busiest
+instance is drained with `ferry drain` while streams run on it, as an operator
+taking it out for maintenance would: with round_robin (no migration, like nginx
+or vllm-router) the drain waits until its streams end; with llumnix they move
+to the other instance and finish with every token. The demo prints both runs
+side by side (TTFT, worst stall, the engines' own preemption counters, how long
+the drain took), what the drain moved, and draws TTFT over time for both runs
+with the drains marked.
 
 `python -m loadtest.demo --short` runs a smaller workload (the test does).
 """
@@ -46,8 +49,8 @@ class Workload:
     requests: int = 45
     rate_per_s: float = 1.5
     burstiness_cv: float = 3.0  # Gamma inter-arrivals: bursts, then quiet
-    # Fraction of the requests sent when the drain starts: late, so that the
-    # comparison is mostly of placement, with streams still running to move.
+    # Fraction of the requests sent when the drain starts (in both runs): late,
+    # so that the comparison is mostly of placement, with streams still running.
     drain_at: float = 0.8
     seed: int = 7
 
@@ -70,7 +73,7 @@ class Run:
     streams: list[Stream] = field(default_factory=list)
     preemptions: int = 0
     drained_at: float | None = None
-    drain: dict[str, Any] = field(default_factory=dict)
+    drain: dict[str, Any] = field(default_factory=dict)  # instance, inflight, took_s, moves
 
     @property
     def ttfts(self) -> list[float]:
@@ -168,10 +171,9 @@ def write_config(path: Path, urls: list[str], policy: str, port: int, token: str
     path.write_text(json.dumps(config, indent=2))
 
 
-def run_once(
-    urls: list[str], policy: str, workload: Workload, work: Path, port: int, drain: bool
-) -> Run:
-    """One run of the workload through a fresh `ferry serve` with `policy`."""
+def run_once(urls: list[str], policy: str, workload: Workload, work: Path, port: int) -> Run:
+    """One run of the workload through a fresh `ferry serve` with `policy`, with a
+    drain of the busiest instance once `workload.drain_at` of it is sent."""
     token = "demo-token"
     config = work / f"demo-{policy}.yaml"
     write_config(config, urls, policy, port, token)
@@ -194,16 +196,17 @@ def run_once(
                     break
                 time.sleep(0.1)
             run.drain = {"instance": busiest["name"], "inflight": busiest["inflight"]}
-            done = subprocess.run(
+            started = time.perf_counter()
+            done = subprocess.run(  # returns once the instance is empty
                 ferry_command("drain", busiest["name"], *admin), capture_output=True, text=True
             )
+            run.drain["took_s"] = time.perf_counter() - started
             run.drain["output"] = done.stdout.strip()
             subprocess.run(ferry_command("undrain", busiest["name"], *admin), capture_output=True)
 
-        asyncio.run(workload_run(url, workload, run, drain_busiest if drain else None))
+        asyncio.run(workload_run(url, workload, run, drain_busiest))
         run.preemptions = preemptions(urls) - before
-        if drain:
-            run.drain.update(migration_figures(get(url + "/metrics")))
+        run.drain.update(migration_figures(get(url + "/metrics")))
         return run
     finally:
         proc.terminate()
@@ -235,6 +238,11 @@ def report(runs: list[Run]) -> str:
             "longest pause inside a stream",
         ),
         ("preemptions", lambda r: r.preemptions, "the engines' own count of evicted KV"),
+        (
+            "drain took (ms)",
+            lambda r: r.drain.get("took_s", 0.0) * ms,
+            "until the drained instance was empty: streams moved, or waited out",
+        ),
     ]
     names = [r.policy for r in runs]
     lines = [f"{'':<22}" + "".join(f"{n:>14}" for n in names)]
@@ -268,14 +276,20 @@ def plot(runs: list[Run], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for run, marker in zip(runs, ("o", "s"), strict=True):
         points = sorted((s.sent_at, s.ttft) for s in run.streams if s.ttft is not None)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker, label=run.policy, ms=4)
+        [line] = ax.plot(
+            [p[0] for p in points], [p[1] for p in points], marker, label=run.policy, ms=4
+        )
         if run.drained_at is not None:
-            ax.axvline(run.drained_at, color="grey", ls="--")
-            ax.annotate("drain", (run.drained_at, ax.get_ylim()[1] * 0.9), color="grey")
+            ax.axvline(run.drained_at, color=line.get_color(), ls="--")
+            ax.annotate(
+                f"drain ({run.policy})",
+                (run.drained_at, ax.get_ylim()[1] * 0.9),
+                color=line.get_color(),
+            )
     ax.set_xlabel("request sent at (s)")
     ax.set_ylabel("TTFT (s)")
     ax.set_yscale("log")
-    ax.set_title("TTFT over time, same workload: round_robin vs llumnix (drain marked)")
+    ax.set_title("TTFT over time, same workload: round_robin vs llumnix (drains marked)")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -287,9 +301,9 @@ def demo(urls: list[str], workload: Workload, work: Path, port: int) -> tuple[li
     """Run both policies on servers at `urls`; print the comparison; return runs and the PNG."""
     work.mkdir(parents=True, exist_ok=True)
     runs = []
-    for policy, drain in (("round_robin", False), ("llumnix", True)):
+    for policy in ("round_robin", "llumnix"):
         print(f"running {workload.requests} streams through ferry ({policy})...", flush=True)
-        runs.append(run_once(urls, policy, workload, work, port, drain))
+        runs.append(run_once(urls, policy, workload, work, port))
     png = work / "demo-ttft.png"
     plot(runs, png)
     print()

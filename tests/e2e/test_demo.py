@@ -18,12 +18,15 @@ def test_the_demo_compares_both_policies_and_its_drain_loses_nothing(
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.split() == ["round_robin", "llumnix"])
     assert header.startswith(" ")  # the table's header row, over the two columns
-    for label in ("P50 TTFT (ms)", "P99 TTFT (ms)", "P99 worst stall (ms)", "preemptions"):
+    labels = ("P50 TTFT (ms)", "P99 TTFT (ms)", "P99 worst stall (ms)", "preemptions")
+    for label in (*labels, "drain took (ms)"):
         row = next(line for line in out.splitlines() if line.startswith(label))
         numbers = row[len(label) :].split()[:2]
         assert all(n.isdigit() for n in numbers), row
     for run in runs:
         assert len(run.streams) == SHORT.requests and run.complete == SHORT.requests
+    assert all(run.drain["took_s"] > 0 for run in runs)  # both runs drained
+    assert runs[0].drain["moved"] == 0  # round_robin runs without migration: it waited
     drain = runs[1].drain
     assert drain["inflight"] >= 1 and drain["moved"] >= 1 and drain["downtime_count"] >= 1
     assert f"{SHORT.requests}/{SHORT.requests} streams of this run finished" in out
