@@ -32,6 +32,8 @@ import aiohttp
 from tests.helpers import free_port
 
 CORE_BACKENDS, CORE_PROXY = "0", "1"
+# Read once, before main() pins this process (and so its children) to one core.
+MULTI_CORE = len(os.sched_getaffinity(0)) > 1
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Result:
 
 
 def pinned(cmd: list[str], cores: str) -> list[str]:
-    if shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
+    if shutil.which("taskset") and MULTI_CORE:
         return ["taskset", "-c", cores, *cmd]
     return cmd
 
@@ -133,7 +135,7 @@ def main() -> int:
         help="stand-in gaps between tokens; 50 ms = 4k tokens/s at 200 streams, 10 ms = 20k",
     )
     args = parser.parse_args()
-    if len(os.sched_getaffinity(0)) > 1:
+    if MULTI_CORE:
         os.sched_setaffinity(0, {int(CORE_BACKENDS)})  # the load generator shares core 0
     # The one-stream run measures TTFT only, so its requests are 4 tokens long.
     scenarios = [(1, args.single_requests, 4, args.itl_ms[0])]

@@ -33,6 +33,7 @@ from prometheus_client import (
 from proxy.cluster import Cluster
 from proxy.policy.scaling import ScalingSettings, scaling_signal
 from proxy.policy.virtual_usage import instance_freeness
+from proxy.ttft_stages import STAGES
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -56,6 +57,8 @@ _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300
 # proxy/live_stream.py and proxy/migrator.py: why a stream moved, how the cut-over went.
 MIGRATION_REASONS = ("failover", "drain", "rebalance", "priority")
 MIGRATION_OUTCOMES = ("ok", "no_destination", "destination_failed", "no_prompt_ids")
+# TTFT stages: parsing and dispatch take microseconds, the engine's part seconds.
+_STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4) + _LATENCY_BUCKETS
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
 
 
@@ -82,6 +85,17 @@ class FerryMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        ttft_stage = Histogram(
+            "ferry_time_to_first_token_stage_seconds",
+            "Time to first token by stage, arrival to the first token written to the client:"
+            " parse, dispatch, upstream_connect, upstream_first_byte, relay"
+            " (see proxy/ttft_stages.py).",
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
+            registry=r,
+        )
+        # One child per stage, made once: every series exists from the start.
+        self.ttft_stage = {stage: ttft_stage.labels(stage) for stage in STAGES}
         self.itl = Histogram(
             "ferry_inter_token_latency_seconds",
             "Gap between two token chunks relayed, by model and the instance that produced"
