@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from proxy.errors import error_body
@@ -32,7 +33,21 @@ DONE = b"data: [DONE]\n\n"
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    """Compact JSON. orjson is 5-10x faster than json; what it refuses (integers
+    past 64 bits, more than 254 levels, keys that are not strings) json writes."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(data: bytes) -> Any:
+    """JSON from an engine's event: orjson (4x faster than json), json for what
+    orjson refuses (NaN, Infinity, integers past 64 bits); ValueError if neither reads it."""
+    try:
+        return orjson.loads(data)
+    except ValueError:
+        return json.loads(data)
 
 
 def event(obj: Any) -> bytes:
