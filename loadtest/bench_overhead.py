@@ -164,6 +164,12 @@ def main() -> int:
     )
     parser.add_argument("--profile", metavar="DIR", help="record Ferry with py-spy into DIR")
     parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also run the Ferry of source tree SRC (e.g. `git archive` of an older"
+        " commit) as path `ferry-base`, side by side in the same runs",
+    )
+    parser.add_argument(
         "--scenarios",
         default="single,loaded",
         help="single (one stream), loaded (--concurrency streams per --itl-ms), or both",
@@ -190,7 +196,9 @@ def main() -> int:
         if args.profile:
             os.makedirs(args.profile, exist_ok=True)
             profile = os.path.join(args.profile, f"ferry-{concurrency}x{itl_ms:g}ms.txt")
-        runs = measure(concurrency, requests, max_tokens, itl_ms, args.repeat, profile)
+        runs = measure(
+            concurrency, requests, max_tokens, itl_ms, args.repeat, profile, args.baseline
+        )
         report(runs, concurrency, requests, max_tokens, itl_ms)
         sys.stdout.flush()
     return 0
@@ -203,6 +211,7 @@ def measure(
     itl_ms: float,
     repeat: int = 1,
     profile: str | None = None,
+    baseline: str | None = None,
 ) -> list[dict[str, Result]]:
     """`repeat` runs of the three paths in turn, on the same servers."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -227,21 +236,19 @@ def measure(
             wait_http(url + "/health")
         ferry_port, router_port = free_port(), free_port()
         backend_args = [a for url in backends for a in ("--backend", url)]
-        ferry_cmd = [
-            py,
-            "-m",
-            "proxy.cli",
-            "serve",
-            *backend_args,
-            "--port",
-            str(ferry_port),
-            "--policy",
-            "llumnix",
-            "--log-level",
-            "WARNING",
-        ]
-        ferry = subprocess.Popen(pinned(ferry_cmd, CORE_PROXY))
+
+        def ferry_cmd(port: int) -> list[str]:
+            cmd = [py, "-m", "proxy.cli", "serve", *backend_args, "--port", str(port)]
+            return [*cmd, "--policy", "llumnix", "--log-level", "WARNING"]
+
+        ferry = subprocess.Popen(pinned(ferry_cmd(ferry_port), CORE_PROXY))
         procs.append(ferry)
+        base = None
+        if baseline:
+            base_port = free_port()
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}
+            base = subprocess.Popen(pinned(ferry_cmd(base_port), CORE_PROXY), env=env, cwd=baseline)
+            procs.append(base)
         router = shutil.which("vllm-router") or os.path.join(os.path.dirname(py), "vllm-router")
         router_cmd = [
             router,
@@ -266,6 +273,10 @@ def measure(
             "vllm-router": [f"http://127.0.0.1:{router_port}"],
         }
         pids = {"ferry": ferry.pid, "vllm-router": router_proc.pid}
+        if base is not None:
+            wait_http(f"http://127.0.0.1:{base_port}/health")
+            paths["ferry-base"] = [f"http://127.0.0.1:{base_port}"]
+            pids["ferry-base"] = base.pid
         for name, urls in paths.items():
             asyncio.run(run_load(name, urls, 20, 100, max_tokens))  # warm-up
         runs = []
@@ -363,6 +374,13 @@ def report(
             ferry["+p50"], router["+p50"], ferry["tokens/s"], router["tokens/s"], strict=True
         )
     )
+    if "ferry-base" in figures:
+        base = figures["ferry-base"]
+        cpu = [a / b for a, b in zip(ferry["cpu"], base["cpu"], strict=True)]
+        print(
+            f"ferry / ferry-base: CPU per token {spread(cpu, '.2f').strip()}x, added TTFT p50"
+            f" {statistics.median(ferry['+p50']):.2f} vs {statistics.median(base['+p50']):.2f} ms"
+        )
     print(
         f"ferry / vllm-router tokens/s: {spread(ratios, '.2f')}x; added TTFT p50: ferry"
         f" {statistics.median(ferry['+p50']):.2f} ms, vllm-router"

@@ -108,7 +108,6 @@ class TokenTiming:
         "ttft",
         "stages",
         "stage_seconds",
-        "_histograms",
     )
 
     def __init__(
@@ -125,9 +124,6 @@ class TokenTiming:
         self.ttft: float | None = None  # seconds, once the first token came
         self.stages = stages  # None once its breakdown is recorded
         self.stage_seconds: dict[str, float] | None = None  # the breakdown, once recorded
-        # The labelled ITL histogram per instance: `labels()` costs a lock and a
-        # dict lookup, too much to pay on every token.
-        self._histograms: dict[str, Any] = {}
 
     @property
     def first_token_seen(self) -> bool:
@@ -171,9 +167,6 @@ class TokenTiming:
             if self.stages is not None:
                 self.stages.first_token()
         else:
-            itl = self._histograms.get(instance)
-            if itl is None:
-                itl = self._histograms[instance] = self.metrics.itl.labels(self.model, instance)
-            itl.observe(now - self.last)
+            self.metrics.itl.labels(self.model, instance).observe(now - self.last)
         self.last = now
         return downtime

@@ -83,7 +83,8 @@ def prompt_ids(data: bytes) -> list[int] | None:
 def hide(data: bytes) -> bytes:
     """Null the token-id arrays the proxy asked for (in any number of events)."""
     data = _GENERATED_IDS.sub(b'"token_ids":null', data)
-    if _PROMPT_KEY in data:  # the first chunk only: skip the second pass on the others
+    # Only a stream's first chunk has prompt ids; the others (`null`) skip the pass.
+    if data.count(_PROMPT_KEY) != data.count(_PROMPT_KEY + b":null"):
         data = _PROMPT_IDS.sub(b'"prompt_token_ids":null', data)
     return data
 
