@@ -8,9 +8,16 @@ Two STAND-IN servers (loadtest/standin_server.py, not vLLM: a fixed 10 ms
 between tokens, so the backend is never the bottleneck) on core 0 with the load
 generator; the proxy under test alone on core 1. `concurrency` client streams
 run closed-loop, each request 64 tokens; the client records TTFT per request
-and tokens received per second. One run measures all three paths side by side.
+and tokens received per second, and the proxy's CPU time (its processes', from
+/proc) per 1,000 tokens, which the machine's other load disturbs least. One run
+measures all three paths side by side, `--repeat` times in turn (on a shared
+machine the spread between repeats is the noise); the table gives each figure's
+median and its range over the repeats. `--profile DIR` records Ferry under
+py-spy (the `bench` extra) in each scenario's last repeat, as py-spy's
+collapsed stacks (`ferry-<streams>x<itl>ms.txt`; flamegraph.pl or speedscope
+draw them).
 
-    python -m loadtest.bench_overhead [--concurrency 200] [--requests 2000]
+    python -m loadtest.bench_overhead [--concurrency 200] [--requests 2000] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import asyncio
 import json
 import os
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +41,8 @@ import aiohttp
 from tests.helpers import free_port
 
 CORE_BACKENDS, CORE_PROXY = "0", "1"
+# Read once, before main() pins this process (and so its children) to one core.
+MULTI_CORE = len(os.sched_getaffinity(0)) > 1
 
 
 @dataclass
@@ -41,6 +52,7 @@ class Result:
     tokens: int
     seconds: float
     errors: int
+    cpu_s: float = 0.0  # the proxy's processes' CPU time during the run (0: direct)
 
     def p(self, q: float) -> float:
         ordered = sorted(self.ttfts)
@@ -50,9 +62,31 @@ class Result:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
 
+    @property
+    def cpu_ms_per_1k_tokens(self) -> float:
+        return 1e6 * self.cpu_s / max(self.tokens, 1)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of `pid` and its descendants, from Linux's /proc."""
+    total, pids = 0.0, [pid]
+    tick = os.sysconf("SC_CLK_TCK")
+    while pids:
+        p = pids.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    pids += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+    return total
+
 
 def pinned(cmd: list[str], cores: str) -> list[str]:
-    if shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
+    if shutil.which("taskset") and MULTI_CORE:
         return ["taskset", "-c", cores, *cmd]
     return cmd
 
@@ -126,6 +160,21 @@ def main() -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
+        "--repeat", type=int, default=1, help="measure the three paths this many times in turn"
+    )
+    parser.add_argument("--profile", metavar="DIR", help="record Ferry with py-spy into DIR")
+    parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also run the Ferry of source tree SRC (e.g. `git archive` of an older"
+        " commit) as path `ferry-base`, side by side in the same runs",
+    )
+    parser.add_argument(
+        "--scenarios",
+        default="single,loaded",
+        help="single (one stream), loaded (--concurrency streams per --itl-ms), or both",
+    )
+    parser.add_argument(
         "--itl-ms",
         type=float,
         nargs="+",
@@ -133,19 +182,38 @@ def main() -> int:
         help="stand-in gaps between tokens; 50 ms = 4k tokens/s at 200 streams, 10 ms = 20k",
     )
     args = parser.parse_args()
-    if len(os.sched_getaffinity(0)) > 1:
+    if MULTI_CORE:
         os.sched_setaffinity(0, {int(CORE_BACKENDS)})  # the load generator shares core 0
     # The one-stream run measures TTFT only, so its requests are 4 tokens long.
-    scenarios = [(1, args.single_requests, 4, args.itl_ms[0])]
-    scenarios += [(args.concurrency, args.requests, args.max_tokens, itl) for itl in args.itl_ms]
+    wanted = args.scenarios.split(",")
+    scenarios = [(1, args.single_requests, 4, args.itl_ms[0])] if "single" in wanted else []
+    if "loaded" in wanted:
+        scenarios += [
+            (args.concurrency, args.requests, args.max_tokens, itl) for itl in args.itl_ms
+        ]
     for concurrency, requests, max_tokens, itl_ms in scenarios:
-        results = measure(concurrency, requests, max_tokens, itl_ms)
-        report(results, concurrency, requests, max_tokens, itl_ms)
+        profile = None
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            profile = os.path.join(args.profile, f"ferry-{concurrency}x{itl_ms:g}ms.txt")
+        runs = measure(
+            concurrency, requests, max_tokens, itl_ms, args.repeat, profile, args.baseline
+        )
+        report(runs, concurrency, requests, max_tokens, itl_ms)
         sys.stdout.flush()
     return 0
 
 
-def measure(concurrency: int, requests: int, max_tokens: int, itl_ms: float) -> dict[str, Result]:
+def measure(
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    itl_ms: float,
+    repeat: int = 1,
+    profile: str | None = None,
+    baseline: str | None = None,
+) -> list[dict[str, Result]]:
+    """`repeat` runs of the three paths in turn, on the same servers."""
     procs: list[subprocess.Popen[bytes]] = []
     py = sys.executable
     try:
@@ -168,20 +236,19 @@ def measure(concurrency: int, requests: int, max_tokens: int, itl_ms: float) -> 
             wait_http(url + "/health")
         ferry_port, router_port = free_port(), free_port()
         backend_args = [a for url in backends for a in ("--backend", url)]
-        ferry_cmd = [
-            py,
-            "-m",
-            "proxy.cli",
-            "serve",
-            *backend_args,
-            "--port",
-            str(ferry_port),
-            "--policy",
-            "llumnix",
-            "--log-level",
-            "WARNING",
-        ]
-        procs.append(subprocess.Popen(pinned(ferry_cmd, CORE_PROXY)))
+
+        def ferry_cmd(port: int) -> list[str]:
+            cmd = [py, "-m", "proxy.cli", "serve", *backend_args, "--port", str(port)]
+            return [*cmd, "--policy", "llumnix", "--log-level", "WARNING"]
+
+        ferry = subprocess.Popen(pinned(ferry_cmd(ferry_port), CORE_PROXY))
+        procs.append(ferry)
+        base = None
+        if baseline:
+            base_port = free_port()
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}
+            base = subprocess.Popen(pinned(ferry_cmd(base_port), CORE_PROXY), env=env, cwd=baseline)
+            procs.append(base)
         router = shutil.which("vllm-router") or os.path.join(os.path.dirname(py), "vllm-router")
         router_cmd = [
             router,
@@ -194,11 +261,10 @@ def measure(concurrency: int, requests: int, max_tokens: int, itl_ms: float) -> 
             "--log-level",
             "warning",
         ]
-        procs.append(
-            subprocess.Popen(
-                pinned(router_cmd, CORE_PROXY), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
+        router_proc = subprocess.Popen(
+            pinned(router_cmd, CORE_PROXY), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        procs.append(router_proc)
         wait_http(f"http://127.0.0.1:{ferry_port}/health")
         wait_http(f"http://127.0.0.1:{router_port}/health")
         paths = {
@@ -206,11 +272,31 @@ def measure(concurrency: int, requests: int, max_tokens: int, itl_ms: float) -> 
             "ferry": [f"http://127.0.0.1:{ferry_port}"],
             "vllm-router": [f"http://127.0.0.1:{router_port}"],
         }
-        results = {}
+        pids = {"ferry": ferry.pid, "vllm-router": router_proc.pid}
+        if base is not None:
+            wait_http(f"http://127.0.0.1:{base_port}/health")
+            paths["ferry-base"] = [f"http://127.0.0.1:{base_port}"]
+            pids["ferry-base"] = base.pid
         for name, urls in paths.items():
             asyncio.run(run_load(name, urls, 20, 100, max_tokens))  # warm-up
-            results[name] = asyncio.run(run_load(name, urls, concurrency, requests, max_tokens))
-        return results
+        runs = []
+        for n in range(repeat):
+            results = {}
+            for name, urls in paths.items():
+                spy = None
+                if profile and name == "ferry" and n == repeat - 1:
+                    spy = start_profile(ferry.pid, profile)
+                pid = pids.get(name)
+                cpu = cpu_seconds(pid) if pid else 0.0
+                result = asyncio.run(run_load(name, urls, concurrency, requests, max_tokens))
+                result.cpu_s = cpu_seconds(pid) - cpu if pid else 0.0
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+                    spy.wait(60)
+                results[name] = result
+            runs.append(results)
+        print_stages(f"http://127.0.0.1:{ferry_port}/metrics")
+        return runs
     finally:
         for proc in procs:
             proc.terminate()
@@ -218,34 +304,97 @@ def measure(concurrency: int, requests: int, max_tokens: int, itl_ms: float) -> 
             proc.wait(10)
 
 
+def print_stages(metrics_url: str) -> None:
+    """Where Ferry's TTFT went, stage by stage (proxy/ttft_stages.py): the mean
+    over every stream of this scenario's runs, warm-up included."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        for suffix, into in (("_sum", sums), ("_count", counts)):
+            prefix = f'ferry_time_to_first_token_stage_seconds{suffix}{{stage="'
+            if line.startswith(prefix):
+                stage = line[len(prefix) :].split('"', 1)[0]
+                into[stage] = float(line.rsplit(" ", 1)[1])
+    means = [f"{stage} {1e3 * sums[stage] / counts[stage]:.3f}" for stage in sums if counts[stage]]
+    print("ferry TTFT by stage, mean ms: " + ", ".join(means))
+
+
+def start_profile(pid: int, path: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling `pid` (Python frames, 200 Hz, without pausing it) into `path`."""
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    cmd = [spy, "record", "-p", str(pid), "-f", "raw", "-o", path, "-r", "200", "--nonblocking"]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)  # attached before the load starts
+    return process
+
+
 def report(
-    results: dict[str, Result], concurrency: int, requests: int, max_tokens: int, itl_ms: float
+    runs: list[dict[str, Result]],
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    itl_ms: float,
 ) -> None:
-    direct, ferry, router = results["direct"], results["ferry"], results["vllm-router"]
     print(
         f"\n{concurrency} concurrent streams, {requests} requests x {max_tokens} tokens,"
-        f" stand-in ITL {itl_ms:g} ms; proxy alone on core {CORE_PROXY}"
+        f" stand-in ITL {itl_ms:g} ms; proxy alone on core {CORE_PROXY};"
+        f" median [min-max] of {len(runs)} run(s)"
     )
     print(
-        f"{'path':<12} {'TTFT p50 ms':>11} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}"
-        f" {'tokens/s':>9} {'errors':>6}"
+        f"{'path':<12} {'TTFT p50 ms':>18} {'+p50 ms':>18} {'+p99 ms':>18}"
+        f" {'tokens/s':>18} {'CPU ms/1k tok':>18} {'errors':>6}"
     )
-    for r in results.values():
+
+    def added(r: Result, direct: Result, q: float) -> float:
+        return 1e3 * (r.p(q) - direct.p(q))
+
+    figures: dict[str, dict[str, list[float]]] = {}
+    for name in runs[0]:
+        per_run = [(run[name], run["direct"]) for run in runs]
+        figures[name] = {
+            "p50": [1e3 * r.p(50) for r, _ in per_run],
+            "+p50": [added(r, d, 50) for r, d in per_run],
+            "+p99": [added(r, d, 99) for r, d in per_run],
+            "tokens/s": [r.tokens_per_s for r, _ in per_run],
+            "cpu": [r.cpu_ms_per_1k_tokens for r, _ in per_run],
+        }
+        f = figures[name]
+        errors = sum(r.errors for r, _ in per_run)
         print(
-            f"{r.name:<12} {1e3 * r.p(50):>11.2f} {1e3 * r.p(99):>8.2f}"
-            f" {1e3 * (r.p(50) - direct.p(50)):>8.2f} {1e3 * (r.p(99) - direct.p(99)):>8.2f}"
-            f" {r.tokens_per_s:>9.0f} {r.errors:>6}"
+            f"{name:<12} {spread(f['p50'])} {spread(f['+p50'])} {spread(f['+p99'])}"
+            f" {spread(f['tokens/s'], '.0f')} {spread(f['cpu'])} {errors:>6}"
+        )
+    ferry, router = figures["ferry"], figures["vllm-router"]
+    ratios = [a / b for a, b in zip(ferry["tokens/s"], router["tokens/s"], strict=True)]
+    wins = sum(
+        a <= b and c >= d
+        for a, b, c, d in zip(
+            ferry["+p50"], router["+p50"], ferry["tokens/s"], router["tokens/s"], strict=True
+        )
+    )
+    if "ferry-base" in figures:
+        base = figures["ferry-base"]
+        cpu = [a / b for a, b in zip(ferry["cpu"], base["cpu"], strict=True)]
+        print(
+            f"ferry / ferry-base: CPU per token {spread(cpu, '.2f').strip()}x, added TTFT p50"
+            f" {statistics.median(ferry['+p50']):.2f} vs {statistics.median(base['+p50']):.2f} ms"
         )
     print(
-        f"ferry / vllm-router tokens/s: {ferry.tokens_per_s / router.tokens_per_s:.2f}x;"
-        f" ferry / direct: {ferry.tokens_per_s / direct.tokens_per_s:.2f}x"
+        f"ferry / vllm-router tokens/s: {spread(ratios, '.2f')}x; added TTFT p50: ferry"
+        f" {statistics.median(ferry['+p50']):.2f} ms, vllm-router"
+        f" {statistics.median(router['+p50']):.2f} ms; runs where ferry's added p50 <="
+        f" vllm-router's and its tokens/s >=: {wins}/{len(runs)}"
     )
-    print(
-        f"added TTFT p50: ferry {1e3 * (ferry.p(50) - direct.p(50)):.2f} ms, vllm-router"
-        f" {1e3 * (router.p(50) - direct.p(50)):.2f} ms; p99: ferry"
-        f" {1e3 * (ferry.p(99) - direct.p(99)):.2f} ms, vllm-router"
-        f" {1e3 * (router.p(99) - direct.p(99)):.2f} ms"
-    )
+
+
+def spread(values: list[float], fmt: str = ".2f") -> str:
+    """median [min-max], 18 characters wide."""
+    if len(values) == 1:
+        return f"{values[0]:>18{fmt}}"
+    text = f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+    return f"{text:>18}"
 
 
 if __name__ == "__main__":

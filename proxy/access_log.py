@@ -13,12 +13,16 @@ With `server.access_log: true`, each request ends with one JSON line on the
     {"ts": "...", "request_id": "...", "method": "POST", "path": "/v1/chat/completions",
      "status": 200, "outcome": "ok", "model": "m", "priority": "normal",
      "instance": "b", "instances": ["a", "b"], "retries": [{"instance": ..., "reason": ...}],
-     "prompt_tokens": 12, "completion_tokens": 40, "ttft_s": 0.041, "duration_s": 0.52,
+     "prompt_tokens": 12, "completion_tokens": 40, "ttft_s": 0.041,
+     "ttft_stages_s": {"parse": 0.00004, "dispatch": 0.00003, "upstream_connect": 0.0002,
+                       "upstream_first_byte": 0.0405, "relay": 0.0001},
+     "duration_s": 0.52,
      "migrations": [{"from": "a", "to": "b", "reason": "drain", "after_tokens": 17,
                      "downtime_s": 0.012}]}
 
 `instances` is every instance the request was sent to, in order (retries and
-moves); `instance` the one that finished it. Fields Ferry does not know for a
+moves); `instance` the one that finished it. `ttft_stages_s` is where a
+stream's TTFT went, stage by stage (proxy/ttft_stages.py). Fields Ferry does not know for a
 request (no tokens for a 404) are null. Probes and scrapes (`QUIET_PATHS`) get an
 id but no line. Writing a line is one `logging` call to
 a stream handler; nothing else touches a file on the request path.
@@ -76,6 +80,7 @@ class AccessRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     ttft_s: float | None = None
+    ttft_stages_s: dict[str, float] | None = None  # proxy/ttft_stages.py, streams only
     duration_s: float | None = None
     upstream_headers: dict[str, str] = field(default_factory=dict)  # id and trace context
 
@@ -96,6 +101,7 @@ class AccessRecord:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "ttft_s": _round(self.ttft_s),
+                "ttft_stages_s": _stages(self.ttft_stages_s),
                 "duration_s": _round(self.duration_s),
                 "migrations": self.migrations,
             },
@@ -193,3 +199,7 @@ def _new_record(request: web.Request) -> AccessRecord:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
+
+
+def _stages(seconds: dict[str, float] | None) -> dict[str, float] | None:
+    return None if seconds is None else {k: round(v, 6) for k, v in seconds.items()}

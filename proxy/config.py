@@ -109,7 +109,9 @@ class SchedulerConfig:
     cache_threshold: float = 0.3
     balance_abs_threshold: float = 64.0
     balance_rel_threshold: float = 1.5
-    high_priority_headroom_blocks: float = 0.0  # virtual usage a high request reserves
+    # KV blocks reserved where high-priority requests run; None: 10% of each
+    # instance's capacity (proxy/policy/virtual_usage.py says why).
+    high_priority_headroom_blocks: float | None = None
     seed: int | None = None  # dispatch randomness; None seeds from the OS
     migration_max_resumes: int = 2  # failover: resumes of one broken stream
     # Before the first byte reaches the client, a request whose instance fails
@@ -417,7 +419,7 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         raise ConfigError("scheduler.eject_base_s: must be positive and at most eject_max_s")
     if s.migration_max_resumes < 0:
         raise ConfigError("scheduler.migration_max_resumes: must not be negative")
-    if s.high_priority_headroom_blocks < 0:
+    if s.high_priority_headroom_blocks is not None and s.high_priority_headroom_blocks < 0:
         raise ConfigError("scheduler.high_priority_headroom_blocks: must not be negative")
     _check_scaling(s)
 
@@ -478,7 +480,8 @@ def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> 
         # bool is an int to isinstance, but `port: true` is a mistake, not 1.
         if (isinstance(value, bool) and type_name != "bool") or not isinstance(value, expected):
             raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {value!r})")
-        values[key] = float(cast(float, value)) if type_name == "float" else value
+        is_float = type_name == "float" or (type_name == "float | None" and value is not None)
+        values[key] = float(cast(float, value)) if is_float else value
     return cls(**values)
 
 
@@ -489,6 +492,7 @@ _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
     "int | None": (int, type(None)),
     "str | None": (str, type(None)),
+    "float | None": (int, float, type(None)),
     "dict[str, str]": (dict,),
 }
 

@@ -208,6 +208,7 @@ class LiveStream:
                         self._reading = False
                     if not data:
                         break
+                    self.timing.read()
                     self._pending += data
                 events, self._pending = sse.split(self._pending)
                 out: list[bytes] = []
@@ -240,11 +241,11 @@ class LiveStream:
             if downtime is not None and self.moves:
                 self.moves[-1]["downtime_s"] = round(downtime, 6)
 
-    @staticmethod
-    async def _write(response: web.StreamResponse, out: list[bytes]) -> None:
+    async def _write(self, response: web.StreamResponse, out: list[bytes]) -> None:
         data = b"".join(out)
         if data:
             await response.write(data)
+            self.timing.written()
 
     # -- the cut-over ---------------------------------------------------------------
     async def _cut_over(self, order: MoveOrder, response: web.StreamResponse) -> str:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
+from collections.abc import Iterator
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -29,10 +31,13 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from proxy.cluster import Cluster
 from proxy.policy.scaling import ScalingSettings, scaling_signal
 from proxy.policy.virtual_usage import instance_freeness
+from proxy.ttft_stages import STAGES
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -56,7 +61,62 @@ _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300
 # proxy/live_stream.py and proxy/migrator.py: why a stream moved, how the cut-over went.
 MIGRATION_REASONS = ("failover", "drain", "rebalance", "priority")
 MIGRATION_OUTCOMES = ("ok", "no_destination", "destination_failed", "no_prompt_ids")
+# TTFT stages: parsing and dispatch take microseconds, the engine's part seconds.
+_STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4) + _LATENCY_BUCKETS
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
+
+
+class LoopHistogram:
+    """A labelled histogram for the per-token path, exported like any other.
+
+    prometheus_client's takes a lock for each bucket and sum it updates and walks
+    its buckets in Python: 1.5-4 us an observation, paid on every relayed token.
+    Ferry observes from its one event-loop thread (and renders /metrics there),
+    so this one needs no lock: a bisect and two additions."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...],
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self.bounds = (*buckets, math.inf)
+        self._series: dict[tuple[str, ...], _Series] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Series:
+        series = self._series.get(values)
+        if series is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}")
+            series = self._series[values] = _Series(self.bounds)
+        return series
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, series in self._series.items():
+            buckets, total = [], 0
+            for bound, count in zip(self.bounds, series.counts, strict=True):
+                total += count
+                buckets.append((floatToGoString(bound), total))
+            family.add_metric(list(values), buckets, series.sum)
+        yield family
+
+
+class _Series:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.sum += value
 
 
 class FerryMetrics:
@@ -82,13 +142,24 @@ class FerryMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        ttft_stage = Histogram(
+            "ferry_time_to_first_token_stage_seconds",
+            "Time to first token by stage, arrival to the first token written to the client:"
+            " parse, dispatch, upstream_connect, upstream_first_byte, relay"
+            " (see proxy/ttft_stages.py).",
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
+            registry=r,
+        )
+        # One child per stage, made once: every series exists from the start.
+        self.ttft_stage = {stage: ttft_stage.labels(stage) for stage in STAGES}
+        self.itl = LoopHistogram(
             "ferry_inter_token_latency_seconds",
             "Gap between two token chunks relayed, by model and the instance that produced"
             " the later one.",
-            ["model", "instance"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            ("model", "instance"),
+            _LATENCY_BUCKETS,
+            r,
         )
         self.duration = Histogram(
             "ferry_request_duration_seconds",

@@ -34,6 +34,7 @@ from proxy.placement import Placement
 from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer
+from proxy.ttft_stages import TTFTStages
 from proxy.upstream import Call, Upstreams
 
 log = logging.getLogger("ferry.relay")
@@ -82,11 +83,13 @@ class Relay:
         priority: Priority,
         prompt_estimate: int,
         arrived: float,
+        parsed: float | None = None,
         stream: bool = False,
     ) -> web.StreamResponse:
         """Relay a request to the instance the policy picks. `body` is None for a
         pass-through call, sent as it came and answered as the instance answers;
-        `stream` says whether its body asked for a stream (an idle timeout applies)."""
+        `stream` says whether its body asked for a stream (an idle timeout applies).
+        `arrived` and `parsed` (monotonic seconds) bound the TTFT's first stage."""
         stream = stream if body is None else bool(body.get("stream"))
         record = access_log.record_of(request)
         record.model, record.priority = model, priority.name.lower()
@@ -102,6 +105,9 @@ class Relay:
         tried: set[str] = set()
         failed: web.StreamResponse | None = None  # the last failure, answered if none is left
         key = self.placement.prefix_key(body, prompt_estimate, request.headers.get(SESSION_HEADER))
+        stages = None
+        if stream and body is not None and parsed is not None:
+            stages = TTFTStages(self.clock, arrived, parsed)
         for attempt in range(self.retries + 1):
             try:
                 chosen = self.placement.choose(
@@ -120,7 +126,7 @@ class Relay:
             record.model_label = self.metrics.model_label(
                 model, self.cluster.instances[name].models
             )
-            timing = sse.TokenTiming(self.metrics, self.clock, arrived, record.model_label)
+            timing = sse.TokenTiming(self.metrics, self.clock, arrived, record.model_label, stages)
             if priority is Priority.HIGH:
                 blocks = request_blocks(prompt_estimate, self.cluster.block_size(name))
                 self.migrator.make_room(chosen, blocks)
@@ -142,6 +148,7 @@ class Relay:
                     stream=stream,
                     headers=headers,
                     params=request.query,
+                    stages=stages,
                 )
             except aiohttp.ClientError as exc:  # nothing reached the client: try another
                 outcome = (
@@ -323,11 +330,22 @@ class Relay:
         pending = b""
 
         def relay(data: bytes) -> bytes:
+            """The whole events received so far, accounted for, as the client gets them.
+            The bytes go on as they came (the ids nulled in one pass over them), not
+            split and framed again event by event: this runs for every chunk."""
             nonlocal pending
-            events, pending = sse.split(pending + data)
-            return b"".join(self._relay_event(event, call, wants_ids, timing) for event in events)
+            buffer = pending + data if pending else data
+            end = buffer.rfind(b"\n\n") + 2
+            if end < 2:
+                pending = buffer
+                return b""
+            whole, pending = buffer[:end], buffer[end:]  # no copy when it ends an event
+            seen = False
+            for event in whole.split(b"\n\n")[:-1]:
+                seen = self._account_event(event, call, timing) or seen
+            return token_ids.hide(whole) if seen and not wants_ids else whole
 
-        return await self._pipe(request, upstream, call, relay)
+        return await self._pipe(request, upstream, call, relay, timing)
 
     async def _pass_on(
         self, request: web.Request, upstream: aiohttp.ClientResponse, call: Call
@@ -344,16 +362,21 @@ class Relay:
         upstream: aiohttp.ClientResponse,
         call: Call,
         relay: Callable[[bytes], bytes],
+        timing: sse.TokenTiming | None = None,
     ) -> tuple[web.StreamResponse, str]:
         """Write what `relay` makes of the upstream's bytes to the client as they come."""
         response = await sse.open_response(request, call.instance)
         whole = True  # what the client has ends with a whole event
         try:
             async for data in upstream.content.iter_any():
+                if timing is not None:
+                    timing.read()
                 out = relay(data)
                 if out:
                     await response.write(out)
                     whole = out.endswith(b"\n\n")
+                    if timing is not None:
+                        timing.written()
         except sse.STREAM_ERRORS as exc:
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
@@ -364,11 +387,11 @@ class Relay:
         await sse.finish(response)
         return response, "ok"
 
-    def _relay_event(
-        self, event: bytes, call: Call, wants_ids: bool, timing: sse.TokenTiming
-    ) -> bytes:
+    def _account_event(self, event: bytes, call: Call, timing: sse.TokenTiming) -> bool:
+        """Credit one event's tokens to the ledger and the timing; whether it
+        carried token-id fields (the engine reports them)."""
         if not event.startswith(b"data: {"):  # [DONE], comments, other fields
-            return event + b"\n\n"
+            return False
         prompt, generated, seen = token_ids.scan(event)
         token = generated > 0
         if not seen:  # an engine that reports no token ids: estimate them
@@ -380,9 +403,7 @@ class Relay:
             self.cluster.ledger.add_generated(call.entry, generated)
         if token:
             timing.token(call.instance)
-        if wants_ids or not seen:
-            return event + b"\n\n"
-        return token_ids.hide(event) + b"\n\n"
+        return seen
 
 
 def _note_end(
@@ -395,6 +416,7 @@ def _note_end(
     """What the access log and the token counters say of the call that ended: the
     tokens as the client got them (a moved stream's whole prompt and generation)."""
     record.outcome, record.ttft_s = outcome, timing.ttft
+    record.ttft_stages_s = timing.stage_seconds
     prompt, completion = call.entry.prompt_tokens, call.entry.generated_tokens
     if live is not None:
         ids = live.splicer.prompt_ids

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy import access_log, admin, openai_request, tracing
+from proxy import access_log, admin, openai_request, tracing, ttft_stages
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig
 from proxy.discovery import Discovery
@@ -98,7 +98,10 @@ def build_app(
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: every client stream holds one upstream connection.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        # The tracing signal marks when each call has its connection (the TTFT breakdown).
+        async with aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, trace_configs=[ttft_stages.trace_config()]
+        ) as session:
             placement = Placement(cluster, _policy(sched), metrics, random.Random(sched.seed))
             upstreams = Upstreams(cluster, session, config.server)
             kv = KVMigrator(cluster, upstreams, metrics, _full_mode(sched))
@@ -281,6 +284,7 @@ def _openai_handler(endpoint: str) -> Any:
             priority=parsed.priority,
             prompt_estimate=parsed.prompt_estimate,
             arrived=arrived,
+            parsed=time.monotonic(),
         )
 
     return handler

@@ -14,7 +14,6 @@ Nothing here does I/O: the live stream feeds events and writes what comes out.
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -146,8 +145,8 @@ class Splicer:
         if not event.startswith(b"data: {"):
             return Fed(event + b"\n\n")
         try:
-            chunk = json.loads(event[6:])
-        except ValueError:
+            chunk = sse.loads(event[6:])
+        except (ValueError, RecursionError):
             return Fed(event + b"\n\n")
         if not isinstance(chunk, dict):
             return Fed(event + b"\n\n")

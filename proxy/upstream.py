@@ -23,6 +23,7 @@ from proxy.cluster import Cluster
 from proxy.config import ServerConfig
 from proxy.ledger import LedgerEntry
 from proxy.policy import Priority
+from proxy.ttft_stages import TTFTStages
 
 log = logging.getLogger("ferry.upstream")
 
@@ -93,15 +94,19 @@ class Upstreams:
         stream: bool,
         headers: Mapping[str, str] | None = None,
         params: Mapping[str, str] | None = None,
+        stages: TTFTStages | None = None,
     ) -> aiohttp.ClientResponse:
         """Send the call's request. A connect failure closes the call, marks the
         instance unreachable and is raised (one of `sse.CONNECT_ERRORS`); any
-        other failure closes the call and is raised."""
+        other failure closes the call and is raised. `stages` (a client's first
+        call) is marked as the call starts and has its connection."""
         auth = self.cluster.instances[call.instance].config.auth_headers()
         if auth:  # the instance's own credentials replace the client's
             names = {k.lower() for k in auth}
             headers = {k: v for k, v in (headers or {}).items() if k.lower() not in names}
             headers.update(auth)
+        if stages is not None:
+            stages.send()
         try:
             call.response = await self.session.request(
                 method,
@@ -110,6 +115,7 @@ class Upstreams:
                 headers=headers,
                 params=params,
                 timeout=self.stream_timeout if stream else self.whole_timeout,
+                trace_request_ctx=stages,
             )
         except sse.CONNECT_ERRORS as exc:
             call.close()

@@ -6,10 +6,12 @@ Its virtual usage adds what the scheduling goal needs:
 - de-fragmentation: a request counts its whole prompt from the moment it is
   dispatched, even while it waits in the engine's queue, so a large queued
   request makes its instance look full and pushes new work elsewhere;
-- priority: an instance running high-priority requests reserves
-  `high_priority_headroom_blocks` for them: normal and low requests see it that
-  much fuller and stay away (so its batch stays small and its queue short), while
-  high-priority requests see it without the reservation (it is theirs);
+- priority: an instance running high-priority requests reserves headroom for
+  them: normal and low requests see it that much fuller and stay away (so its
+  batch stays small and its queue short), while high-priority requests see it
+  without the reservation (it is theirs). The headroom is
+  `high_priority_headroom_blocks`, or by default `DEFAULT_HEADROOM_SHARE` of
+  the instance's KV capacity (see `headroom_blocks`);
 - draining: every request counts as infinite (freeness -inf, never chosen).
 Freeness F = (M - sum of virtual usage) / B, M the instance's KV capacity in
 blocks and B its batch size; larger is freer. Over capacity (a queue forms) F is
@@ -31,10 +33,28 @@ from dataclasses import dataclass
 
 from proxy.policy.view import InstanceView
 
+# The default headroom, as a share of an instance's KV capacity. About one
+# typical request's KV: 1,000-2,000 16-token blocks on a 7B model's GPU give
+# 100-200 blocks (a 1.6k-3.2k-token chat), a CPU vLLM's 15 128-token blocks give
+# one 128/128 request's 1.5. A share, unlike a fixed count, means that on any
+# engine and block size; small enough that an instance with headroom still
+# ranks by its real load (freeness stays positive until it is 90% full).
+DEFAULT_HEADROOM_SHARE = 0.1
+
 
 @dataclass(frozen=True, slots=True)
 class UsageSettings:
-    high_priority_headroom_blocks: float = 0.0
+    # KV blocks reserved where high-priority requests run; None: the default share.
+    high_priority_headroom_blocks: float | None = None
+
+
+def headroom_blocks(settings: UsageSettings, capacity_blocks: int) -> float:
+    """Blocks reserved on an instance of `capacity_blocks` running high-priority
+    requests: the configured count, else `DEFAULT_HEADROOM_SHARE` of its capacity
+    (none where the capacity is unknown)."""
+    if settings.high_priority_headroom_blocks is not None:
+        return settings.high_priority_headroom_blocks
+    return DEFAULT_HEADROOM_SHARE * max(capacity_blocks, 0)
 
 
 def request_blocks(tokens: int, block_size: int) -> int:
@@ -48,13 +68,18 @@ def virtual_usage(prompt_tokens: int, generated_tokens: int, block_size: int) ->
 
 
 def instance_virtual_usage(
-    real_blocks: float, high_priority_requests: int, settings: UsageSettings, *, for_high: bool
+    real_blocks: float,
+    high_priority_requests: int,
+    settings: UsageSettings,
+    *,
+    for_high: bool,
+    capacity_blocks: int = 0,
 ) -> float:
     """Sum of virtual usage on an instance, as a request of the given class sees it:
     the real blocks of its requests plus, for normal and low requests, the headroom
-    reserved where high-priority requests run."""
+    reserved where high-priority requests run (`headroom_blocks`)."""
     if high_priority_requests and not for_high:
-        return real_blocks + settings.high_priority_headroom_blocks
+        return real_blocks + headroom_blocks(settings, capacity_blocks)
     return real_blocks
 
 
@@ -112,7 +137,13 @@ def instance_view(
 ) -> InstanceView:
     """One instance's view from its totals: the proxy (ledger + scrape) and the
     simulator build their views with this, so both rank instances alike."""
-    virtual = instance_virtual_usage(real_blocks, high_priority_requests, settings, for_high=False)
+    virtual = instance_virtual_usage(
+        real_blocks,
+        high_priority_requests,
+        settings,
+        for_high=False,
+        capacity_blocks=capacity_blocks,
+    )
     virtual_high = instance_virtual_usage(
         real_blocks, high_priority_requests, settings, for_high=True
     )

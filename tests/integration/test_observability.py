@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from proxy.ttft_stages import STAGES
 from tests.helpers import debian_tool, wait_until
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -178,3 +179,43 @@ def test_with_otel_a_request_is_a_span_under_the_clients_trace(standins: Any, fe
     # The engine is sent Ferry's span as the parent, in the client's trace.
     sent = lower(standin.seen_headers[-1])["traceparent"].split("-")
     assert sent[1] == trace_id and sent[2] == f"{span.context.span_id:016x}"
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_a_streams_ttft_is_broken_down_into_stages(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture, migration: str
+) -> None:
+    """The plain relay and a movable stream: five stages, in the access log and
+    /metrics, that add up to the TTFT; the stand-in's 80 ms before its first
+    token shows where it belongs."""
+    caplog.set_level(logging.INFO, logger="ferry.access")
+    [(_, a)] = standins(1, itl_s=0.001, ttft_s=0.08)
+    proxy = ferry([a.url], instances_migration=migration, server={"access_log": True})
+    for stream in (True, False):
+        body = {"model": "standin", "prompt": "hi", "max_tokens": 3, "stream": stream}
+        with post(proxy.url + "/v1/completions", body) as resp:
+            resp.read()
+    wait_until(lambda: len(access_lines(caplog)) == 2)
+    streamed, whole = access_lines(caplog)
+    assert whole["ttft_stages_s"] is None  # no first token to time
+    stages = streamed["ttft_stages_s"]
+    assert list(stages) == list(STAGES)
+    assert all(seconds >= 0 for seconds in stages.values())
+    # Consecutive stages: they add up to the TTFT (which stops just before the write).
+    assert streamed["ttft_s"] <= sum(stages.values()) < streamed["ttft_s"] + 0.005
+    assert 0.08 <= stages["upstream_first_byte"] < streamed["ttft_s"]
+    for stage in ("parse", "dispatch", "upstream_connect", "relay"):
+        assert stages[stage] < 0.05, stages  # Ferry's own part is small
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for stage in STAGES:
+        assert f'ferry_time_to_first_token_stage_seconds_count{{stage="{stage}"}} 1.0' in text
+    first_byte = [
+        x
+        for x in text.splitlines()
+        if x.startswith('ferry_time_to_first_token_stage_seconds_bucket{le="0.05",')
+        and 'stage="upstream_first_byte"' in x
+    ]
+    assert first_byte == [
+        'ferry_time_to_first_token_stage_seconds_bucket{le="0.05",stage="upstream_first_byte"} 0.0'
+    ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from adapters import EngineSnapshot
 from proxy.cluster import Cluster
 from proxy.config import InstanceConfig
@@ -16,7 +18,7 @@ def snapshot(running: int = 0, waiting: int = 0, kv_usage: float = 0.0) -> Engin
     )
 
 
-def make_cluster(*names: str, headroom: float = 0.0) -> Cluster:
+def make_cluster(*names: str, headroom: float | None = 0.0) -> Cluster:
     cluster = Cluster(
         tuple(InstanceConfig(n, f"http://{n}") for n in names),
         UsageSettings(high_priority_headroom_blocks=headroom),
@@ -86,6 +88,27 @@ def test_high_priority_reserves_headroom() -> None:
         make_policy("llumnix"), DispatchRequest("m"), cluster.view(), random.Random(0)
     )
     assert chosen.name == "b"
+
+
+@pytest.mark.parametrize(("headroom", "normal_goes_to"), [(None, "b"), (0.0, "a")])
+def test_by_default_high_priority_reserves_a_tenth_of_the_capacity(
+    headroom: float | None, normal_goes_to: str
+) -> None:
+    cluster = make_cluster("a", "b", headroom=headroom)  # None: the default
+    cluster.ledger.add("a", "m", Priority.HIGH, 16, now=0.0)  # 1 block of 100
+    cluster.ledger.add("b", "m", Priority.NORMAL, 16 * 5, now=0.0)  # 5 blocks: freeness 95
+    view = cluster.instance_view("a")
+    reserved = 10 if headroom is None else 0  # 10% of 100 blocks
+    assert view.virtual_blocks == 1 + reserved and view.freeness == 99 - reserved
+    assert view.freeness_high == 99  # its own class sees the headroom as free
+    # Normal work keeps off the instance running high-priority work (89 < 95),
+    # which it would take without the reservation (99 > 95); high-priority work
+    # goes there either way.
+    policy = make_policy("llumnix")
+    normal = dispatch(policy, DispatchRequest("m"), cluster.view(), random.Random(0))
+    assert normal.name == normal_goes_to
+    high = DispatchRequest("m", priority=Priority.HIGH)
+    assert dispatch(policy, high, cluster.view(), random.Random(0)).name == "a"
 
 
 def test_repeated_scrape_failures_make_an_instance_unhealthy_until_it_recovers() -> None:

@@ -31,6 +31,10 @@ def test_defaults_and_yaml_off() -> None:
     assert config.scheduler.policy == "llumnix"
     assert config.scheduler.scrape_interval_s <= 0.25
     assert config.admin_token is None
+    assert config.scheduler.high_priority_headroom_blocks is None  # 10% of each capacity
+    for given, read in ((None, None), (0, 0.0), (12, 12.0)):
+        raw = base(scheduler={"high_priority_headroom_blocks": given})
+        assert parse_config(raw, env={}).scheduler.high_priority_headroom_blocks == read
 
 
 def test_admin_token_from_environment() -> None:
@@ -139,6 +143,14 @@ def test_admin_token_from_environment() -> None:
             r"^scheduler\.balance_rel_threshold: must be a finite number, 1 or more",
         ),
         (base(scheduler={"prefix_credit": 1}), r"^scheduler\.prefix_credit: must be bool"),
+        (
+            base(scheduler={"high_priority_headroom_blocks": -1}),
+            r"^scheduler\.high_priority_headroom_blocks: must not be negative",
+        ),
+        (
+            base(scheduler={"high_priority_headroom_blocks": "10%"}),
+            r"^scheduler\.high_priority_headroom_blocks: must be float \| None",
+        ),
         (base(server={"port": True}), r"^server\.port: must be int"),
         (base(server={"port": 70000}), r"^server\.port: must be between"),
         (base(serverr={}), r"^serverr: unknown key"),

@@ -1,13 +1,15 @@
-"""Ferry's /metrics text: the scaling signal for an autoscaler."""
+"""Ferry's /metrics text: the scaling signal for an autoscaler, and the per-token
+histogram that renders as prometheus_client's does."""
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters import EngineSnapshot
 from proxy.cluster import Cluster
 from proxy.config import InstanceConfig
-from proxy.metrics import FerryMetrics
+from proxy.metrics import FerryMetrics, LoopHistogram
 from proxy.policy import UsageSettings
 from proxy.policy.scaling import ScalingSettings
 
@@ -72,3 +74,22 @@ def test_the_model_label_is_bounded_by_the_models_served() -> None:
     assert metrics.model_label("m", served) == "m"
     assert metrics.model_label("anything else", served) == "other"
     assert metrics.model_label(None, served) == "none"
+
+
+def test_the_loop_histogram_renders_as_prometheus_clients() -> None:
+    """Same observations, same exposition (less prometheus_client's `_created`)."""
+    buckets = (0.001, 0.01, 0.1, 1.0)
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = LoopHistogram("lat_seconds", "Latency.", ("model", "instance"), buckets, ours)
+    reference = Histogram(
+        "lat_seconds", "Latency.", ["model", "instance"], buckets=buckets, registry=theirs
+    )
+    values = [0.0005, 0.001, 0.0011, 0.05, 0.1, 0.5, 3.0, 0.01]
+    for n, value in enumerate(values):
+        instance = "a" if n % 3 else "b"
+        fast.labels("m", instance).observe(value)
+        reference.labels("m", instance).observe(value)
+    ours_text = generate_latest(ours).decode().splitlines()
+    theirs_text = [x for x in generate_latest(theirs).decode().splitlines() if "_created" not in x]
+    assert sorted(ours_text) == sorted(theirs_text)
+    assert 'lat_seconds_bucket{instance="a",le="0.001",model="m"} 1.0' in ours_text

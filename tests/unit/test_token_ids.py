@@ -43,3 +43,24 @@ def test_a_usage_block_is_the_engines_own_count() -> None:
     assert token_ids.estimate(last, 9) == (11, 0, False)
     odd = b'{"choices":[],"usage":{"prompt_tokens":"x","completion_tokens":true}}'
     assert token_ids.estimate(odd, 0) == (None, 0, False)
+
+
+def test_hide_nulls_the_id_arrays_and_leaves_every_other_byte() -> None:
+    first = b'data: {"choices":[{"text":" a","prompt_token_ids":[1, 2,3],"token_ids" : [7]}]}'
+    # A later chunk says null: merged with the first, the first's prompt ids still go.
+    second = (
+        b'data: {"id":"c","choices":[{"text":"\\"token_ids\\":[","prompt_token_ids":null,'
+        b'"token_ids":[]}]}'
+    )
+    hidden = token_ids.hide(first + b"\n\n" + second + b"\n\n")
+    assert hidden == (
+        b'data: {"choices":[{"text":" a","prompt_token_ids":null,"token_ids":null}]}'
+        b'\n\ndata: {"id":"c","choices":[{"text":"\\"token_ids\\":[","prompt_token_ids":null,'
+        b'"token_ids":null}]}\n\n'
+    )
+    assert token_ids.scan(first) == (3, 1, True)
+    assert token_ids.scan(second) == (None, 0, True)
+    # An array cut off at a line's end is no array: nothing runs into the next event.
+    cut = b'data: {"token_ids":[1,2\n\ndata: {"token_ids":[3]}'
+    assert token_ids.hide(cut) == b'data: {"token_ids":[1,2\n\ndata: {"token_ids":null}'
+    assert token_ids.scan(cut) == (None, 1, True)
