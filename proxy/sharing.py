@@ -122,7 +122,7 @@ class Sharing:
 
     # -- the contract ---------------------------------------------------------------
     async def start(self) -> None:
-        self.fleet.announce = self._announced.append
+        self.fleet.announce = self._announce
         self.rescheduler.coordinator = self
         try:
             await self.round()
@@ -156,6 +156,10 @@ class Sharing:
     def send_move(self, owner: str, request_id: int, destination: str) -> None:
         self._outbox.append((owner, request_id, destination))
 
+    def _announce(self, op: dict[str, Any]) -> None:
+        """A fleet change made here: the peers get it next round."""
+        self._announced.append(op)
+
     # -- the rounds -----------------------------------------------------------------
     async def _run(self) -> None:
         while True:
@@ -180,9 +184,11 @@ class Sharing:
         known = [m for m in self._members if m != self.name]
         started = self.clock()
         pipe = self.redis.pipeline(transaction=True)
-        # Answers read by position: these eight first, then the records, then writes.
+        # Answers read by position: these eight (and SREM's), the records, then writes.
         pipe.set(self._load_prefix + self.name, encode(record), px=ttl_ms)
         pipe.sadd(self._members_key, self.name)
+        if gone:  # before SMEMBERS, which then no longer names them
+            pipe.srem(self._members_key, *gone)
         pipe.smembers(self._members_key)
         pipe.xrange(self._fleet_key, min=f"({self._fleet_seen}", count=100)
         pipe.lrange(self._moves_key, 0, -1)
@@ -191,8 +197,6 @@ class Sharing:
         pipe.get(self._lease_key)
         if known:
             pipe.mget([self._load_prefix + m for m in known])
-        if gone:
-            pipe.srem(self._members_key, *gone)
         for owner, request_id, destination in outbox:
             key = f"{self.settings.key_prefix}:moves:{owner}"
             pipe.rpush(key, json.dumps([request_id, destination]))
@@ -208,6 +212,8 @@ class Sharing:
             self._gone[:0] = gone
             raise
         self._last_round = started
+        if gone:
+            del results[2]  # SREM's answer
         _, _, members, changes, moves, _, held, holder = results[:8]
         texts = results[8] if known else []
         self._read({_text(m) for m in members}, dict(zip(known, texts, strict=True)))

@@ -105,7 +105,7 @@ def supervise(
         status = 0
         for process in workers.values():
             if process.is_alive():
-                log.error("worker pid %s did not stop in %.0fs: killed", process.pid, stop_timeout_s)
+                log.error("worker pid %s ran past %.0fs: killed", process.pid, stop_timeout_s)
                 process.kill()
                 process.join()
                 status = 1
