@@ -70,28 +70,35 @@ def ferries(
     standins: Any, redis_server: str, redis_prefix: str, tmp_path: Path
 ) -> Iterator[Callable[..., list[FerryProcess]]]:
     """Factory: n `ferry serve` processes sharing through Redis, in front of two
-    stand-ins (`i0`, `i1`) that stream one token every 50 ms."""
-    sites = [site for _, site in standins(2, itl_s=0.05)]
+    stand-ins (`i0`, `i1`) that stream one token every 50 ms. The first call's
+    `kv_blocks`, `migration` and `scheduler` settings hold for every process."""
     config = tmp_path / "ferry.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "instances": [{"name": f"i{n}", "url": s.url} for n, s in enumerate(sites)],
-                "admin_token": TOKEN,
-                "redis_url": redis_server,
-                "sharing": {
-                    "key_prefix": redis_prefix,
-                    "ttl_s": TTL_S,
-                    "lease_ttl_s": LEASE_TTL_S,
-                },
-                "scheduler": {"scrape_interval_s": 0.1},
-                "server": {"shutdown_delay_s": 0, "shutdown_grace_s": 2},
-            }
-        )
-    )
     started: list[FerryProcess] = []
 
-    def make(n: int, *extra: str) -> list[FerryProcess]:
+    def write_config(kv_blocks: int, migration: str, scheduler: dict[str, Any]) -> None:
+        sites = [site for _, site in standins(2, itl_s=0.05, kv_blocks=kv_blocks)]
+        instances = [
+            {"name": f"i{n}", "url": s.url, "migration": migration} for n, s in enumerate(sites)
+        ]
+        body = {
+            "instances": instances,
+            "admin_token": TOKEN,
+            "redis_url": redis_server,
+            "sharing": {"key_prefix": redis_prefix, "ttl_s": TTL_S, "lease_ttl_s": LEASE_TTL_S},
+            "scheduler": {"scrape_interval_s": 0.1, **scheduler},
+            "server": {"shutdown_delay_s": 0, "shutdown_grace_s": 2},
+        }
+        config.write_text(json.dumps(body))
+
+    def make(
+        n: int,
+        *extra: str,
+        kv_blocks: int = 1000,
+        migration: str = "off",
+        scheduler: dict[str, Any] | None = None,
+    ) -> list[FerryProcess]:
+        if not config.exists():
+            write_config(kv_blocks, migration, scheduler or {})
         new = []
         for _ in range(n):
             index = len(started)
@@ -102,7 +109,6 @@ def ferries(
             process.wait_ready()
         return new
 
-    make.config = config  # type: ignore[attr-defined]
     yield make
     for process in started:
         process.stop()
@@ -247,6 +253,25 @@ def test_workers_serve_one_port_and_withdraw_on_sigterm(
         assert client.get(f"{redis_prefix}:lease") is None
     finally:
         client.close()
+
+
+def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:
+    # 40 blocks of 16 tokens: three 300-token streams outgrow one instance.
+    a, b = ferries(2, kv_blocks=40, migration="lite", scheduler={"rebalance_interval_s": 0.2})
+    wait_until(lambda: a.sharing()["lease_holder"] is not None)
+    holder, other = (a, b) if a.sharing()["holds_lease"] else (b, a)
+    other.admin("/admin/instances/i1/drain", "POST")  # so the streams all start on i0
+    wait_until(lambda: holder.rows()["i1"]["draining"], timeout=2)
+    streams = Streams(other.url, 3, tokens=300)  # 15 s each
+    holder.admin("/admin/instances/i1/undrain", "POST")
+    wait_until(lambda: other.rows()["i1"]["local_inflight"] >= 1, timeout=15)
+    streams.join()
+    assert not streams.errors and streams.texts == [" tok" * 300] * 3
+    # Planned by the holder, carried out by the process holding the streams.
+    name = other.sharing()["process"]
+    assert f" of {name} i0 -> i1" in holder.log.read_text()
+    assert "the lease holder's plan" in other.log.read_text()
+    assert "the lease holder's plan" not in holder.log.read_text()
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
