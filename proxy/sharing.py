@@ -20,9 +20,9 @@ forgotten (they may be dead) and after `lease_ttl_s` it stops rebalancing (it
 cannot know that it still holds the lease). The first round must succeed:
 a wrong URL fails the start, not the afternoon.
 
-Contract: `await start()` makes the first round (so the first request sees the
-peers and every fleet change made before this process started) and starts one
-task; `await stop()` cancels it, deletes this process's record and gives the
+Contract: `await start()` makes the first two rounds (so the first request sees
+the peers and every fleet change made before this process started) and starts
+one task; `await stop()` cancels it, deletes this process's record and gives the
 lease back, so a graceful stop leaves no load behind even for the TTL.
 """
 
@@ -125,6 +125,8 @@ class Sharing:
         self.fleet.announce = self._announce
         self.rescheduler.coordinator = self
         try:
+            # Two rounds: the first learns who the peers are, the second reads them.
+            await self.round()
             await self.round()
         except (RedisError, OSError) as exc:
             raise SharingUnavailable(f"cannot share the cluster view through Redis: {exc}") from exc
@@ -266,7 +268,12 @@ class Sharing:
             log.warning("ignoring a malformed move: %r", raw)
             return
         stream = self.migrator.streams.get(request_id)
-        if stream is None or not stream.movable or destination not in self.cluster.instances:
+        if (
+            stream is None
+            or not stream.movable
+            or stream.instance == destination  # moved there by an earlier plan
+            or destination not in self.cluster.instances
+        ):
             return  # finished, moving already, or the destination is gone
         log.info("rebalance (the lease holder's plan): request %s -> %s", request_id, destination)
         self.migrator.submit(stream, destination, "rebalance")
