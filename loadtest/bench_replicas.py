@@ -26,9 +26,9 @@ replica rows measure what sharing costs and what not sharing costs, not a gain
 from more cores, and the throughput rows say what N workers on one core give.
 Where more cores are free, pin one worker per core (`taskset`) to see the gain.
 
-    python -m loadtest.bench_replicas [--requests 400] [--rate 18] [--seed 1]
+    python -m loadtest.bench_replicas [--requests 400] [--rate 18] [--seed 1] [--repeat 1]
 
-About 4 minutes. It is a report, not a test; a P99 over 400 requests is their
+About 4 minutes a round. It is a report, not a test; a P99 over 400 requests is their
 4th worst, and the machine's other tenants move it by tens of percent.
 """
 
@@ -136,6 +136,7 @@ class Ferries:
             "instances": [{"name": f"e{i}", "url": u} for i, u in enumerate(backends)],
             "admin_token": TOKEN,
             "sharing": {"key_prefix": prefix},
+            **json.loads(os.environ.get("BENCH_EXTRA", "{}")),
         }
         if redis_url is not None:
             config["redis_url"] = redis_url
@@ -321,17 +322,29 @@ def throughput(redis_url: str, workdir: Path, concurrency: int, requests: int) -
             proc.wait(10)
 
 
-def report(results: dict[str, dict[str, Any]], rates: dict[int, float], what: str) -> str:
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose P99 TTFT is the median (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda s: s["ttft_p99"])[(len(runs) - 1) // 2]
+
+
+def report(
+    results: dict[str, dict[str, Any]],
+    runs: dict[str, list[dict[str, Any]]],
+    rates: dict[int, float],
+    what: str,
+) -> str:
     lines = [
         what,
-        f"{'setup':<20}{'TTFT p50':>9}{'p99':>9}{'vs 1':>7}{'preempt':>9}{'finished':>10}",
+        f"{'setup':<20}{'TTFT p50':>9}{'p99':>9}{'vs 1':>7}{'preempt':>9}{'finished':>10}"
+        "  p99 of each run",
     ]
     base = results.get("1 process", {}).get("ttft_p99")
     for setup, s in results.items():
         ratio = f"{s['ttft_p99'] / base:.2f}x" if base else "-"
+        each = " ".join(f"{r['ttft_p99']:.2f}" for r in runs[setup])
         lines.append(
             f"{setup:<20}{s['ttft_p50']:>8.3f}s{s['ttft_p99']:>8.3f}s{ratio:>7}"
-            f"{s['preemptions']:>9}{s['finished']:>6}/{s['requests']:<3}"
+            f"{s['preemptions']:>9}{s['finished']:>6}/{s['requests']:<3}  {each}"
         )
     if base and "4 shared" in results:
         ratio = results["4 shared"]["ttft_p99"] / base
@@ -400,6 +413,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=100, help="throughput streams")
     parser.add_argument("--tput-requests", type=int, default=1000, help="throughput requests")
     parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every setup")
     args = parser.parse_args()
     # One warning per request the kill breaks would bury the report.
     logging.getLogger("loadtest.replay").setLevel(logging.ERROR)
@@ -410,8 +424,9 @@ def main() -> int:
     profile = DEFAULT_PROFILE
     trace = make_trace(args, profile.kv_blocks * profile.block_size - 1)
     span = trace[-1].arrival_s if trace else 0.0
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     rates: dict[int, float] = {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         port = free_port()
@@ -420,27 +435,33 @@ def main() -> int:
         try:
             profile_path = workdir / "profile.json"
             save(profile, profile_path)
-            for setup in args.setups:
-                started = time.monotonic()
-                results[setup] = s = run_setup(setup, trace, profile_path, redis_url, workdir)
-                print(
-                    f"  {setup}: P99 TTFT {s['ttft_p99']:.3f}s, {s['finished']}/{s['requests']}"
-                    f" finished ({time.monotonic() - started:.0f}s)",
-                    file=sys.stderr,
-                )
+            # Rounds of every setup in turn, so that a noisy minute on this shared
+            # machine hits each setup alike; each setup's median run is reported.
+            for _ in range(args.repeat):
+                for setup in args.setups:
+                    started = time.monotonic()
+                    s = run_setup(setup, trace, profile_path, redis_url, workdir)
+                    runs.setdefault(setup, []).append(s)
+                    print(
+                        f"  {setup}: P99 TTFT {s['ttft_p99']:.3f}s, {s['finished']}/"
+                        f"{s['requests']} finished ({time.monotonic() - started:.0f}s)",
+                        file=sys.stderr,
+                    )
             if not args.no_throughput:
                 rates = throughput(redis_url, workdir, args.concurrency, args.tput_requests)
         finally:
             redis.terminate()
             redis.wait(10)
+    results = {setup: median_run(r) for setup, r in runs.items()}
     what = (
         f"\n{args.requests} requests over {span:.0f}s (gamma CV 3, {args.rate}/s, lognormal"
         f" lengths: prompt mean {args.input_mean:g}, output mean {args.output_mean:g}), 16"
         f" paged stand-in engines (not vLLM) on core {ENGINE_CORE}; Ferry, Redis and the"
         f" client on core {FERRY_CORE} ({os.cpu_count()} cores in all, shared with whatever"
-        " else runs here):"
+        f" else runs here: load average {load_before:.1f} before, {os.getloadavg()[0]:.1f}"
+        f" after); the median of {args.repeat} run(s) per setup:"
     )
-    print(report(results, rates, what))
+    print(report(results, runs, rates, what))
     return 0
 
 

@@ -43,6 +43,10 @@ class InstanceState:
     # measured at the last scrape and carried until the next one.
     external_blocks: float = 0.0
     external_requests: int = 0
+    # What the last scrape showed beyond Ferry's ledgers (with a shared view, an
+    # engine's load counts as from outside only if two scrapes in a row show it).
+    gap_blocks: float = 0.0
+    gap_requests: int = 0
     # What migration_shim says of itself (GET /ferry/shim/info); None: no shim seen.
     shim: dict[str, Any] | None = None
     shim_error: str | None = None
@@ -86,8 +90,10 @@ class Cluster:
         self.dispatch_seq = 0
         self.prefixes = PrefixIndex(enabled=False)  # placement turns it on (proxy/prefix_index.py)
         self._ejected: dict[str, float] = {}  # name -> ejected until
-        # Other Ferry processes' in-flight totals by instance (proxy/peer_load.py).
+        # Other Ferry processes' in-flight totals by instance (proxy/peer_load.py),
+        # and whether there are any (proxy/sharing.py sets it).
         self.peer_load: dict[str, InstanceLoad] = {}
+        self.shared = False
         self._reindex()
 
     def view(self) -> ClusterView:
@@ -180,10 +186,21 @@ class Cluster:
         self.ledger.set_block_size(name, snapshot.block_size)
         peers = self.peer_load.get(name, NO_LOAD)
         ferry_blocks = self.ledger.blocks(name) + peers.blocks
-        state.external_blocks = max(0.0, snapshot.kv_blocks_used - ferry_blocks)
-        state.external_requests = max(
+        gap_blocks = max(0.0, snapshot.kv_blocks_used - ferry_blocks)
+        gap_requests = max(
             0, snapshot.running + snapshot.waiting - self.ledger.count(name) - peers.inflight
         )
+        if self.shared:
+            # A peer's dispatch can reach the engine a few ms before its announcement
+            # reaches this process; counted as outside traffic, it would count twice
+            # until the next scrape, on whichever instance it landed (measured: bursts
+            # then pile 6 requests where 3 belong). Traffic that truly bypasses
+            # Ferry is still there one scrape later.
+            state.external_blocks = min(gap_blocks, state.gap_blocks)
+            state.external_requests = min(gap_requests, state.gap_requests)
+        else:
+            state.external_blocks, state.external_requests = gap_blocks, gap_requests
+        state.gap_blocks, state.gap_requests = gap_blocks, gap_requests
         self._invalidate(name)
 
     def record_alive(self, name: str, now: float) -> None:

@@ -184,6 +184,9 @@ class SharingConfig:
     # 50 ms is Llumnix v1's CMS pull interval: a burst of dispatches within it is
     # what one process cannot see of another's.
     publish_interval_s: float = 0.05
+    # Between records, a dispatch or a release is announced at once; a burst's
+    # announcements go out as one message at most this often.
+    change_interval_s: float = 0.005
     # A process's totals vanish this long after its last publish (it died):
     # the window in which a dead process's load still counts.
     ttl_s: float = 1.0
@@ -500,6 +503,11 @@ def _check_server(s: ServerConfig) -> None:
 
 
 def _check_sharing(s: SharingConfig) -> None:
+    if not 0 <= s.change_interval_s <= s.publish_interval_s:
+        raise ConfigError(
+            f"sharing.change_interval_s: must be between 0 and sharing.publish_interval_s"
+            f" (got {s.change_interval_s:g})"
+        )
     if not 0.01 <= s.publish_interval_s <= 1:
         raise ConfigError(
             f"sharing.publish_interval_s: must be between 0.01 and 1 second"

@@ -13,6 +13,13 @@ pipeline that:
 - takes or renews the rescheduler lease (`<prefix>:lease`, a key with expiry
   `lease_ttl_s` holding its holder's name).
 
+Between rounds, a dispatch or a release is announced at once on the channel
+`<prefix>:changes` (Redis pub/sub; at most one message per `change_interval_s`,
+5 ms, carrying every instance whose counts changed), and each process listens
+there: a peer's placements reach the view in milliseconds, not in one or two
+rounds (proxy/peer_load.py says why that matters). A lost message costs nothing
+lasting: the next record carries the same totals.
+
 Redis is a shared blackboard, not a dependency of each request: a request
 reads the view in memory, never Redis. If Redis cannot be reached the process
 goes on alone: after `ttl_s` without a good round its peers' totals are
@@ -45,7 +52,16 @@ from proxy.cluster import Cluster
 from proxy.config import SharingConfig
 from proxy.fleet import Fleet, FleetError
 from proxy.migrator import Migrator
-from proxy.peer_load import BadRecord, ProcessRecord, decode, encode, merge
+from proxy.peer_load import (
+    BadRecord,
+    LoadChange,
+    PeerLoads,
+    ProcessRecord,
+    decode,
+    decode_change,
+    encode,
+    encode_change,
+)
 from proxy.policy.migration import RequestLoad
 from proxy.rescheduler import Rescheduler
 
@@ -108,7 +124,8 @@ class Sharing:
         self._lease_key = f"{prefix}:lease"
         self._load_prefix = f"{prefix}:load:"
         self._moves_key = f"{prefix}:moves:{self.name}"
-        self.peers: dict[str, ProcessRecord] = {}
+        self._changes_key = f"{prefix}:changes"
+        self.peers = PeerLoads()
         self.lease_holder: str | None = None
         self._members: list[str] = []
         self._fleet_seen = "0"  # the last fleet change applied (a stream id)
@@ -119,11 +136,18 @@ class Sharing:
         self._lease_until = -1.0  # clock() until which the lease is surely ours
         self._failing = False
         self._task: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        # Count changes made here (dispatches, releases), and those not yet announced.
+        self._seq = 0
+        self._dirty: set[str] = set()
+        self._announcing: asyncio.Task[None] | None = None
 
     # -- the contract ---------------------------------------------------------------
     async def start(self) -> None:
         self.fleet.announce = self._announce
         self.rescheduler.coordinator = self
+        self.cluster.ledger.on_count = self._counted
+        self.cluster.shared = True
         try:
             # Two rounds: the first learns who the peers are, the second reads them.
             await self.round()
@@ -131,12 +155,15 @@ class Sharing:
         except (RedisError, OSError) as exc:
             raise SharingUnavailable(f"cannot share the cluster view through Redis: {exc}") from exc
         self._task = asyncio.create_task(self._run(), name="sharing")
+        self._listener = asyncio.create_task(self._listen(), name="sharing-changes")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        self.cluster.ledger.on_count = None
+        tasks = [t for t in (self._task, self._listener, self._announcing) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = self._listener = self._announcing = None
         self._lease_until = -1.0
         try:
             await self._flush_announced()  # a change made just before the stop
@@ -153,7 +180,7 @@ class Sharing:
         return self.clock() < self._lease_until
 
     def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
-        return {name: record.candidates for name, record in self.peers.items()}
+        return {name: record.candidates for name, record in self.peers.records.items()}
 
     def send_move(self, owner: str, request_id: int, destination: str) -> None:
         self._outbox.append((owner, request_id, destination))
@@ -177,6 +204,7 @@ class Sharing:
             self.name,
             {name: self.cluster.local_load(name) for name in self.cluster.instances},
             {n: tuple(loads) for n, loads in self.rescheduler.local_candidates().items()},
+            self._seq,
         )
         ttl_ms = int(self.settings.ttl_s * 1000)
         lease_ms = int(self.settings.lease_ttl_s * 1000)
@@ -230,13 +258,13 @@ class Sharing:
 
     def _read(self, members: set[str], texts: dict[str, Any]) -> None:
         """Take the peers' records; a member whose record expired is gone."""
-        peers: dict[str, ProcessRecord] = {}
+        records: dict[str, ProcessRecord] = {}
         for member, text in texts.items():
             if text is None:  # expired: that process died
                 members.discard(member)
                 continue
             try:
-                peers[member] = decode(text)
+                records[member] = decode(text)
             except BadRecord as exc:
                 log.warning("ignoring the record of %s: %s", member, exc)
         gone = sorted(set(texts) - members)
@@ -244,11 +272,60 @@ class Sharing:
             log.info("peers gone (their totals expired): %s", ", ".join(gone))
             self._gone += gone  # dropped from the member set next round
         self._members = sorted(members)
-        self.peers = peers
-        self.cluster.set_peer_load(merge(peers.values(), exclude=self.name))
+        self.peers.take_records(records)
+        self.cluster.set_peer_load(self.peers.totals())
         if self._failing:
             log.info("Redis reachable again: sharing the view")
             self._failing = False
+
+    # -- count changes, announced between rounds --------------------------------------
+    def _counted(self, instance: str) -> None:
+        """The ledger's hook: a request came or went on `instance`."""
+        self._seq += 1
+        self._dirty.add(instance)
+        if self._announcing is None:
+            self._announcing = asyncio.get_running_loop().create_task(self._announce_changes())
+
+    async def _announce_changes(self) -> None:
+        """Publish the dirty instances' totals, at most once per `change_interval_s`
+        (a burst of dispatches goes out as one message)."""
+        try:
+            while self._dirty:
+                dirty, self._dirty = self._dirty, set()
+                known = dirty & self.cluster.instances.keys()  # not one removed meanwhile
+                loads = {n: self.cluster.local_load(n) for n in known}
+                change = LoadChange(self.name, self._seq, loads)
+                await self.redis.publish(self._changes_key, encode_change(change))
+                await asyncio.sleep(self.settings.change_interval_s)
+        except (RedisError, OSError) as exc:
+            log.debug("a load change was not announced (the next round carries it): %s", exc)
+        finally:
+            self._announcing = None
+
+    async def _listen(self) -> None:
+        """Take the peers' announced changes as they come; resubscribe after an outage."""
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self._changes_key)
+                    while True:
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=self.settings.ttl_s
+                        )
+                        if message is not None:
+                            self._take_change(message["data"])
+            except (RedisError, OSError) as exc:
+                log.debug("change channel lost, subscribing again: %s", exc)
+                await asyncio.sleep(self.settings.publish_interval_s)
+
+    def _take_change(self, data: Any) -> None:
+        try:
+            change = decode_change(data)
+        except BadRecord as exc:
+            log.warning("ignoring a load change: %s", exc)
+            return
+        if change.process != self.name and self.peers.take_change(change):
+            self.cluster.set_peer_load(self.peers.totals())
 
     def _apply_change(self, fields: dict[str, str]) -> None:
         if fields.get("origin") == self.name:
@@ -288,9 +365,9 @@ class Sharing:
             log.error("Redis unreachable, serving with this process's view alone: %s", exc)
             self._failing = True
         last = self._last_round
-        if last is not None and self.clock() - last > self.settings.ttl_s and self.peers:
+        if last is not None and self.clock() - last > self.settings.ttl_s and self.peers.records:
             # Their records would have expired by now: they may be dead.
-            self.peers = {}
+            self.peers = PeerLoads()
             self.cluster.set_peer_load({})
 
     # -- what the admin API shows ---------------------------------------------------
@@ -309,9 +386,10 @@ class Sharing:
                         "high_priority": load.high,
                         "queued_tokens": load.queued_tokens,
                     }
-                    for n, load in record.instances.items()
+                    for n, load in self.peers.of(name).items()
+                    if not load.empty
                 }
-                for name, record in sorted(self.peers.items())
+                for name in sorted(self.peers.records)
             },
         }
 

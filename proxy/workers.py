@@ -7,9 +7,9 @@ This parent only starts and watches them:
 - SIGTERM and SIGINT go to every worker, each shuts down gracefully (its
   streams finish), and the parent exits when they have;
 - SIGHUP goes to every worker: each re-reads the file;
-- a worker that dies on its own (killed, crashed) is started again after
-  `restart_delay_s`. Its streams broke with it: clients retry, and its load
-  leaves the shared view with its record's TTL.
+- a worker that dies (killed, or crashed after it ran a while) is started
+  again after `restart_delay_s`. Its streams broke with it: clients retry, and
+  its load leaves the shared view with its record's TTL.
 
 Workers are spawned, not forked: a fork would copy the parent's state into each
 child, and an event loop must not cross a fork.
@@ -41,9 +41,10 @@ def supervise(
     poll_s: float = 0.2,
 ) -> int:
     """Run `target(*args)` in `count` processes until SIGTERM or SIGINT; returns
-    the exit status (0 when every worker stopped cleanly). A worker that dies
-    within `min_uptime_s` of its start failed to start (a port taken, Redis
-    down) and is not started again; when no worker is left, the parent exits 1."""
+    the exit status (0 when every worker stopped cleanly). A worker killed by a
+    signal, or one that fails after running `min_uptime_s`, is started again; one
+    that exits by itself sooner failed to start (a port taken, Redis down) and is
+    not, nor is one that exits cleanly. When no worker is left, the parent exits 1."""
     context = multiprocessing.get_context("spawn")
     stopping = False
     workers: dict[int, BaseProcess] = {}
@@ -76,12 +77,14 @@ def supervise(
             for index, process in list(workers.items()):
                 if stopping or process.is_alive():
                     continue
-                if now - started_at[index] < min_uptime_s:
+                code = process.exitcode or 0
+                killed = code < 0  # by a signal: kill -9, the OOM killer
+                if not killed and (code == 0 or now - started_at[index] < min_uptime_s):
                     log.error(
-                        "worker %d (pid %s) failed to start (status %s); not restarted",
+                        "worker %d (pid %s) stopped by itself (status %s); not restarted",
                         index,
                         process.pid,
-                        process.exitcode,
+                        code,
                     )
                     del workers[index]
                 elif index not in restart_at:

@@ -7,6 +7,7 @@ serves one port from several processes."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 
+from loadtest.redis_server import start_redis
 from tests.helpers import call_json, free_port, wait_until
 from tests.integration.test_shutdown import status
 
@@ -71,11 +73,13 @@ def ferries(
 ) -> Iterator[Callable[..., list[FerryProcess]]]:
     """Factory: n `ferry serve` processes sharing through Redis, in front of two
     stand-ins (`i0`, `i1`) that stream one token every 50 ms. The first call's
-    `kv_blocks`, `migration` and `scheduler` settings hold for every process."""
+    `kv_blocks`, `migration`, `scheduler` and `redis_url` hold for every process."""
     config = tmp_path / "ferry.yaml"
     started: list[FerryProcess] = []
 
-    def write_config(kv_blocks: int, migration: str, scheduler: dict[str, Any]) -> None:
+    def write_config(
+        kv_blocks: int, migration: str, scheduler: dict[str, Any], redis_url: str
+    ) -> None:
         sites = [site for _, site in standins(2, itl_s=0.05, kv_blocks=kv_blocks)]
         instances = [
             {"name": f"i{n}", "url": s.url, "migration": migration} for n, s in enumerate(sites)
@@ -83,7 +87,7 @@ def ferries(
         body = {
             "instances": instances,
             "admin_token": TOKEN,
-            "redis_url": redis_server,
+            "redis_url": redis_url,
             "sharing": {"key_prefix": redis_prefix, "ttl_s": TTL_S, "lease_ttl_s": LEASE_TTL_S},
             "scheduler": {"scrape_interval_s": 0.1, **scheduler},
             "server": {"shutdown_delay_s": 0, "shutdown_grace_s": 2},
@@ -96,9 +100,10 @@ def ferries(
         kv_blocks: int = 1000,
         migration: str = "off",
         scheduler: dict[str, Any] | None = None,
+        redis_url: str = redis_server,
     ) -> list[FerryProcess]:
         if not config.exists():
-            write_config(kv_blocks, migration, scheduler or {})
+            write_config(kv_blocks, migration, scheduler or {}, redis_url)
         new = []
         for _ in range(n):
             index = len(started)
@@ -228,7 +233,7 @@ def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
     assert len(streams.errors) == 3 and not streams.texts
 
 
-def test_workers_serve_one_port_and_withdraw_on_sigterm(
+def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(
     ferries: Any, redis_server: str, redis_prefix: str
 ) -> None:
     import redis
@@ -242,6 +247,19 @@ def test_workers_serve_one_port_and_withdraw_on_sigterm(
     assert len(names) == 2
     wait_until(lambda: len(parent.sharing()["peers"]) == 1)
     assert complete(parent.url) == " tok" * 2
+
+    # A worker killed with -9 is replaced; the port serves throughout.
+    doomed = sorted(names)[0]
+    os.kill(int(doomed.split(":")[1]), signal.SIGKILL)  # names are host:pid:random
+    assert complete(parent.url) == " tok" * 2
+    seen: set[str] = set()
+
+    def replaced() -> bool:
+        state = parent.sharing()
+        seen.add(state["process"])
+        return bool(seen - names) and doomed not in state["peers"]
+
+    wait_until(replaced, timeout=20)
 
     parent.proc.send_signal(signal.SIGTERM)
     assert parent.proc.wait(15) == 0
@@ -272,6 +290,35 @@ def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:
     assert f" of {name} i0 -> i1" in holder.log.read_text()
     assert "the lease holder's plan" in other.log.read_text()
     assert "the lease holder's plan" not in holder.log.read_text()
+
+
+def test_without_redis_each_process_goes_on_alone_until_it_is_back(
+    ferries: Any, tmp_path: Path
+) -> None:
+    port = free_port()
+    own = start_redis(port, tmp_path)  # this test's own: it is stopped and started again
+    try:
+        a, b = ferries(2, redis_url=f"redis://127.0.0.1:{port}/0")
+        wait_until(lambda: len(a.sharing()["peers"]) == 1)
+        streams = Streams(b.url, 2, tokens=200)  # 10 s each
+        wait_until(lambda: a.inflight() == 2, timeout=5)
+        own.kill()
+        own.wait(10)
+        # Both serve on; after the TTL each forgets the other's (maybe dead) load.
+        assert complete(a.url) == " tok" * 2 and complete(b.url) == " tok" * 2
+        wait_until(lambda: not a.sharing()["redis_ok"] and a.inflight() == 0, timeout=TTL_S + 3)
+        assert a.sharing()["peers"] == {}
+        # Neither can know it still holds the lease: after its TTL, nobody rebalances.
+        lost = lambda p: not p.sharing()["holds_lease"]  # noqa: E731
+        wait_until(lambda: lost(a) and lost(b), timeout=LEASE_TTL_S + 2)
+        assert b.inflight() == 2  # its own streams, from its ledger
+        own = start_redis(port, tmp_path)
+        wait_until(lambda: a.inflight() == 2 and a.sharing()["redis_ok"], timeout=5)
+        streams.join()
+        assert not streams.errors and streams.texts == [" tok" * 200] * 2
+    finally:
+        own.kill()
+        own.wait(10)
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess[str]:

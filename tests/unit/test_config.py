@@ -127,6 +127,10 @@ def test_admin_token_from_environment() -> None:
         ),
         (base(sharing={"lease_ttl_s": 0.1}), r"^sharing\.lease_ttl_s: must be at least 3 x"),
         (base(sharing={"key_prefix": "a b"}), r"^sharing\.key_prefix: must be letters"),
+        (
+            base(sharing={"change_interval_s": 0.1}),
+            r"^sharing\.change_interval_s: must be between 0 and sharing\.publish_interval_s",
+        ),
         (base(sharing={"ttl": 1}), r"^sharing\.ttl: unknown key"),
     ],
 )

@@ -11,18 +11,21 @@ import pytest
 from proxy.peer_load import (
     BadRecord,
     InstanceLoad,
+    LoadChange,
+    PeerLoads,
     ProcessRecord,
     decode,
+    decode_change,
     encode,
-    merge,
+    encode_change,
 )
 from proxy.policy import DispatchRequest, Priority, dispatch, make_policy
 from proxy.policy.migration import RequestLoad
 from tests.unit.test_cluster import make_cluster, snapshot
 
 
-def record(process: str, **loads: InstanceLoad) -> ProcessRecord:
-    return ProcessRecord(process, loads)
+def record(process: str, seq: int = 0, **loads: InstanceLoad) -> ProcessRecord:
+    return ProcessRecord(process, loads, seq=seq)
 
 
 def test_a_record_reads_back_as_written_without_its_idle_instances() -> None:
@@ -31,9 +34,10 @@ def test_a_record_reads_back_as_written_without_its_idle_instances() -> None:
         "host:1:ab",
         {"a": InstanceLoad(12, 3, 1, 40), "b": InstanceLoad()},
         {"a": (moving, RequestLoad(9, 20, Priority.NORMAL, running=False))},
+        seq=31,
     )
     read = decode(encode(written))
-    assert read.process == "host:1:ab"
+    assert read.process == "host:1:ab" and read.seq == 31
     assert dict(read.instances) == {"a": InstanceLoad(12, 3, 1, 40)}  # b: nothing in flight
     assert read.candidates["a"][0] == moving
     assert (
@@ -41,17 +45,47 @@ def test_a_record_reads_back_as_written_without_its_idle_instances() -> None:
     )
 
 
-def test_merge_sums_the_peers_and_leaves_this_process_out() -> None:
-    records = [
-        record("me", a=InstanceLoad(100, 10, 5, 0)),  # counted live from the ledger instead
-        record("p1", a=InstanceLoad(4, 1, 0, 16), b=InstanceLoad(8, 2, 1, 0)),
-        record("p2", a=InstanceLoad(6, 2, 1, 0)),
-    ]
-    assert merge(records, exclude="me") == {
-        "a": InstanceLoad(10, 3, 1, 16),
-        "b": InstanceLoad(8, 2, 1, 0),
-    }
-    assert merge([], exclude="me") == {}
+def test_the_peers_totals_sum_by_instance() -> None:
+    peers = PeerLoads()
+    peers.take_records(
+        {
+            "p1": record("p1", a=InstanceLoad(4, 1, 0, 16), b=InstanceLoad(8, 2, 1, 0)),
+            "p2": record("p2", a=InstanceLoad(6, 2, 1, 0)),
+        }
+    )
+    assert peers.totals() == {"a": InstanceLoad(10, 3, 1, 16), "b": InstanceLoad(8, 2, 1, 0)}
+    peers.take_records({"p2": record("p2", a=InstanceLoad(6, 2, 1, 0))})  # p1's expired
+    assert peers.totals() == {"a": InstanceLoad(6, 2, 1, 0)}
+
+
+def test_a_change_counts_until_a_record_covers_it_and_never_twice() -> None:
+    peers = PeerLoads()
+    peers.take_records({"p1": record("p1", seq=10, a=InstanceLoad(4, 1, 0, 0))})
+    # Two dispatches on a, announced after the record: the newest totals win.
+    assert peers.take_change(LoadChange("p1", 12, {"a": InstanceLoad(12, 3, 0, 0)}))
+    assert peers.totals() == {"a": InstanceLoad(12, 3, 0, 0)}
+    # One announced earlier arrives late: it is older than what is known.
+    assert not peers.take_change(LoadChange("p1", 11, {"a": InstanceLoad(8, 2, 0, 0)}))
+    assert not peers.take_change(LoadChange("p1", 9, {"a": InstanceLoad(0, 0, 0, 0)}))
+    assert peers.totals()["a"].inflight == 3
+    # The next record covers the change (seq 12): the record's totals, once.
+    peers.take_records({"p1": record("p1", seq=13, a=InstanceLoad(14, 3, 0, 0))})
+    assert peers.totals() == {"a": InstanceLoad(14, 3, 0, 0)}
+    # A change past the record goes on counting; the peer's death takes it away.
+    peers.take_change(LoadChange("p1", 14, {"a": InstanceLoad(0, 0, 0, 0)}))
+    assert peers.totals() == {"a": InstanceLoad(0, 0, 0, 0)}
+    peers.take_change(LoadChange("p1", 15, {"b": InstanceLoad(5, 1, 0, 0)}))
+    peers.take_records({})
+    assert peers.totals() == {}
+
+
+def test_a_change_reads_back_as_written() -> None:
+    change = LoadChange("h:2:cd", 7, {"a": InstanceLoad(3, 1, 1, 16), "b": InstanceLoad()})
+    assert decode_change(encode_change(change)) == change  # an idle instance too: it went to 0
+    with pytest.raises(BadRecord, match="not a load change"):
+        decode_change(json.dumps({"p": "x", "s": -1, "l": {}}))
+    with pytest.raises(BadRecord, match="not a load change"):
+        decode_change(b"[]")
 
 
 @pytest.mark.parametrize(
@@ -64,6 +98,7 @@ def test_merge_sums_the_peers_and_leaves_this_process_out() -> None:
         (json.dumps({"v": 1, "process": "p", "instances": {"a": [1, -2, 0, 0]}}), "4 counts"),
         (json.dumps({"v": 1, "process": "p", "instances": {"a": [True, 1, 0, 0]}}), "4 counts"),
         (json.dumps({"v": 1, "process": "p", "instances": []}), "must be an object"),
+        (json.dumps({"v": 1, "process": "p", "seq": -1}), "seq: must be a count"),
         (
             json.dumps({"v": 1, "process": "p", "candidates": {"a": [[1, 2, 9, True, {}]]}}),
             "is not a valid Priority",
