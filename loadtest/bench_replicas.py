@@ -136,7 +136,6 @@ class Ferries:
             "instances": [{"name": f"e{i}", "url": u} for i, u in enumerate(backends)],
             "admin_token": TOKEN,
             "sharing": {"key_prefix": prefix},
-            **json.loads(os.environ.get("BENCH_EXTRA", "{}")),
         }
         if redis_url is not None:
             config["redis_url"] = redis_url
