@@ -15,6 +15,10 @@ cluster's KV capacity) is replayed, engines restarted cold each time, through:
   that failed (its streams, and those sent to it after), the survivors' view
   before and after (no phantom load once its totals expire), and how long its
   totals and its lease took to go.
+After the trace of each setup but the kill, placement alone: a burst of 64 long streams in
+0.3 s on the idle engines, dealt to the processes in turn, and how many each
+engine got (4 each if evenly placed): the CPU-starved P99s above swing by
+several times between runs, this much less.
 Then throughput: `concurrency` closed-loop streams through `ferry serve --workers N
 --redis` (one port, SO_REUSEPORT) for N = 1, 2, 4, on two fast stand-in servers
 (`loadtest.standin_server`, 10 ms between tokens), tokens/s side by side.
@@ -36,12 +40,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,7 +62,7 @@ from adapters.vllm import parse_metrics
 from loadtest.bench_overhead import run_load
 from loadtest.paged_standin import DEFAULT_PROFILE
 from loadtest.redis_server import start_redis
-from loadtest.replay import replay
+from loadtest.replay import prompt_ids, replay
 from loadtest.sim.instance import SimRequest
 from loadtest.sim.profile import save
 from loadtest.sim.stats import summarize
@@ -256,6 +262,34 @@ async def view(
     return {"view": sum(r["inflight"] for r in rows), "dead": dead_share, "survivors": own}
 
 
+async def burst(urls: list[str], engines: int, per_engine: int = 4) -> list[int]:
+    """Placement alone, on idle engines: `per_engine` x `engines` long streams in
+    0.3 s, dealt to `urls` in turn; each engine's count of them (by the processes'
+    own ledgers) 0.8 s after the first. Evenly placed, each engine has `per_engine`."""
+    count, window_s = per_engine * engines, 0.3
+    async with aiohttp.ClientSession() as session:
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(window_s * i / count)
+            body = {"model": MODEL, "prompt": prompt_ids(64, start=i * 37), "max_tokens": 300}
+            body |= {"stream": True, "ignore_eos": True}
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.post(urls[i % len(urls)] + "/v1/completions", json=body) as r:
+                    async for _ in r.content:
+                        pass
+
+        streams = [asyncio.create_task(one(i)) for i in range(count)]
+        await asyncio.sleep(window_s + 0.5)
+        placed: dict[str, int] = {}
+        for url in urls:
+            for row in await admin(session, url, "/admin/instances"):
+                placed[row["name"]] = placed.get(row["name"], 0) + row["local_inflight"]
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+    return sorted(placed.values(), reverse=True)
+
+
 def run_setup(
     setup: str, trace: list[TraceRequest], profile_path: Path, redis_url: str, workdir: Path
 ) -> dict[str, Any]:
@@ -274,10 +308,11 @@ def run_setup(
             done, facts = asyncio.run(killed_midway(ferries, trace))
         else:
             done = asyncio.run(spread(ferries.urls, trace))
+            facts["burst"] = asyncio.run(burst(ferries.urls, len(engines.urls)))
         summary = summarize(done, {})
         summary["preemptions"] = engines.preemptions()
         summary.update(facts)
-        if facts:  # the survivors' requests alone, for their TTFT
+        if "dead_ids" in facts:  # the survivors' requests alone, for their TTFT
             kept = [r for r in done if r.id not in facts["dead_ids"]]
             summary["survivors_ttft_p99"] = summarize(kept, {})["ttft_p99"]
         return summary
@@ -345,6 +380,13 @@ def report(
             f"{setup:<20}{s['ttft_p50']:>8.3f}s{s['ttft_p99']:>8.3f}s{ratio:>7}"
             f"{s['preemptions']:>9}{s['finished']:>6}/{s['requests']:<3}  {each}"
         )
+    bursts = {k: s["burst"] for k, s in results.items() if "burst" in s}
+    if bursts:
+        lines.append(
+            "placement alone: 64 streams in 0.3 s on the 16 idle engines (4 each if even);"
+            " per engine, most to least (stdev):"
+        )
+        lines += [f"  {k:<18}{v} ({statistics.pstdev(v):.2f})" for k, v in bursts.items()]
     if base and "4 shared" in results:
         ratio = results["4 shared"]["ttft_p99"] / base
         lines.append(
