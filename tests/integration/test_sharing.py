@@ -25,7 +25,7 @@ from tests.helpers import call_json, free_port, wait_until
 from tests.integration.test_shutdown import status
 
 TOKEN = "ops"
-TTL_S, LEASE_TTL_S = 0.5, 1.0
+TTL_S, LEASE_TTL_S = 1.0, 2.0  # Ferry's defaults
 
 
 class FerryProcess:
@@ -218,14 +218,20 @@ def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
 
     holder.proc.send_signal(signal.SIGKILL)
     killed = time.monotonic()
-    wait_until(lambda: survivor.sharing()["holds_lease"], timeout=LEASE_TTL_S + 2, poll=0.02)
-    lease_moved_s = time.monotonic() - killed
-    wait_until(lambda: survivor.inflight() == 0, timeout=TTL_S + 2, poll=0.02)
-    after = survivor.sharing()
-    # No phantom load: the dead process's totals are gone from the view.
-    assert after["peers"] == {} and after["lease_holder"] == after["process"]
-    assert lease_moved_s <= LEASE_TTL_S + 0.5
-    assert time.monotonic() - killed <= LEASE_TTL_S + 1.0
+    gone_s = lease_s = None
+    while (gone_s is None or lease_s is None) and time.monotonic() - killed < 10:
+        state, load = survivor.sharing(), survivor.inflight()
+        now = time.monotonic() - killed
+        if gone_s is None and not state["peers"] and load == 0:
+            gone_s = now
+        if lease_s is None and state["holds_lease"]:
+            lease_s = now
+        time.sleep(0.02)
+    # No phantom load: the dead process's totals left the view with their TTL,
+    # and the lease passed on with its own (1 s of slack for a loaded machine).
+    assert gone_s is not None and gone_s <= TTL_S + 1.0, gone_s
+    assert lease_s is not None and lease_s <= LEASE_TTL_S + 1.0, lease_s
+    assert survivor.sharing()["lease_holder"] == survivor.sharing()["process"]
 
     # The survivor serves on; the dead process's streams broke (clients retry).
     assert complete(survivor.url) == " tok" * 2
