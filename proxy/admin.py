@@ -6,6 +6,11 @@
     DELETE /admin/instances/{name}[?migrate=1]  drain, then remove once empty: 202
     POST   /admin/instances/{name}/drain[?migrate=1], /undrain
     POST   /admin/reload                        re-read the config file (as SIGHUP does)
+    GET    /admin/sharing                       the shared view: this process, the lease
+                                                holder, each peer's totals (proxy/sharing.py)
+
+With a shared view, a change through any process applies on every process; a
+reload re-reads this process's file only.
 
 Without a configured token (config `admin_token` or `FERRY_ADMIN_TOKEN`) the admin
 API refuses every call: an open drain button is worse than none.
@@ -17,6 +22,7 @@ import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +30,17 @@ from aiohttp import web
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.fleet import Fleet, FleetError
+
+
+def _alone() -> dict[str, Any]:
+    return {"enabled": False}
+
+
+@dataclass
+class SharingStatus:
+    """What `/admin/sharing` shows: filled in once the shared view runs."""
+
+    describe: Callable[[], dict[str, Any]] = _alone
 
 
 def instances_json(
@@ -47,7 +64,8 @@ def instances_json(
                 "draining": view.draining,
                 "removing": view.name in removing,
                 "freeness": view.freeness if view.freeness > -1e300 else None,
-                "inflight": view.inflight,
+                "inflight": view.inflight,  # with a shared view: every process's
+                "local_inflight": cluster.ledger.count(view.name),
                 "virtual_blocks": round(view.virtual_blocks, 2),
                 "batch": view.batch,
                 "models": sorted(view.models),
@@ -73,8 +91,11 @@ def instances_json(
     return rows
 
 
-def add_routes(app: web.Application, fleet: Callable[[], Fleet]) -> None:
+def add_routes(
+    app: web.Application, fleet: Callable[[], Fleet], sharing: SharingStatus | None = None
+) -> None:
     """`fleet()` is the running fleet (built when the app starts)."""
+    status = sharing or SharingStatus()
 
     def authorized(request: web.Request) -> web.Response | None:
         token = fleet().config.admin_token  # a reload may change it
@@ -110,31 +131,43 @@ def add_routes(app: web.Application, fleet: Callable[[], Fleet]) -> None:
         f = fleet()
         return web.json_response(instances_json(f.cluster, time.monotonic(), f.removing))
 
+    # Each change is made here, then announced: with a shared view the peers
+    # make it too (proxy/sharing.py); alone, the announcement goes nowhere.
     async def add_instance(request: web.Request) -> web.Response:
-        instance = fleet().add_raw(await _json_body(request))
+        raw = await _json_body(request)
+        instance = fleet().add_raw(raw)
+        fleet().announce({"op": "add", "instance": raw})
         return web.json_response(row(instance.name), status=201)
 
     async def patch_instance(request: web.Request) -> web.Response:
-        instance = fleet().patch(request.match_info["name"], await _json_body(request))
+        name, changes = request.match_info["name"], await _json_body(request)
+        instance = fleet().patch(name, changes)
+        fleet().announce({"op": "patch", "name": name, "changes": changes})
         return web.json_response(row(instance.name))
 
     async def delete_instance(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        moving = fleet().remove(name, migrate=_flag(request, "migrate"))
+        name, migrate = request.match_info["name"], _flag(request, "migrate")
+        moving = fleet().remove(name, migrate=migrate)
+        fleet().announce({"op": "remove", "name": name, "migrate": migrate})
         return web.json_response({**row(name), "migrating": moving}, status=202)
 
     async def drain(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        moving = fleet().drain(name, migrate=_flag(request, "migrate"))
+        name, migrate = request.match_info["name"], _flag(request, "migrate")
+        moving = fleet().drain(name, migrate=migrate)
+        fleet().announce({"op": "drain", "name": name, "migrate": migrate})
         return web.json_response({**row(name), "migrating": moving})
 
     async def undrain(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         fleet().undrain(name)
+        fleet().announce({"op": "undrain", "name": name})
         return web.json_response(row(name))
 
     async def reload(request: web.Request) -> web.Response:
         return web.json_response(fleet().reload())
+
+    async def shared_view(request: web.Request) -> web.Response:
+        return web.json_response(status.describe())
 
     app.router.add_get("/admin/instances", guarded(list_instances))
     app.router.add_post("/admin/instances", guarded(add_instance))
@@ -143,6 +176,7 @@ def add_routes(app: web.Application, fleet: Callable[[], Fleet]) -> None:
     app.router.add_post("/admin/instances/{name}/drain", guarded(drain))
     app.router.add_post("/admin/instances/{name}/undrain", guarded(undrain))
     app.router.add_post("/admin/reload", guarded(reload))
+    app.router.add_get("/admin/sharing", guarded(shared_view))
 
 
 def _flag(request: web.Request, name: str) -> bool:

@@ -39,6 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         choices=("off", "lite", "full"),
         help="migration mode of every --backend (default off)",
     )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="processes serving the port together (SO_REUSEPORT; needs --redis or redis_url)",
+    )
+    serve.add_argument(
+        "--redis",
+        metavar="URL",
+        help="share the cluster view with other processes and replicas through this Redis",
+    )
     serve.add_argument("--log-level", default="INFO")
 
     init = sub.add_parser("init", help="write the documented example configuration")
@@ -141,29 +151,79 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvloop
-
     from proxy.config import ConfigError
-    from proxy.server import serve
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _log_setup(args, worker=bool(args.workers and args.workers > 1))
     try:
         config = _serve_config(args)
     except ConfigError as exc:
         print(f"ferry: configuration error: {exc}", file=sys.stderr)
         return 2
-    # A reload reads the file again, with the command line still on top.
-    uvloop.run(serve(config, (lambda: _serve_config(args)) if args.config else None))
+    if config.redis_url is not None:
+        try:
+            import redis  # noqa: F401 - only to say what is missing
+        except ImportError:
+            print(
+                "ferry: redis_url needs the redis package: pip install 'llm-ferry[redis]'",
+                file=sys.stderr,
+            )
+            return 2
+    if config.server.workers > 1:
+        from proxy.workers import supervise
+
+        server = config.server
+        return supervise(
+            server.workers,
+            _serve_one,
+            (args,),
+            stop_timeout_s=server.shutdown_delay_s + server.shutdown_grace_s + 10,
+        )
+    return _serve_one(args)
+
+
+def _serve_one(args: argparse.Namespace) -> int:
+    """One serving process: the only one, or a worker (then logging is set up
+    again: a spawned worker starts with nothing of its parent)."""
+    import uvloop
+
+    from proxy.server import serve
+
+    if args.workers and args.workers > 1:
+        _log_setup(args, worker=True)
+    config = _serve_config(args)
+    unavailable: tuple[type[Exception], ...] = ()
+    if config.redis_url is not None:  # `redis` is an optional extra: imported only then
+        from proxy.sharing import SharingUnavailable
+
+        unavailable = (SharingUnavailable,)
+    try:
+        # A reload reads the file again, with the command line still on top.
+        uvloop.run(serve(config, (lambda: _serve_config(args)) if args.config else None))
+    except unavailable as exc:
+        print(f"ferry: {exc}", file=sys.stderr)
+        sys.exit(1)
     return 0
+
+
+def _log_setup(args: argparse.Namespace, *, worker: bool) -> None:
+    pid = " [%(process)d]" if worker else ""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s",
+    )
 
 
 def _serve_config(args: argparse.Namespace) -> Any:
     """The configuration `ferry serve` runs: the file or --backend, then the flags."""
     import dataclasses
 
-    from proxy.config import ConfigError, config_from_backends, load_config
+    from proxy.config import (
+        ConfigError,
+        check_redis_url,
+        check_workers,
+        config_from_backends,
+        load_config,
+    )
 
     if args.config:
         if args.policy or args.migration:
@@ -180,8 +240,16 @@ def _serve_config(args: argparse.Namespace) -> Any:
             host=args.host or server.host,
             port=server.port if args.port is None else args.port,
         )
+    if args.workers is not None:
+        server = dataclasses.replace(server, workers=args.workers)
     token = args.admin_token or config.admin_token
-    return dataclasses.replace(config, server=server, admin_token=token)
+    redis_url = config.redis_url
+    if args.redis:
+        check_redis_url(args.redis, "--redis")
+        redis_url = args.redis
+    config = dataclasses.replace(config, server=server, admin_token=token, redis_url=redis_url)
+    check_workers(config)  # again, with the flags applied
+    return config
 
 
 def _admin(args: argparse.Namespace, path: str, method: str = "GET", body: Any = None) -> Any:

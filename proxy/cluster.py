@@ -2,8 +2,13 @@
 
 The scheduler reads `view()`: an immutable `ClusterView` rebuilt lazily, one
 instance at a time, only for instances whose inputs changed (a scrape, a
-dispatch, a release, a request crossing a KV block boundary). A decision over N
-instances therefore costs one tuple lookup plus the policy's one pass.
+dispatch, a release, a request crossing a KV block boundary, the peers' totals).
+A decision over N instances therefore costs one tuple lookup plus the policy's
+one pass.
+
+With a shared view (proxy/sharing.py) an instance's load is this process's
+ledger plus the totals its peers published (`set_peer_load`); the engine's own
+report counts as traffic from outside Ferry only beyond both.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from adapters import EngineAdapter, EngineSnapshot, get_adapter
 from proxy.config import InstanceConfig
 from proxy.ejection import Ejection, EjectionSettings
 from proxy.ledger import Ledger
+from proxy.peer_load import NO_LOAD, InstanceLoad
 from proxy.policy import ClusterView, InstanceView, UsageSettings
 from proxy.policy.virtual_usage import instance_view
 from proxy.prefix_index import PrefixIndex
@@ -37,6 +43,10 @@ class InstanceState:
     # measured at the last scrape and carried until the next one.
     external_blocks: float = 0.0
     external_requests: int = 0
+    # What the last scrape showed beyond Ferry's ledgers (with a shared view, an
+    # engine's load counts as from outside only if two scrapes in a row show it).
+    gap_blocks: float = 0.0
+    gap_requests: int = 0
     # What migration_shim says of itself (GET /ferry/shim/info); None: no shim seen.
     shim: dict[str, Any] | None = None
     shim_error: str | None = None
@@ -80,6 +90,10 @@ class Cluster:
         self.dispatch_seq = 0
         self.prefixes = PrefixIndex(enabled=False)  # placement turns it on (proxy/prefix_index.py)
         self._ejected: dict[str, float] = {}  # name -> ejected until
+        # Other Ferry processes' in-flight totals by instance (proxy/peer_load.py),
+        # and whether there are any (proxy/sharing.py sets it).
+        self.peer_load: dict[str, InstanceLoad] = {}
+        self.shared = False
         self._reindex()
 
     def view(self) -> ClusterView:
@@ -170,10 +184,23 @@ class Cluster:
         state.snapshot, state.snapshot_at = snapshot, now
         state.failures, state.last_error, state.healthy = 0, None, True
         self.ledger.set_block_size(name, snapshot.block_size)
-        state.external_blocks = max(0.0, snapshot.kv_blocks_used - self.ledger.blocks(name))
-        state.external_requests = max(
-            0, snapshot.running + snapshot.waiting - self.ledger.count(name)
+        peers = self.peer_load.get(name, NO_LOAD)
+        ferry_blocks = self.ledger.blocks(name) + peers.blocks
+        gap_blocks = max(0.0, snapshot.kv_blocks_used - ferry_blocks)
+        gap_requests = max(
+            0, snapshot.running + snapshot.waiting - self.ledger.count(name) - peers.inflight
         )
+        if self.shared:
+            # A peer's dispatch can reach the engine a few ms before its announcement
+            # reaches this process; counted as outside traffic, it would count twice
+            # until the next scrape, on whichever instance it landed (measured: bursts
+            # then pile 6 requests where 3 belong). Traffic that truly bypasses
+            # Ferry is still there one scrape later.
+            state.external_blocks = min(gap_blocks, state.gap_blocks)
+            state.external_requests = min(gap_requests, state.gap_requests)
+        else:
+            state.external_blocks, state.external_requests = gap_blocks, gap_requests
+        state.gap_blocks, state.gap_requests = gap_blocks, gap_requests
         self._invalidate(name)
 
     def record_alive(self, name: str, now: float) -> None:
@@ -211,6 +238,23 @@ class Cluster:
         self.instances[name].draining = draining
         self._invalidate(name)
 
+    def set_peer_load(self, load: dict[str, InstanceLoad]) -> None:
+        """The peers' totals now; only the instances whose totals changed are rebuilt."""
+        old, self.peer_load = self.peer_load, load
+        for name in old.keys() | load.keys():
+            if old.get(name) != load.get(name) and name in self.instances:
+                self._invalidate(name)
+
+    def local_load(self, name: str) -> InstanceLoad:
+        """This process's ledger totals for an instance (what it publishes)."""
+        ledger = self.ledger
+        return InstanceLoad(
+            ledger.blocks(name),
+            ledger.count(name),
+            ledger.high_priority(name),
+            ledger.queued_tokens(name),
+        )
+
     def note_dispatch(self) -> None:
         self.dispatch_seq += 1
 
@@ -224,19 +268,22 @@ class Cluster:
     def _build(self, state: InstanceState) -> InstanceView:
         snap = state.snapshot
         name = state.name
-        inflight = self.ledger.count(name)
+        load = self.local_load(name)
+        peers = self.peer_load.get(name)
+        if peers is not None:
+            load += peers
         return instance_view(
             name,
             capacity_blocks=snap.kv_blocks_total if snap else 0,
-            real_blocks=state.external_blocks + self.ledger.blocks(name),
-            high_priority_requests=self.ledger.high_priority(name),
-            batch=inflight + state.external_requests,
-            inflight=inflight,
+            real_blocks=state.external_blocks + load.blocks,
+            high_priority_requests=load.high,
+            batch=load.inflight + state.external_requests,
+            inflight=load.inflight,
             settings=self.usage,
             kv_usage=snap.kv_usage if snap else 0.0,
             engine_running=snap.running if snap else 0,
             engine_waiting=snap.waiting if snap else 0,
-            queued_tokens=self.ledger.queued_tokens(name),
+            queued_tokens=load.queued_tokens,
             block_size=snap.block_size if snap and snap.block_size else 16,
             healthy=state.healthy and name not in self._ejected,
             draining=state.draining,

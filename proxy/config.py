@@ -180,6 +180,30 @@ class ServerConfig:
     access_log: bool = False
     # An OpenTelemetry span per request (proxy/tracing.py); needs the `otel` extra.
     otel: bool = False
+    # Processes serving the port together (SO_REUSEPORT; proxy/workers.py). More
+    # than one needs `redis_url`: apart, each would see only its own load.
+    workers: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SharingConfig:
+    """How processes share one cluster view through Redis (proxy/sharing.py)."""
+
+    # Each process publishes its ledger totals and reads its peers' this often.
+    # 50 ms is Llumnix v1's CMS pull interval: a burst of dispatches within it is
+    # what one process cannot see of another's.
+    publish_interval_s: float = 0.05
+    # Between records, a dispatch or a release is announced at once; a burst's
+    # announcements go out as one message at most this often.
+    change_interval_s: float = 0.005
+    # A process's totals vanish this long after its last publish (it died):
+    # the window in which a dead process's load still counts.
+    ttl_s: float = 1.0
+    # The rescheduler lease: its holder renews it every publish; a dead holder's
+    # lease passes to another process within this.
+    lease_ttl_s: float = 2.0
+    # Namespace of every key: processes with the same prefix share a view.
+    key_prefix: str = "ferry"
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +213,9 @@ class FerryConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     admin_token: str | None = None
     discovery: tuple[DiscoveryConfig, ...] = ()
+    # Sharing one cluster view between processes and replicas; None: one process alone.
+    redis_url: str | None = None
+    sharing: SharingConfig = field(default_factory=SharingConfig)
 
 
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryConfig:
@@ -207,23 +234,56 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryCon
 def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
     env = dict(os.environ) if env is None else env
     top = _mapping(raw, "(top level)")
-    _reject_unknown(top, {"instances", "scheduler", "server", "admin_token", "discovery"}, "")
+    known = {"instances", "scheduler", "server", "admin_token", "discovery", "redis_url", "sharing"}
+    _reject_unknown(top, known, "")
     discovery = _discovery(top.get("discovery", []), env)
     instances = _instances(top.get("instances"), env, allow_none=bool(discovery))
     scheduler = _section(SchedulerConfig, top.get("scheduler", {}), "scheduler")
     server = _section(ServerConfig, top.get("server", {}), "server")
+    sharing = _section(SharingConfig, top.get("sharing", {}), "sharing")
     _check_scheduler(scheduler)
     _check_server(server)
+    _check_sharing(sharing)
     token = top.get("admin_token")
     if token is not None and not isinstance(token, str):
         raise ConfigError("admin_token: must be a string")
-    return FerryConfig(
+    redis_url = top.get("redis_url")
+    if redis_url is not None:
+        check_redis_url(redis_url, "redis_url")
+    config = FerryConfig(
         instances=instances,
         scheduler=scheduler,
         server=server,
         admin_token=token or env.get("FERRY_ADMIN_TOKEN") or None,
         discovery=discovery,
+        redis_url=redis_url or None,
+        sharing=sharing,
     )
+    check_workers(config)
+    return config
+
+
+def check_redis_url(url: Any, where: str) -> None:
+    if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{where}: must be a redis://, rediss:// or unix:// URL (got {url!r})")
+
+
+def check_workers(config: FerryConfig) -> None:
+    """Several processes need a shared view and a port named in advance; the
+    command line checks this again after its flags are applied."""
+    workers = config.server.workers
+    if workers < 1:
+        raise ConfigError(f"server.workers: must be at least 1 (got {workers})")
+    if workers > 1 and config.redis_url is None:
+        raise ConfigError(
+            f"server.workers: {workers} processes need a shared cluster view: set redis_url"
+            " (or --redis URL). Apart, each process would see only the load it placed itself"
+            " and several would pile onto the same instance"
+        )
+    if workers > 1 and config.server.port == 0:
+        raise ConfigError(
+            "server.port: must be named (not 0) with several workers: they share one port"
+        )
 
 
 def config_from_backends(
@@ -463,6 +523,32 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.upstream_idle_timeout_s: must be 0 (off) or positive")
     if s.shutdown_delay_s < 0 or s.shutdown_grace_s < 0:
         raise ConfigError("server.shutdown_delay_s, shutdown_grace_s: must not be negative")
+
+
+def _check_sharing(s: SharingConfig) -> None:
+    if not 0 <= s.change_interval_s <= s.publish_interval_s:
+        raise ConfigError(
+            f"sharing.change_interval_s: must be between 0 and sharing.publish_interval_s"
+            f" (got {s.change_interval_s:g})"
+        )
+    if not 0.01 <= s.publish_interval_s <= 1:
+        raise ConfigError(
+            f"sharing.publish_interval_s: must be between 0.01 and 1 second"
+            f" (got {s.publish_interval_s:g})"
+        )
+    for key in ("ttl_s", "lease_ttl_s"):
+        value = getattr(s, key)
+        # Three publishes may be missed (a slow tick, a GC pause) before a live
+        # process's totals or lease lapse.
+        if not (math.isfinite(value) and value >= 3 * s.publish_interval_s):
+            raise ConfigError(
+                f"sharing.{key}: must be at least 3 x sharing.publish_interval_s"
+                f" ({3 * s.publish_interval_s:g} s; got {value:g})"
+            )
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]+", s.key_prefix):
+        raise ConfigError(
+            f"sharing.key_prefix: must be letters, digits or _ . : - (got {s.key_prefix!r})"
+        )
 
 
 def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> Any:

@@ -9,6 +9,11 @@ new configuration applied, with no client stream cut.
 - A reload applies the difference between the running configuration and the
   file's: scheduler settings are swapped between two requests (`retune`), and
   server settings that need a new socket are reported, not applied.
+
+With a shared view (proxy/sharing.py) an admin change is one `FleetOp`: the
+process that takes the call applies it and `announce`s it; every peer applies
+the same op (`apply_op`), so a drain reaches the cluster whichever process the
+operator called. A reload stays local: each process reads its own file.
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ from proxy.scraper import Scraper
 log = logging.getLogger("ferry.fleet")
 
 PATCHABLE = ("migration", "labels", "api_key", "headers")
+# The admin changes peers apply too, and the fields each carries.
+FLEET_OPS: dict[str, tuple[str, ...]] = {
+    "add": ("instance",),
+    "patch": ("name", "changes"),
+    "remove": ("name", "migrate"),
+    "drain": ("name", "migrate"),
+    "undrain": ("name",),
+}
 
 
 class FleetError(Exception):
@@ -65,6 +78,26 @@ class Fleet:
         # Instances that DNS discovery owns (proxy/discovery.py): a reload of the
         # file neither removes them nor reports them.
         self.discovered: frozenset[str] = frozenset()
+        # Tells the peers of a change made here (proxy/sharing.py); alone: nobody.
+        self.announce: Callable[[dict[str, Any]], None] = lambda op: None
+
+    def apply_op(self, op: Any) -> None:
+        """A peer's admin change, made here too; raises FleetError if it cannot be
+        (a malformed op is one: 400)."""
+        kind = op.get("op") if isinstance(op, dict) else None
+        fields = FLEET_OPS.get(kind) if isinstance(kind, str) else None
+        if fields is None or not all(f in op for f in fields):
+            raise FleetError(400, f"not a fleet change: {op!r}", "invalid_request")
+        if kind == "add":
+            self.add_raw(op["instance"])
+        elif kind == "patch":
+            self.patch(op["name"], op["changes"])
+        elif kind == "remove":
+            self.remove(op["name"], migrate=bool(op["migrate"]))
+        elif kind == "drain":
+            self.drain(op["name"], migrate=bool(op["migrate"]))
+        else:
+            self.undrain(op["name"])
 
     @property
     def removing(self) -> frozenset[str]:

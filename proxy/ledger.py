@@ -8,6 +8,8 @@ whose last scrape looked idle.
 
 `on_change(instance)` fires when something a view depends on changed: a
 request came or went, got its first token, or crossed a KV block boundary.
+`on_count(instance)`, when set, fires only when a request came or went: a shared
+view (proxy/sharing.py) tells its peers of those at once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Ledger:
         self._by_instance: dict[str, dict[int, LedgerEntry]] = {}
         self._ids = itertools.count(1)
         self._on_change = on_change
+        self.on_count: Callable[[str], None] | None = None
         self._block_size: dict[str, int] = {}
         # Running totals per instance, so a view is built in O(1), not O(requests).
         self._blocks_total: dict[str, int] = {}
@@ -62,6 +65,8 @@ class Ledger:
             self._high[instance] = self._high.get(instance, 0) + 1
         self._add_queued(entry, prompt_tokens)
         self._on_change(instance)
+        if self.on_count is not None:
+            self.on_count(instance)
         return entry
 
     def set_prompt_tokens(self, entry: LedgerEntry, tokens: int) -> None:
@@ -92,6 +97,8 @@ class Ledger:
             if entry.priority is Priority.HIGH:
                 self._high[entry.instance] -= 1
             self._on_change(entry.instance)
+            if self.on_count is not None:
+                self.on_count(entry.instance)
 
     def forget(self, instance: str) -> None:
         """Drop a removed instance's totals (it has nothing in flight)."""

@@ -197,7 +197,7 @@ class FerryMetrics:
         )
         self.inflight = Gauge(
             "ferry_inflight_requests",
-            "Requests in flight by instance.",
+            "Requests this process has in flight, by instance.",
             ["instance"],
             registry=r,
         )
@@ -348,7 +348,9 @@ class FerryMetrics:
         now = time.monotonic() if now is None else now
         for view in cluster.view().instances:
             state = cluster.instances[view.name]
-            self.inflight.labels(view.name).set(view.inflight)
+            # This process's own (a shared view's inflight counts its peers' too,
+            # so summing the gauge over processes would count them again).
+            self.inflight.labels(view.name).set(cluster.ledger.count(view.name))
             freeness = view.freeness
             if view.draining:  # -inf to the scheduler; the load it carries to a dashboard
                 freeness = instance_freeness(view.capacity_blocks, view.virtual_blocks, view.batch)

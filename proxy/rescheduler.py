@@ -5,20 +5,42 @@ it. Each tick builds the cluster view over migration-enabled instances, asks
 `plan_migrations` (pure) what to move, and submits the moves to the migrator,
 no more than it has free slots for. The policy states its reason with every
 move; it is logged.
+
+With a shared view (proxy/sharing.py) the rescheduler is given a `Coordinator`:
+only the process holding the rescheduler lease plans, over the global view and
+the movable streams of every process; a move of another process's stream is
+sent to that process, which submits it to its own migrator. Failover is not the
+rescheduler's: a broken stream resumes in the process that holds it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
 from proxy.policy import ClusterView
-from proxy.policy.migration import MigrationSettings, plan_migrations, sources
+from proxy.policy.migration import MigrationSettings, RequestLoad, plan_migrations, sources
 
 log = logging.getLogger("ferry.rescheduler")
+
+
+class Coordinator(Protocol):
+    """The processes sharing the view (proxy/sharing.py), as the rescheduler uses them."""
+
+    def holds_lease(self) -> bool:
+        """Whether this process plans the moves now."""
+
+    def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
+        """Each peer's movable streams by instance (ids are the peer's own)."""
+
+    def send_move(self, owner: str, request_id: int, destination: str) -> None:
+        """Ask `owner` to move its stream `request_id` to `destination`."""
 
 
 class Rescheduler:
@@ -36,6 +58,7 @@ class Rescheduler:
         self.migrator = migrator
         self.settings = settings
         self.interval_s = interval_s
+        self.coordinator: Coordinator | None = None  # set when the view is shared
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -62,20 +85,34 @@ class Rescheduler:
             await asyncio.sleep(self.interval_s)
             self.tick()
 
+    def local_candidates(self) -> dict[str, list[RequestLoad]]:
+        """This process's movable streams on the instances that would shed load now
+        (what it publishes for the lease holder); none while rebalancing is off."""
+        if self.interval_s <= 0:
+            return {}
+        names = sources(self._view(), self.settings)
+        return {n: loads for n in names if (loads := self.migrator.candidates(n))}
+
+    def _view(self) -> ClusterView:
+        """The view over the migration-enabled instances."""
+        usable = self.migrator.placement.migration_instances()
+        full = self.cluster.view()
+        return ClusterView(tuple(v for v in full.instances if v.name in usable), full.dispatch_seq)
+
     def tick(self) -> int:
-        """Plan and submit moves; returns how many were submitted."""
+        """Plan and submit moves; returns how many were planned."""
+        if self.coordinator is not None and not self.coordinator.holds_lease():
+            return 0
         if self.metrics is not None:
             self.metrics.rescheduler_ticks.inc()
         room = self.migrator.free_slots
         if room <= 0:
             return 0
-        usable = self.migrator.placement.migration_instances()
-        full = self.cluster.view()
-        view = ClusterView(tuple(v for v in full.instances if v.name in usable), full.dispatch_seq)
+        view = self._view()
         names = sources(view, self.settings)
         if not names:
             return 0
-        candidates = {n: self.migrator.candidates(n) for n in names}
+        candidates, owners = self._pool(names)
         block_size = {n: self.cluster.block_size(n) for n in names}
         plan = plan_migrations(view, candidates, block_size, self.settings)[:room]
         running = {r.id for loads in candidates.values() for r in loads if r.running}
@@ -83,14 +120,40 @@ class Rescheduler:
             if self.metrics is not None:
                 kind = "running" if move.request_id in running else "queued"
                 self.metrics.moves_planned.labels(kind).inc()
+            owner, request_id = owners[move.request_id]
             log.info(
-                "rebalance: request %s %s -> %s: %s",
-                move.request_id,
+                "rebalance: request %s%s %s -> %s: %s",
+                request_id,
+                "" if owner is None else f" of {owner}",
                 move.source,
                 move.destination,
                 move.reason,
             )
-            self.migrator.submit(
-                self.migrator.streams[move.request_id], move.destination, "rebalance"
-            )
+            if owner is None:
+                stream = self.migrator.streams[request_id]
+                self.migrator.submit(stream, move.destination, "rebalance")
+            else:
+                assert self.coordinator is not None
+                self.coordinator.send_move(owner, request_id, move.destination)
         return len(plan)
+
+    def _pool(
+        self, names: list[str]
+    ) -> tuple[dict[str, list[RequestLoad]], dict[int, tuple[str | None, int]]]:
+        """The candidates on `names` of this process and its peers, numbered anew
+        (ids are unique only within a process), and each number's (owner, id);
+        owner None is this process."""
+        pooled: dict[str, list[RequestLoad]] = {n: [] for n in names}
+        owners: dict[int, tuple[str | None, int]] = {}
+        groups: list[tuple[str | None, Mapping[str, Sequence[RequestLoad]]]] = [
+            (None, {n: self.migrator.candidates(n) for n in names})
+        ]
+        if self.coordinator is not None:
+            groups += list(self.coordinator.peer_candidates().items())
+        for owner, by_instance in groups:
+            for name in names:
+                for load in by_instance.get(name, ()):
+                    number = len(owners) + 1
+                    owners[number] = (owner, load.id)
+                    pooled[name].append(dataclasses.replace(load, id=number))
+        return pooled, owners

@@ -16,6 +16,7 @@ as it comes, byte for byte, anything else whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import signal
@@ -68,6 +69,7 @@ ENGINE_ROUTES = (
 )
 FLEET = web.AppKey("fleet", Fleet)
 DISCOVERY = web.AppKey("discovery", Discovery)
+SHARING = web.AppKey("sharing", admin.SharingStatus)
 
 
 def build_app(
@@ -170,20 +172,22 @@ def build_app(
             )
             discovery = app[DISCOVERY] = Discovery(app[FLEET], config.discovery)
             await discovery.refresh_all()
-            # One round before serving, so the first requests find healthy instances.
-            await asyncio.gather(*(_first_look(scraper, n) for n in cluster.instances))
-            scraper.start()
-            events.sync()
-            rescheduler.start()
-            discovery.start()
-            yield
-            await discovery.stop()
+            async with _shared_view(config, app, migrator, rescheduler):
+                # One round before serving, so the first requests find healthy instances.
+                await asyncio.gather(*(_first_look(scraper, n) for n in cluster.instances))
+                scraper.start()
+                events.sync()
+                rescheduler.start()
+                discovery.start()
+                yield
+                await discovery.stop()
             await app[FLEET].stop()
             await rescheduler.stop()
             await migrator.stop()
             await scraper.stop()
             await events.stop()
 
+    app[SHARING] = admin.SharingStatus()
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", _openai_handler("completions"))
     app.router.add_post("/v1/chat/completions", _openai_handler("chat"))
@@ -195,8 +199,37 @@ def build_app(
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    admin.add_routes(app, lambda: app[FLEET])
+    admin.add_routes(app, lambda: app[FLEET], app[SHARING])
     return app
+
+
+@contextlib.asynccontextmanager
+async def _shared_view(
+    config: FerryConfig, app: web.Application, migrator: Migrator, rescheduler: Rescheduler
+) -> AsyncIterator[None]:
+    """Share the cluster view through Redis while the app runs, when configured
+    (proxy/sharing.py); alone, nothing. Imported only then: `redis` is optional."""
+    if config.redis_url is None:
+        yield
+        return
+    import redis.asyncio as aioredis
+
+    from proxy.sharing import Sharing
+
+    # Timeouts well under the TTL: a hung Redis must not stall the rounds for longer.
+    timeout = max(0.1, config.sharing.ttl_s / 2)
+    client = aioredis.from_url(
+        config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    sharing = Sharing(client, config.sharing, app[CLUSTER], app[FLEET], migrator, rescheduler)
+    try:
+        await sharing.start()
+        app[SHARING].describe = sharing.describe
+        log.info("sharing the cluster view through %s as %s", config.redis_url, sharing.name)
+        yield
+    finally:
+        await sharing.stop()
+        await client.aclose()
 
 
 def _usage(s: SchedulerConfig) -> UsageSettings:
@@ -365,7 +398,14 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         shutdown_timeout=config.server.shutdown_grace_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=1024)
+    # Workers share the port (proxy/workers.py): the kernel spreads connections.
+    site = web.TCPSite(
+        runner,
+        config.server.host,
+        config.server.port,
+        backlog=1024,
+        reuse_port=config.server.workers > 1,
+    )
     await site.start()
     log.info(
         "ferry listening on http://%s:%d (%d instances, policy %s)",

@@ -1,14 +1,19 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from loadtest.paged_standin import DEFAULT_PROFILE, PagedStandIn
+from loadtest.redis_server import redis_binary, start_redis
 from loadtest.standin_server import StandIn
-from tests.helpers import Ferry, LoopThread, Site, Sites, ferry_config
+from tests.helpers import Ferry, LoopThread, Site, Sites, ferry_config, free_port
+
+_REDIS_PREFIXES = itertools.count(1)
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +66,34 @@ def ferry(loop_thread: LoopThread) -> Iterator[Callable[..., Ferry]]:
     yield make
     for proxy in started:
         proxy.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on 127.0.0.1 (Debian's package: `make setup` installs
+    it; CI must have it), for the whole session: its URL."""
+    if redis_binary() is None or not _redis_client_installed():
+        if os.environ.get("CI"):
+            pytest.fail("redis-server or the redis package missing: `make setup` installs both")
+        pytest.skip("redis-server or the redis package missing (`make setup` installs both)")
+    port = free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def redis_prefix(redis_server: str) -> str:
+    """A key prefix of this test's own, so tests sharing the server share nothing."""
+    return f"test{next(_REDIS_PREFIXES)}"
+
+
+def _redis_client_installed() -> bool:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return False
+    return True

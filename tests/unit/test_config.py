@@ -155,11 +155,45 @@ def test_admin_token_from_environment() -> None:
         (base(server={"port": 70000}), r"^server\.port: must be between"),
         (base(serverr={}), r"^serverr: unknown key"),
         (base(scheduler=[1]), r"^scheduler: must be a mapping"),
+        (base(redis_url="http://h:6379"), r"^redis_url: must be a redis://, rediss:// or unix://"),
+        (base(redis_url=6379), r"^redis_url: must be a redis://"),
+        (base(server={"workers": 0}), r"^server\.workers: must be at least 1"),
+        (
+            base(server={"workers": 4}),
+            r"^server\.workers: 4 processes need a shared cluster view: set redis_url",
+        ),
+        (
+            base(redis_url="redis://h", server={"workers": 2, "port": 0}),
+            r"^server\.port: must be named \(not 0\) with several workers",
+        ),
+        (
+            base(sharing={"publish_interval_s": 2}),
+            r"^sharing\.publish_interval_s: must be between 0\.01 and 1",
+        ),
+        (
+            base(sharing={"publish_interval_s": 0.1, "ttl_s": 0.2}),
+            r"^sharing\.ttl_s: must be at least 3 x sharing\.publish_interval_s \(0\.3 s",
+        ),
+        (base(sharing={"lease_ttl_s": 0.1}), r"^sharing\.lease_ttl_s: must be at least 3 x"),
+        (base(sharing={"key_prefix": "a b"}), r"^sharing\.key_prefix: must be letters"),
+        (
+            base(sharing={"change_interval_s": 0.1}),
+            r"^sharing\.change_interval_s: must be between 0 and sharing\.publish_interval_s",
+        ),
+        (base(sharing={"ttl": 1}), r"^sharing\.ttl: unknown key"),
     ],
 )
 def test_errors_name_the_yaml_path(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_config(raw, env={})
+
+
+def test_sharing_is_off_unless_a_redis_url_is_given() -> None:
+    alone = parse_config(base(), env={})
+    assert alone.redis_url is None and alone.server.workers == 1
+    shared = parse_config(base(redis_url="redis://r:6379/2", server={"workers": 4}), env={})
+    assert shared.redis_url == "redis://r:6379/2" and shared.server.workers == 4
+    assert shared.sharing.publish_interval_s == 0.05 and shared.sharing.key_prefix == "ferry"
 
 
 def test_file_errors(tmp_path: Path) -> None:

@@ -1,0 +1,398 @@
+"""Several Ferry processes, one cluster view, through Redis.
+
+Every `publish_interval_s` (50 ms) each process makes one round trip, a MULTI
+pipeline that:
+- writes its record (proxy/peer_load.py) to `<prefix>:load:<process>` with a
+  TTL of `ttl_s`, so that a process killed without a word stops counting
+  within the TTL, and joins the member set `<prefix>:members`;
+- reads the records of the members it knew last round (a new member is seen
+  one round later; a member whose record expired is dropped from the set);
+- reads the fleet changes (`<prefix>:fleet`, a Redis stream) it has not seen:
+  drain, undrain, add, remove and patch made through any process's admin API;
+- takes the moves the rescheduler lease holder sent it (`<prefix>:moves:<process>`);
+- takes or renews the rescheduler lease (`<prefix>:lease`, a key with expiry
+  `lease_ttl_s` holding its holder's name).
+
+Between rounds, a dispatch or a release is announced at once on the channel
+`<prefix>:changes` (Redis pub/sub; at most one message per `change_interval_s`,
+5 ms, carrying every instance whose counts changed), and each process listens
+there: a peer's placements reach the view in milliseconds, not in one or two
+rounds (proxy/peer_load.py says why that matters). A lost message costs nothing
+lasting: the next record carries the same totals.
+
+Redis is a shared blackboard, not a dependency of each request: a request
+reads the view in memory, never Redis. If Redis cannot be reached the process
+goes on alone: after `ttl_s` without a good round its peers' totals are
+forgotten (they may be dead) and after `lease_ttl_s` it stops rebalancing (it
+cannot know that it still holds the lease). The first round must succeed:
+a wrong URL fails the start, not the afternoon.
+
+Contract: `await start()` makes the first two rounds (so the first request sees
+the peers and every fleet change made before this process started) and starts
+one task; `await stop()` cancels it, deletes this process's record and gives the
+lease back, so a graceful stop leaves no load behind even for the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from proxy.cluster import Cluster
+from proxy.config import SharingConfig
+from proxy.fleet import Fleet, FleetError
+from proxy.migrator import Migrator
+from proxy.peer_load import (
+    BadRecord,
+    LoadChange,
+    PeerLoads,
+    ProcessRecord,
+    decode,
+    decode_change,
+    encode,
+    encode_change,
+)
+from proxy.policy.migration import RequestLoad
+from proxy.rescheduler import Rescheduler
+
+log = logging.getLogger("ferry.sharing")
+
+# Take the lease when nobody holds it, renew it when we do: atomically, so two
+# processes never both believe they hold it.
+_TAKE_OR_RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class SharingUnavailable(RuntimeError):
+    """Redis could not be reached when the process started."""
+
+
+def process_name() -> str:
+    """A name no other process has, now or later: host, pid, and a random tail
+    (a pid is reused after a restart, and a dead process's record may linger)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+class Sharing:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        settings: SharingConfig,
+        cluster: Cluster,
+        fleet: Fleet,
+        migrator: Migrator,
+        rescheduler: Rescheduler,
+        *,
+        name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.redis = client
+        self.settings = settings
+        self.cluster = cluster
+        self.fleet = fleet
+        self.migrator = migrator
+        self.rescheduler = rescheduler
+        self.name = name or process_name()
+        self.clock = clock
+        prefix = settings.key_prefix
+        self._members_key = f"{prefix}:members"
+        self._fleet_key = f"{prefix}:fleet"
+        self._lease_key = f"{prefix}:lease"
+        self._load_prefix = f"{prefix}:load:"
+        self._moves_key = f"{prefix}:moves:{self.name}"
+        self._changes_key = f"{prefix}:changes"
+        self.peers = PeerLoads()
+        self.lease_holder: str | None = None
+        self._members: list[str] = []
+        self._fleet_seen = "0"  # the last fleet change applied (a stream id)
+        self._outbox: list[tuple[str, int, str]] = []  # moves to send: (owner, id, destination)
+        self._announced: list[dict[str, Any]] = []  # fleet changes made here, to send
+        self._gone: list[str] = []  # members whose records expired, to drop from the set
+        self._last_round: float | None = None  # clock() of the last good round
+        self._lease_until = -1.0  # clock() until which the lease is surely ours
+        self._failing = False
+        self._task: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        # Count changes made here (dispatches, releases), and those not yet announced.
+        self._seq = 0
+        self._dirty: set[str] = set()
+        self._announcing: asyncio.Task[None] | None = None
+
+    # -- the contract ---------------------------------------------------------------
+    async def start(self) -> None:
+        self.fleet.announce = self._announce
+        self.rescheduler.coordinator = self
+        self.cluster.ledger.on_count = self._counted
+        self.cluster.shared = True
+        try:
+            # Two rounds: the first learns who the peers are, the second reads them.
+            await self.round()
+            await self.round()
+        except (RedisError, OSError) as exc:
+            raise SharingUnavailable(f"cannot share the cluster view through Redis: {exc}") from exc
+        self._task = asyncio.create_task(self._run(), name="sharing")
+        self._listener = asyncio.create_task(self._listen(), name="sharing-changes")
+
+    async def stop(self) -> None:
+        self.cluster.ledger.on_count = None
+        tasks = [t for t in (self._task, self._listener, self._announcing) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = self._listener = self._announcing = None
+        self._lease_until = -1.0
+        try:
+            await self._flush_announced()  # a change made just before the stop
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(self._load_prefix + self.name, self._moves_key)
+            pipe.srem(self._members_key, self.name)
+            await pipe.execute()
+            await self.redis.eval(_RELEASE, 1, self._lease_key, self.name)
+        except (RedisError, OSError) as exc:
+            log.warning("could not withdraw from the shared view (it expires by itself): %s", exc)
+
+    # -- what the rescheduler asks (proxy/rescheduler.py's Coordinator) -------------
+    def holds_lease(self) -> bool:
+        return self.clock() < self._lease_until
+
+    def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
+        return {name: record.candidates for name, record in self.peers.records.items()}
+
+    def send_move(self, owner: str, request_id: int, destination: str) -> None:
+        self._outbox.append((owner, request_id, destination))
+
+    def _announce(self, op: dict[str, Any]) -> None:
+        """A fleet change made here: the peers get it next round."""
+        self._announced.append(op)
+
+    # -- the rounds -----------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.publish_interval_s)
+            try:
+                await self.round()
+            except (RedisError, OSError) as exc:
+                self._went_wrong(exc)
+
+    async def round(self) -> None:
+        """One exchange with Redis; raises RedisError or OSError if it fails."""
+        record = ProcessRecord(
+            self.name,
+            {name: self.cluster.local_load(name) for name in self.cluster.instances},
+            {n: tuple(loads) for n, loads in self.rescheduler.local_candidates().items()},
+            self._seq,
+        )
+        ttl_ms = int(self.settings.ttl_s * 1000)
+        lease_ms = int(self.settings.lease_ttl_s * 1000)
+        outbox, self._outbox = self._outbox, []
+        announced, self._announced = self._announced, []
+        gone, self._gone = self._gone, []
+        known = [m for m in self._members if m != self.name]
+        started = self.clock()
+        pipe = self.redis.pipeline(transaction=True)
+        # Answers read by position: these eight (and SREM's), the records, then writes.
+        pipe.set(self._load_prefix + self.name, encode(record), px=ttl_ms)
+        pipe.sadd(self._members_key, self.name)
+        if gone:  # before SMEMBERS, which then no longer names them
+            pipe.srem(self._members_key, *gone)
+        pipe.smembers(self._members_key)
+        pipe.xrange(self._fleet_key, min=f"({self._fleet_seen}", count=100)
+        pipe.lrange(self._moves_key, 0, -1)
+        pipe.delete(self._moves_key)
+        pipe.eval(_TAKE_OR_RENEW, 1, self._lease_key, self.name, lease_ms)
+        pipe.get(self._lease_key)
+        if known:
+            pipe.mget([self._load_prefix + m for m in known])
+        for owner, request_id, destination in outbox:
+            key = f"{self.settings.key_prefix}:moves:{owner}"
+            pipe.rpush(key, json.dumps([request_id, destination]))
+            pipe.pexpire(key, ttl_ms)  # a dead owner's moves go with it
+        for op in announced:
+            pipe.xadd(self._fleet_key, {"origin": self.name, "op": json.dumps(op)})
+        try:
+            results = await pipe.execute()
+        except BaseException:
+            # Sent next round: a fleet change must reach the peers. (Moves are
+            # planned again by then; resending them could move a stream twice.)
+            self._announced[:0] = announced
+            self._gone[:0] = gone
+            raise
+        self._last_round = started
+        if gone:
+            del results[2]  # SREM's answer
+        _, _, members, changes, moves, _, held, holder = results[:8]
+        texts = results[8] if known else []
+        self._read({_text(m) for m in members}, dict(zip(known, texts, strict=True)))
+        # From the round's start: the lease was renewed no earlier than that.
+        self._lease_until = started + self.settings.lease_ttl_s if held else -1.0
+        self.lease_holder = None if holder is None else _text(holder)
+        for change_id, fields in changes:
+            self._fleet_seen = _text(change_id)
+            self._apply_change({_text(k): _text(v) for k, v in fields.items()})
+        for raw in moves:
+            self._apply_move(_text(raw))
+
+    def _read(self, members: set[str], texts: dict[str, Any]) -> None:
+        """Take the peers' records; a member whose record expired is gone."""
+        records: dict[str, ProcessRecord] = {}
+        for member, text in texts.items():
+            if text is None:  # expired: that process died
+                members.discard(member)
+                continue
+            try:
+                records[member] = decode(text)
+            except BadRecord as exc:
+                log.warning("ignoring the record of %s: %s", member, exc)
+        gone = sorted(set(texts) - members)
+        if gone:
+            log.info("peers gone (their totals expired): %s", ", ".join(gone))
+            self._gone += gone  # dropped from the member set next round
+        self._members = sorted(members)
+        self.peers.take_records(records)
+        self.cluster.set_peer_load(self.peers.totals())
+        if self._failing:
+            log.info("Redis reachable again: sharing the view")
+            self._failing = False
+
+    # -- count changes, announced between rounds --------------------------------------
+    def _counted(self, instance: str) -> None:
+        """The ledger's hook: a request came or went on `instance`."""
+        self._seq += 1
+        self._dirty.add(instance)
+        if self._announcing is None:
+            self._announcing = asyncio.get_running_loop().create_task(self._announce_changes())
+
+    async def _announce_changes(self) -> None:
+        """Publish the dirty instances' totals, at most once per `change_interval_s`
+        (a burst of dispatches goes out as one message)."""
+        try:
+            while self._dirty:
+                dirty, self._dirty = self._dirty, set()
+                known = dirty & self.cluster.instances.keys()  # not one removed meanwhile
+                loads = {n: self.cluster.local_load(n) for n in known}
+                change = LoadChange(self.name, self._seq, loads)
+                await self.redis.publish(self._changes_key, encode_change(change))
+                await asyncio.sleep(self.settings.change_interval_s)
+        except (RedisError, OSError) as exc:
+            log.debug("a load change was not announced (the next round carries it): %s", exc)
+        finally:
+            self._announcing = None
+
+    async def _listen(self) -> None:
+        """Take the peers' announced changes as they come; resubscribe after an outage."""
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self._changes_key)
+                    while True:
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=self.settings.ttl_s
+                        )
+                        if message is not None:
+                            self._take_change(message["data"])
+            except (RedisError, OSError) as exc:
+                log.debug("change channel lost, subscribing again: %s", exc)
+                await asyncio.sleep(self.settings.publish_interval_s)
+
+    def _take_change(self, data: Any) -> None:
+        try:
+            change = decode_change(data)
+        except BadRecord as exc:
+            log.warning("ignoring a load change: %s", exc)
+            return
+        if change.process != self.name and self.peers.take_change(change):
+            self.cluster.set_peer_load(self.peers.totals())
+
+    def _apply_change(self, fields: dict[str, str]) -> None:
+        if fields.get("origin") == self.name:
+            return  # made here already
+        try:
+            self.fleet.apply_op(json.loads(fields.get("op", "")))
+            log.info("fleet change from %s applied: %s", fields.get("origin"), fields.get("op"))
+        except (ValueError, FleetError) as exc:
+            # A peer's change that does not fit here (an instance this process
+            # never had, one its file already adds): the rest of the fleet goes on.
+            log.warning("fleet change from %s not applied here: %s", fields.get("origin"), exc)
+
+    def _apply_move(self, raw: str) -> None:
+        try:
+            request_id, destination = json.loads(raw)
+        except (ValueError, TypeError):
+            log.warning("ignoring a malformed move: %r", raw)
+            return
+        stream = self.migrator.streams.get(request_id)
+        if (
+            stream is None
+            or not stream.movable
+            or stream.instance == destination  # moved there by an earlier plan
+            or destination not in self.cluster.instances
+        ):
+            return  # finished, moving already, or the destination is gone
+        log.info("rebalance (the lease holder's plan): request %s -> %s", request_id, destination)
+        self.migrator.submit(stream, destination, "rebalance")
+
+    async def _flush_announced(self) -> None:
+        announced, self._announced = self._announced, []
+        for op in announced:
+            await self.redis.xadd(self._fleet_key, {"origin": self.name, "op": json.dumps(op)})
+
+    def _went_wrong(self, exc: Exception) -> None:
+        if not self._failing:
+            log.error("Redis unreachable, serving with this process's view alone: %s", exc)
+            self._failing = True
+        last = self._last_round
+        if last is not None and self.clock() - last > self.settings.ttl_s and self.peers.records:
+            # Their records would have expired by now: they may be dead.
+            self.peers = PeerLoads()
+            self.cluster.set_peer_load({})
+
+    # -- what the admin API shows ---------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "process": self.name,
+            "holds_lease": self.holds_lease(),
+            "lease_holder": self.lease_holder,
+            "redis_ok": not self._failing,
+            "peers": {
+                name: {
+                    n: {
+                        "virtual_blocks": load.blocks,
+                        "inflight": load.inflight,
+                        "high_priority": load.high,
+                        "queued_tokens": load.queued_tokens,
+                    }
+                    for n, load in self.peers.of(name).items()
+                    if not load.empty
+                }
+                for name in sorted(self.peers.records)
+            },
+        }
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,120 @@
+"""`ferry serve --workers N`: N processes serving one port.
+
+Each worker is a whole Ferry (its own event loop, ledger, scrapes, streams)
+bound to the same address with SO_REUSEPORT, so the kernel spreads incoming
+connections across them; they see one cluster through Redis (proxy/sharing.py).
+This parent only starts and watches them:
+- SIGTERM and SIGINT go to every worker, each shuts down gracefully (its
+  streams finish), and the parent exits when they have;
+- SIGHUP goes to every worker: each re-reads the file;
+- a worker that dies (killed, or crashed after it ran a while) is started
+  again after `restart_delay_s`. Its streams broke with it: clients retry, and
+  its load leaves the shared view with its record's TTL.
+
+Workers are spawned, not forked: a fork would copy the parent's state into each
+child, and an event loop must not cross a fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+log = logging.getLogger("ferry.workers")
+
+
+def supervise(
+    count: int,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    stop_timeout_s: float,
+    restart_delay_s: float = 1.0,
+    min_uptime_s: float = 5.0,
+    poll_s: float = 0.2,
+) -> int:
+    """Run `target(*args)` in `count` processes until SIGTERM or SIGINT; returns
+    the exit status (0 when every worker stopped cleanly). A worker killed by a
+    signal, or one that fails after running `min_uptime_s`, is started again; one
+    that exits by itself sooner failed to start (a port taken, Redis down) and is
+    not, nor is one that exits cleanly. When no worker is left, the parent exits 1."""
+    context = multiprocessing.get_context("spawn")
+    stopping = False
+    workers: dict[int, BaseProcess] = {}
+    started_at: dict[int, float] = {}
+    restart_at: dict[int, float] = {}
+
+    def start(index: int) -> None:
+        process = context.Process(target=target, args=args, name=f"ferry-worker-{index}")
+        process.start()
+        workers[index], started_at[index] = process, time.monotonic()
+        log.info("worker %d started (pid %s)", index, process.pid)
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        if signum != signal.SIGHUP:
+            stopping = True
+        for process in workers.values():
+            if process.pid is not None and process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        for index in range(count):
+            start(index)
+        while not stopping and workers:
+            time.sleep(poll_s)
+            now = time.monotonic()
+            for index, process in list(workers.items()):
+                if stopping or process.is_alive():
+                    continue
+                code = process.exitcode or 0
+                killed = code < 0  # by a signal: kill -9, the OOM killer
+                if not killed and (code == 0 or now - started_at[index] < min_uptime_s):
+                    log.error(
+                        "worker %d (pid %s) stopped by itself (status %s); not restarted",
+                        index,
+                        process.pid,
+                        code,
+                    )
+                    del workers[index]
+                elif index not in restart_at:
+                    log.error(
+                        "worker %d (pid %s) died (status %s): its streams broke;"
+                        " another starts in %.1f s",
+                        index,
+                        process.pid,
+                        process.exitcode,
+                        restart_delay_s,
+                    )
+                    restart_at[index] = now + restart_delay_s
+                elif now >= restart_at[index]:
+                    del restart_at[index]
+                    start(index)
+        if not workers:
+            return 1
+        deadline = time.monotonic() + stop_timeout_s
+        for process in workers.values():
+            process.join(max(0.0, deadline - time.monotonic()))
+        status = 0
+        for process in workers.values():
+            if process.is_alive():
+                log.error("worker pid %s ran past %.0fs: killed", process.pid, stop_timeout_s)
+                process.kill()
+                process.join()
+                status = 1
+            elif process.exitcode != 0:
+                status = 1
+        return status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,349 @@
+"""Several `ferry serve` processes sharing one cluster view through a real
+redis-server, in front of stand-in servers (not vLLM): each sees the others'
+load, a drain through one drains everywhere, a process killed with -9 stops
+counting within the TTL and gives up the rescheduler lease, and `--workers`
+serves one port from several processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from loadtest.redis_server import start_redis
+from tests.helpers import call_json, free_port, wait_until
+from tests.integration.test_shutdown import status
+
+TOKEN = "ops"
+TTL_S, LEASE_TTL_S = 1.0, 2.0  # Ferry's defaults
+
+
+class FerryProcess:
+    """`ferry serve` as a real process; its log is kept for the failure message."""
+
+    def __init__(self, config: Path, port: int, log: Path, *extra: str) -> None:
+        self.port, self.url, self.log = port, f"http://127.0.0.1:{port}", log
+        command = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [*command, "--port", str(port), *extra], stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def admin(self, path: str, method: str = "GET", body: Any = None) -> Any:
+        code, answer = call_json(
+            self.url + path, method, body, {"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert code < 300, (code, answer)
+        return answer
+
+    def sharing(self) -> dict[str, Any]:
+        return dict(self.admin("/admin/sharing"))
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        return {r["name"]: r for r in self.admin("/admin/instances")}
+
+    def inflight(self) -> int:
+        return sum(r["inflight"] for r in self.rows().values())
+
+    def wait_ready(self) -> None:
+        try:
+            wait_until(lambda: status(self.url + "/readyz") == 200, timeout=30)
+        except AssertionError:
+            raise AssertionError(f"ferry did not start:\n{self.log.read_text()}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def ferries(
+    standins: Any, redis_server: str, redis_prefix: str, tmp_path: Path
+) -> Iterator[Callable[..., list[FerryProcess]]]:
+    """Factory: n `ferry serve` processes sharing through Redis, in front of two
+    stand-ins (`i0`, `i1`) that stream one token every 50 ms. The first call's
+    `kv_blocks`, `migration`, `scheduler` and `redis_url` hold for every process."""
+    config = tmp_path / "ferry.yaml"
+    started: list[FerryProcess] = []
+
+    def write_config(
+        kv_blocks: int, migration: str, scheduler: dict[str, Any], redis_url: str
+    ) -> None:
+        sites = [site for _, site in standins(2, itl_s=0.05, kv_blocks=kv_blocks)]
+        instances = [
+            {"name": f"i{n}", "url": s.url, "migration": migration} for n, s in enumerate(sites)
+        ]
+        body = {
+            "instances": instances,
+            "admin_token": TOKEN,
+            "redis_url": redis_url,
+            "sharing": {"key_prefix": redis_prefix, "ttl_s": TTL_S, "lease_ttl_s": LEASE_TTL_S},
+            "scheduler": {"scrape_interval_s": 0.1, **scheduler},
+            "server": {"shutdown_delay_s": 0, "shutdown_grace_s": 2},
+        }
+        config.write_text(json.dumps(body))
+
+    def make(
+        n: int,
+        *extra: str,
+        kv_blocks: int = 1000,
+        migration: str = "off",
+        scheduler: dict[str, Any] | None = None,
+        redis_url: str = redis_server,
+    ) -> list[FerryProcess]:
+        if not config.exists():
+            write_config(kv_blocks, migration, scheduler or {}, redis_url)
+        new = []
+        for _ in range(n):
+            index = len(started)
+            process = FerryProcess(config, free_port(), tmp_path / f"ferry{index}.log", *extra)
+            started.append(process)
+            new.append(process)
+        for process in new:
+            process.wait_ready()
+        return new
+
+    yield make
+    for process in started:
+        process.stop()
+
+
+class Streams:
+    """`n` streams of `tokens` tokens through `url`, each under way on return."""
+
+    def __init__(self, url: str, n: int, tokens: int) -> None:
+        self.texts: list[str] = []
+        self.errors: list[BaseException] = []
+        started = threading.Barrier(n + 1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        self.threads = [
+            threading.Thread(target=self._one, args=(client, tokens, started)) for _ in range(n)
+        ]
+        for t in self.threads:
+            t.start()
+        started.wait(timeout=30)
+
+    def _one(self, client: openai.OpenAI, tokens: int, started: threading.Barrier) -> None:
+        first = True
+        text = ""
+        try:
+            chunks = client.completions.create(
+                model="standin", prompt="x", max_tokens=tokens, stream=True
+            )
+            for chunk in chunks:
+                text += chunk.choices[0].text
+                if first:
+                    first = False
+                    started.wait(timeout=30)
+            self.texts.append(text)
+        except BaseException as exc:  # noqa: BLE001 - asserted by the test
+            self.errors.append(exc)
+            if first:
+                started.abort()
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(60)
+
+
+def complete(url: str) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    return client.completions.create(model="standin", prompt="x", max_tokens=2).choices[0].text
+
+
+def test_each_process_sees_the_others_load_and_fleet_changes_apply_everywhere(
+    ferries: Any, standins: Any
+) -> None:
+    a, b = ferries(2)
+    wait_until(lambda: len(a.sharing()["peers"]) == 1 and len(b.sharing()["peers"]) == 1)
+    streams = Streams(a.url, 4, tokens=100)  # 5 s each
+    # B dispatched nothing, yet its view holds A's four streams.
+    wait_until(lambda: b.inflight() == 4, timeout=5)
+    rows = b.rows()
+    assert sum(r["local_inflight"] for r in rows.values()) == 0
+    assert sum(r["virtual_blocks"] for r in rows.values()) > 0
+    peer_totals = next(iter(b.sharing()["peers"].values()))
+    assert sum(t["inflight"] for t in peer_totals.values()) == 4
+
+    # A drain through B drains i0 in A too: A's requests go to i1 only.
+    b.admin("/admin/instances/i0/drain", "POST")
+    wait_until(lambda: a.rows()["i0"]["draining"], timeout=2)
+    before = {n: r["local_inflight"] for n, r in a.rows().items()}
+    late = Streams(a.url, 2, tokens=20)
+    after = {n: r["local_inflight"] for n, r in a.rows().items()}
+    assert after["i0"] <= before["i0"] and after["i1"] == before["i1"] + 2
+    # ... and the undrain through A reaches B.
+    a.admin("/admin/instances/i0/undrain", "POST")
+    wait_until(lambda: not b.rows()["i0"]["draining"], timeout=2)
+
+    # Added through A, changed through B, removed through A: everywhere each time.
+    [(_, extra)] = standins(1)
+    a.admin("/admin/instances", "POST", {"name": "i2", "url": extra.url})
+    wait_until(lambda: "i2" in b.rows(), timeout=2)
+    b.admin("/admin/instances/i2", "PATCH", {"migration": "lite"})
+    wait_until(lambda: a.rows()["i2"]["migration_configured"] == "lite", timeout=2)
+    a.admin("/admin/instances/i2", "DELETE")
+    wait_until(lambda: "i2" not in b.rows() and "i2" not in a.rows(), timeout=5)
+
+    for s in (streams, late):
+        s.join()
+        assert not s.errors, s.errors
+    assert streams.texts == [" tok" * 100] * 4 and late.texts == [" tok" * 20] * 2
+    wait_until(lambda: a.inflight() == 0 and b.inflight() == 0, timeout=3)
+
+
+def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
+    ferries: Any,
+) -> None:
+    a, b = ferries(2)
+    wait_until(lambda: a.sharing()["lease_holder"] is not None)
+    holder_name = a.sharing()["lease_holder"]
+    holder, survivor = (a, b) if a.sharing()["process"] == holder_name else (b, a)
+    assert holder.sharing()["holds_lease"] and not survivor.sharing()["holds_lease"]
+    streams = Streams(holder.url, 3, tokens=200)  # 10 s each
+    wait_until(lambda: survivor.inflight() == 3, timeout=5)
+    before = survivor.sharing()
+    assert list(before["peers"]) == [holder_name]
+
+    holder.proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    gone_s = lease_s = None
+    while (gone_s is None or lease_s is None) and time.monotonic() - killed < 10:
+        state, load = survivor.sharing(), survivor.inflight()
+        now = time.monotonic() - killed
+        if gone_s is None and not state["peers"] and load == 0:
+            gone_s = now
+        if lease_s is None and state["holds_lease"]:
+            lease_s = now
+        time.sleep(0.02)
+    # No phantom load: the dead process's totals left the view with their TTL,
+    # and the lease passed on with its own (1 s of slack for a loaded machine).
+    assert gone_s is not None and gone_s <= TTL_S + 1.0, gone_s
+    assert lease_s is not None and lease_s <= LEASE_TTL_S + 1.0, lease_s
+    assert survivor.sharing()["lease_holder"] == survivor.sharing()["process"]
+
+    # The survivor serves on; the dead process's streams broke (clients retry).
+    assert complete(survivor.url) == " tok" * 2
+    streams.join()
+    assert len(streams.errors) == 3 and not streams.texts
+
+
+def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(
+    ferries: Any, redis_server: str, redis_prefix: str
+) -> None:
+    import redis
+
+    [parent] = ferries(1, "--workers", "2")
+    names: set[str] = set()
+    deadline = time.monotonic() + 10
+    # Each call is a new connection: the kernel spreads them over the workers.
+    while len(names) < 2 and time.monotonic() < deadline:
+        names.add(parent.sharing()["process"])
+    assert len(names) == 2
+    wait_until(lambda: len(parent.sharing()["peers"]) == 1)
+    assert complete(parent.url) == " tok" * 2
+
+    # A worker killed with -9 is replaced; the port serves throughout.
+    doomed = sorted(names)[0]
+    os.kill(int(doomed.split(":")[1]), signal.SIGKILL)  # names are host:pid:random
+    assert complete(parent.url) == " tok" * 2
+    seen: set[str] = set()
+
+    def replaced() -> bool:
+        state = parent.sharing()
+        seen.add(state["process"])
+        return bool(seen - names) and doomed not in state["peers"]
+
+    wait_until(replaced, timeout=20)
+
+    parent.proc.send_signal(signal.SIGTERM)
+    assert parent.proc.wait(15) == 0
+    # A graceful stop withdraws at once: nothing waits for the TTL.
+    client = redis.Redis.from_url(redis_server)
+    try:
+        assert client.keys(f"{redis_prefix}:load:*") == []
+        assert client.smembers(f"{redis_prefix}:members") == set()
+        assert client.get(f"{redis_prefix}:lease") is None
+    finally:
+        client.close()
+
+
+def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:
+    # 40 blocks of 16 tokens: three 300-token streams outgrow one instance.
+    a, b = ferries(2, kv_blocks=40, migration="lite", scheduler={"rebalance_interval_s": 0.2})
+    wait_until(lambda: a.sharing()["lease_holder"] is not None)
+    holder, other = (a, b) if a.sharing()["holds_lease"] else (b, a)
+    other.admin("/admin/instances/i1/drain", "POST")  # so the streams all start on i0
+    wait_until(lambda: holder.rows()["i1"]["draining"], timeout=2)
+    streams = Streams(other.url, 3, tokens=300)  # 15 s each
+    holder.admin("/admin/instances/i1/undrain", "POST")
+    wait_until(lambda: other.rows()["i1"]["local_inflight"] >= 1, timeout=15)
+    streams.join()
+    assert not streams.errors and streams.texts == [" tok" * 300] * 3
+    # Planned by the holder, carried out by the process holding the streams.
+    name = other.sharing()["process"]
+    assert f" of {name} i0 -> i1" in holder.log.read_text()
+    assert "the lease holder's plan" in other.log.read_text()
+    assert "the lease holder's plan" not in holder.log.read_text()
+
+
+def test_without_redis_each_process_goes_on_alone_until_it_is_back(
+    ferries: Any, tmp_path: Path
+) -> None:
+    port = free_port()
+    own = start_redis(port, tmp_path)  # this test's own: it is stopped and started again
+    try:
+        a, b = ferries(2, redis_url=f"redis://127.0.0.1:{port}/0")
+        wait_until(lambda: len(a.sharing()["peers"]) == 1)
+        streams = Streams(b.url, 2, tokens=200)  # 10 s each
+        wait_until(lambda: a.inflight() == 2, timeout=5)
+        own.kill()
+        own.wait(10)
+        # Both serve on; after the TTL each forgets the other's (maybe dead) load.
+        assert complete(a.url) == " tok" * 2 and complete(b.url) == " tok" * 2
+        wait_until(lambda: not a.sharing()["redis_ok"] and a.inflight() == 0, timeout=TTL_S + 3)
+        assert a.sharing()["peers"] == {}
+        # Neither can know it still holds the lease: after its TTL, nobody rebalances.
+        lost = lambda p: not p.sharing()["holds_lease"]  # noqa: E731
+        wait_until(lambda: lost(a) and lost(b), timeout=LEASE_TTL_S + 2)
+        assert b.inflight() == 2  # its own streams, from its ledger
+        own = start_redis(port, tmp_path)
+        wait_until(lambda: a.inflight() == 2 and a.sharing()["redis_ok"], timeout=5)
+        streams.join()
+        assert not streams.errors and streams.texts == [" tok" * 200] * 2
+    finally:
+        own.kill()
+        own.wait(10)
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--backend", "http://127.0.0.1:9", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_workers_without_redis_refuse_to_start_and_say_why() -> None:
+    result = run_serve("--workers", "2", "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "need a shared cluster view: set redis_url (or --redis URL)" in result.stderr
+
+
+def test_an_unreachable_redis_fails_the_start(redis_server: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    result = run_serve("--redis", url, "--port", str(free_port()))
+    assert result.returncode == 1
+    assert "cannot share the cluster view through Redis" in result.stderr

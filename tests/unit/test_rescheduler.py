@@ -1,0 +1,91 @@
+"""The rescheduler with a shared view: only the lease holder plans, over every
+process's movable streams, and a peer's stream is moved by that peer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from proxy.peer_load import InstanceLoad
+from proxy.policy import Priority
+from proxy.policy.migration import MigrationSettings, RequestLoad
+from proxy.rescheduler import Rescheduler
+from tests.unit.test_cluster import make_cluster
+
+
+class Placement:
+    def migration_instances(self) -> frozenset[str]:
+        return frozenset({"a", "b"})
+
+
+class Migrator:
+    """The parts of proxy/migrator.py the rescheduler uses: streams here, by instance."""
+
+    def __init__(self, candidates: dict[str, list[RequestLoad]]) -> None:
+        self.placement = Placement()
+        self.free_slots = 2
+        self._candidates = candidates
+        self.streams = {r.id: f"stream {r.id}" for loads in candidates.values() for r in loads}
+        self.submitted: list[tuple[Any, str | None, str]] = []
+
+    def candidates(self, instance: str) -> list[RequestLoad]:
+        return self._candidates.get(instance, [])
+
+    def submit(self, stream: Any, destination: str | None, reason: str) -> None:
+        self.submitted.append((stream, destination, reason))
+
+
+class Coordinator:
+    def __init__(self, holds: bool, peers: dict[str, dict[str, list[RequestLoad]]]) -> None:
+        self.holds, self.peers = holds, peers
+        self.sent: list[tuple[str, int, str]] = []
+
+    def holds_lease(self) -> bool:
+        return self.holds
+
+    def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
+        return self.peers
+
+    def send_move(self, owner: str, request_id: int, destination: str) -> None:
+        self.sent.append((owner, request_id, destination))
+
+
+def queued(request_id: int) -> RequestLoad:
+    return RequestLoad(request_id, 64, Priority.NORMAL, running=False)
+
+
+def rescheduler(
+    local: dict[str, list[RequestLoad]], coordinator: Coordinator
+) -> tuple[Rescheduler, Migrator]:
+    cluster = make_cluster("a", "b")
+    # a is over its 100 blocks by what a peer placed there; b is idle.
+    cluster.set_peer_load({"a": InstanceLoad(150, 5, 0, 0)})
+    migrator = Migrator(local)
+    planner = Rescheduler(cluster, migrator, MigrationSettings(), interval_s=1)  # type: ignore[arg-type]
+    planner.coordinator = coordinator
+    return planner, migrator
+
+
+def test_the_holder_sends_a_peer_s_stream_to_that_peer() -> None:
+    coordinator = Coordinator(True, {"p1": {"a": [queued(42)]}})
+    planner, migrator = rescheduler({}, coordinator)
+    assert planner.tick() == 1
+    assert coordinator.sent == [("p1", 42, "b")]  # the peer's own id
+    assert migrator.submitted == []
+
+
+def test_the_holder_moves_its_own_streams_itself() -> None:
+    coordinator = Coordinator(True, {})
+    planner, migrator = rescheduler({"a": [queued(3)]}, coordinator)
+    assert planner.tick() == 1
+    assert migrator.submitted == [("stream 3", "b", "rebalance")]
+    assert coordinator.sent == []
+    # What this process publishes for a holder elsewhere: its movable streams on a.
+    assert planner.local_candidates() == {"a": [queued(3)]}
+
+
+def test_without_the_lease_nothing_is_planned() -> None:
+    coordinator = Coordinator(False, {"p1": {"a": [queued(42)]}})
+    planner, migrator = rescheduler({"a": [queued(3)]}, coordinator)
+    assert planner.tick() == 0
+    assert coordinator.sent == [] and migrator.submitted == []
