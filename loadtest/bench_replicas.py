@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -58,71 +57,21 @@ from typing import Any
 
 import aiohttp
 
-from adapters.vllm import parse_metrics
 from loadtest.bench_overhead import run_load
+from loadtest.bench_scale import Engines, make_trace
 from loadtest.paged_standin import DEFAULT_PROFILE
 from loadtest.redis_server import start_redis
 from loadtest.replay import prompt_ids, replay
 from loadtest.sim.instance import SimRequest
 from loadtest.sim.profile import save
 from loadtest.sim.stats import summarize
-from loadtest.trace import TraceRequest, TraceSpec, generate
+from loadtest.trace import TraceRequest
 
 ENGINE_CORE, FERRY_CORE = 0, 1
 TOKEN = "bench"
 TTL_S, LEASE_TTL_S = 1.0, 2.0  # Ferry's defaults (sharing.ttl_s, sharing.lease_ttl_s)
 SETUPS = ("1 process", "4 shared", "4 apart", "4 shared, kill -9")
 MODEL = "standin"
-
-
-# bench_scale's cluster and trace. (Not imported from it: bench_scale, bench_cluster
-# and bench_migration import a `wait_healthy` that loadtest.demo no longer has.)
-class Engines:
-    """The stand-in engines: one process, one event loop, one port each, on core 0."""
-
-    def __init__(self, count: int, profile_path: Path, stream_interval: int) -> None:
-        cmd = [sys.executable, "-m", "loadtest.paged_standin", "--count", str(count)]
-        cmd += ["--profile", str(profile_path), "--model", MODEL]
-        cmd += ["--stream-interval", str(stream_interval)]
-        # Its stderr would fill with the tracebacks of streams whose client went away.
-        self.proc = subprocess.Popen(
-            _pinned(cmd, ENGINE_CORE), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("ports:"):
-            self.stop()
-            raise RuntimeError(f"stand-in engines did not start: {line!r}")
-        self.urls = [f"http://127.0.0.1:{p}" for p in line.split()[1:]]
-
-    def preemptions(self) -> int:
-        total = 0
-        for url in self.urls:
-            with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-                total += parse_metrics(resp.read().decode()).preemptions_total
-        return total
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
-def make_trace(args: argparse.Namespace, max_model_len: int) -> list[TraceRequest]:
-    """The trace, with outputs clamped so that prompt + output fits an engine."""
-    spec = TraceSpec(
-        requests=args.requests,
-        rate=args.rate,
-        seed=args.seed,
-        arrival="gamma",
-        cv=3.0,
-        input_mean=args.input_mean,
-        output_mean=args.output_mean,
-        max_len=args.max_len,
-    )
-    return [
-        dataclasses.replace(r, output_tokens=min(r.output_tokens, max_model_len - r.prompt_tokens))
-        for r in generate(spec)
-    ]
 
 
 class Ferries:

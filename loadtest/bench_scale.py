@@ -94,7 +94,10 @@ class Engines:
         cmd += ["--stream-interval", str(stream_interval)]
         if _two_cores():
             cmd = ["taskset", "-c", str(ENGINE_CORE), *cmd]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        # Its stderr would fill with the tracebacks of streams whose client went away.
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("ports:"):
