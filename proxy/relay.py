@@ -367,8 +367,10 @@ class Relay:
         """Write what `relay` makes of the upstream's bytes to the client as they come."""
         response = await sse.open_response(request, call.instance)
         whole = True  # what the client has ends with a whole event
+        content = upstream.content
         try:
-            async for data in upstream.content.iter_any():
+            # readany() itself, not iter_any(): one coroutine layer less per chunk.
+            while data := await content.readany():
                 if timing is not None:
                     timing.read()
                 out = relay(data)

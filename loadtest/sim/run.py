@@ -31,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--headroom-blocks",
         type=float,
-        default=0.0,
-        help="KV blocks a high-priority request reserves (virtual usage)",
+        default=None,
+        help="KV blocks reserved where high-priority requests run (virtual usage);"
+        " default: 10%% of each instance's capacity, as the proxy",
     )
     parser.add_argument(
         "--free-moves",

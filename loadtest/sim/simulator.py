@@ -81,7 +81,7 @@ class SimSettings:
     policy: str = "llumnix"
     migration: str = "off"  # off | lite | full
     priorities: bool = True  # False: every request counts as normal
-    high_priority_headroom_blocks: float = 0.0
+    high_priority_headroom_blocks: float | None = None  # None: the proxy's default share
     scrape_interval_s: float = 0.05
     reschedule_interval_s: float = 0.05
     migration_settings: MigrationSettings = MigrationSettings()
