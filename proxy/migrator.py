@@ -27,6 +27,12 @@ from proxy.upstream import Upstreams
 
 log = logging.getLogger("ferry.migration")
 
+# A pre-warm is a prefill of P + G on the destination: well under a second where
+# the destination has room. One that takes longer is queued there behind other
+# work; waiting for it would hold the move (a drain, too) hostage to that queue,
+# and the cut-over's recompute joins the same queue anyway. So the move goes on.
+PREWARM_WAIT_S = 1.0
+
 
 class Migrator:
     def __init__(
@@ -196,5 +202,7 @@ class Migrator:
         }
         if "cache_salt" in stream.request.body:
             body["cache_salt"] = stream.request.body["cache_salt"]
-        # An optimisation only: if it fails, the cut-over recomputes instead.
-        await self.upstreams.post_json(destination, "/v1/completions", body, timeout_s=30)
+        # An optimisation only: if it fails or is slow, the cut-over recomputes instead.
+        await self.upstreams.post_json(
+            destination, "/v1/completions", body, timeout_s=PREWARM_WAIT_S
+        )

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import openai
 
 from proxy.config import load_config
+from proxy.migrator import PREWARM_WAIT_S
 from tests.helpers import Ferry, call_json, free_port, status, wait_until
 from tests.integration.test_proxy import get, post
 
@@ -273,3 +275,30 @@ def test_a_drain_moves_streams_whose_instance_answers_after_it(standins: Any, fe
     assert texts == [" tok" * 60] * 4
     text = get(proxy.url + "/metrics")[1]["raw"]
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 2.0' in text
+
+
+def test_a_drain_does_not_wait_for_a_slow_prewarm(standins: Any, ferry: Any) -> None:
+    """A destination that queues (here: 4 s to any first token) would hold a pre-warm,
+    and with it the move, past the stream's end: the move goes on after
+    `PREWARM_WAIT_S` and the source is empty at once."""
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.05)
+    b.ttft_s = 4.0
+    proxy: Ferry = ferry(
+        [site_a.url, site_b.url],
+        admin_token=TOKEN,
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    threads, texts = streams(proxy.url, 2, 60)  # one on each: 3 s of tokens on i0
+    wait_until(lambda: a.running == 1 and b.running == 1)
+    time.sleep(0.3)  # a few tokens out
+    code, _ = send(proxy.url + "/admin/instances/i0/drain?migrate=true", "POST")
+    assert code == 200
+    drained = time.monotonic()
+    wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 0, timeout=2.5)
+    assert time.monotonic() - drained < PREWARM_WAIT_S + 1.0  # not the 4 s pre-warm
+    join(threads)
+    assert texts == [" tok" * 60] * 2
+    text = get(proxy.url + "/metrics")[1]["raw"]
+    assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in text
+    assert any(body.get("max_tokens") == 1 for body in b.seen_bodies)  # it was pre-warmed
