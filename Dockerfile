@@ -25,8 +25,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin ferry
 COPY --from=build /wheels/ /tmp/wheels/
-# Runtime dependencies only: aiohttp, uvloop, prometheus-client, pyyaml.
-RUN pip install /tmp/wheels/*.whl && rm -rf /tmp/wheels
+# Runtime dependencies only (aiohttp, uvloop, prometheus-client, pyyaml, orjson,
+# pyzmq, msgspec) and the redis client, so that replicas of the image can share
+# one view (`redis_url:`); no vLLM, test or bench extras.
+RUN pip install "$(echo /tmp/wheels/*.whl)[redis]" && rm -rf /tmp/wheels
 # No config of its own: mount one. `docker run --rm ferry init -` prints the
 # documented example to start from.
 USER 10001:10001

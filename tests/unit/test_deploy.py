@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -85,8 +86,10 @@ def test_image_copies_files_that_exist_and_installs_no_extras() -> None:
                 assert (ROOT / source).exists(), source
                 assert source.rstrip("/") not in ignored, f"{source} is in .dockerignore"
         if word == "RUN" and "pip install" in args:
-            # No [vllm] or [test] extra: the image is the proxy alone.
-            assert "[" not in args and "vllm" not in args
+            # The proxy alone: of the extras, only the redis client (replicas).
+            extras = re.findall(r"\[([^\]]*)\]", args)
+            assert all(e == "redis" for e in extras), extras
+            assert "vllm" not in args
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert "vllm" not in pyproject.split("dependencies = [", 1)[1].split("]", 1)[0]
 
