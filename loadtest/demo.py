@@ -274,7 +274,7 @@ def plot(runs: list[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    for run, marker in zip(runs, ("o", "s"), strict=True):
+    for i, (run, marker) in enumerate(zip(runs, ("o", "s"), strict=True)):
         points = sorted((s.sent_at, s.ttft) for s in run.streams if s.ttft is not None)
         [line] = ax.plot(
             [p[0] for p in points], [p[1] for p in points], marker, label=run.policy, ms=4
@@ -282,8 +282,9 @@ def plot(runs: list[Run], path: Path) -> None:
         if run.drained_at is not None:
             ax.axvline(run.drained_at, color=line.get_color(), ls="--")
             ax.annotate(
-                f"drain ({run.policy})",
-                (run.drained_at, ax.get_ylim()[1] * 0.9),
+                f" drain ({run.policy})",
+                (run.drained_at, ax.get_ylim()[1] * 0.5**i),  # one under the other
+                va="top",
                 color=line.get_color(),
             )
     ax.set_xlabel("request sent at (s)")
