@@ -51,14 +51,20 @@ def run_router(url: str, trace: list[TraceRequest], port: int) -> list[float]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    return ttfts(replay_through(proc, port, trace))
+
+
+def replay_through(
+    proc: subprocess.Popen[bytes], port: int, trace: list[TraceRequest]
+) -> list[SimRequest]:
+    """Replay `trace` through the router `proc` started on `port`, then stop it."""
     try:
         wait_http(f"http://127.0.0.1:{port}/health")
         time.sleep(1.0)
-        done = asyncio.run(replay(f"http://127.0.0.1:{port}", trace, "tiny", client="lean"))
+        return asyncio.run(replay(f"http://127.0.0.1:{port}", trace, "tiny", client="lean"))
     finally:
         proc.terminate()
         proc.wait(10)
-    return ttfts(done)
 
 
 def run_ferry(
@@ -74,13 +80,7 @@ def run_ferry(
     with open(log, "wb") as out:
         cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", f.name]
         proc = subprocess.Popen(pinned([*cmd, "--log-level", "INFO"]), stdout=out)
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health")
-            time.sleep(1.0)
-            done = asyncio.run(replay(f"http://127.0.0.1:{port}", trace, "tiny", client="lean"))
-        finally:
-            proc.terminate()
-            proc.wait(10)
+        done = replay_through(proc, port, trace)
     stages = []
     for line in log.read_text().splitlines():
         if line.startswith("{"):
