@@ -45,7 +45,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,7 +56,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.bench_overhead import run_load
+from loadtest.bench_overhead import run_load, wait_http
 from loadtest.bench_scale import Engines, make_trace
 from loadtest.paged_standin import DEFAULT_PROFILE
 from loadtest.redis_server import start_redis
@@ -66,6 +65,7 @@ from loadtest.sim.instance import SimRequest
 from loadtest.sim.profile import save
 from loadtest.sim.stats import summarize
 from loadtest.trace import TraceRequest
+from tests.helpers import free_port
 
 ENGINE_CORE, FERRY_CORE = 0, 1
 TOKEN = "bench"
@@ -121,12 +121,6 @@ class Ferries:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60) -> None:
@@ -283,7 +277,7 @@ def throughput(redis_url: str, workdir: Path, concurrency: int, requests: int) -
             procs.append(subprocess.Popen(_pinned(cmd, ENGINE_CORE), stderr=subprocess.DEVNULL))
             backends.append(f"http://127.0.0.1:{port}")
         for url in backends:
-            _wait_http(url + "/health")
+            wait_http(url + "/health", timeout_s=30)
         rates: dict[int, float] = {}
         for workers in (1, 2, 4):
             ferries = Ferries(
@@ -377,18 +371,6 @@ def _pinned(cmd: list[str], core: int) -> list[str]:
 
 def _two_cores() -> bool:
     return len(os.sched_getaffinity(0)) >= 2
-
-
-def _wait_http(url: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def main() -> int:
