@@ -263,7 +263,13 @@ def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(
     def replaced() -> bool:
         state = parent.sharing()
         seen.add(state["process"])
-        return bool(seen - names) and doomed not in state["peers"]
+        # The dead worker's lease outlives its load record (2 s against 1 s):
+        # wait until a survivor holds it, or the graceful stop has nothing to withdraw.
+        return (
+            bool(seen - names)
+            and doomed not in state["peers"]
+            and state["lease_holder"] not in (None, doomed)
+        )
 
     wait_until(replaced, timeout=20)
 
