@@ -125,13 +125,16 @@ class SchedulerConfig:
     migration_prewarm: bool = True  # lite: warm the destination's prefix cache first
     rebalance_interval_s: float = 0.0  # rescheduler tick; 0 turns rebalancing off
     migration_max_concurrent: int = 2  # moves in flight at once (rebalancing)
-    migration_source_below: float = 0.0  # freeness under which an instance sheds requests
+    migration_source_below: float = 1.0  # freeness under which an instance sheds requests
     migration_dest_above: float = 4.0  # freeness a destination must have
     # Lite moves recompute P + G on the destination; the planner weighs that
     # (see proxy/policy/migration.py).
     migration_prefill_tokens_per_s: float = 10_000.0  # a destination's prefill speed
     migration_preemption_stall_s: float = 1.0  # the stall one preemption costs a stream
     migration_dest_ttft_slack_s: float = 0.2  # how much a move may delay the destination's queue
+    # A stream silent this long, where the engine queues more than Ferry has
+    # waiting, is taken for preempted and moved at once (0: never).
+    migration_stalled_after_s: float = 0.3
     # Full mode (instances running migration_shim): the paper's staged pre-copy.
     migration_full_max_stages: int = 3  # pre-copy stages before the stop-and-copy
     migration_full_last_stage_blocks: int = 1  # stop once at most this many blocks wait
@@ -461,6 +464,8 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     ):
         if getattr(s, key) <= 0:
             raise ConfigError(f"scheduler.{key}: must be positive")
+    if s.migration_stalled_after_s < 0:
+        raise ConfigError("scheduler.migration_stalled_after_s: must not be negative")
     if s.rebalance_interval_s < 0 or s.migration_max_concurrent < 1:
         raise ConfigError(
             "scheduler.rebalance_interval_s: must not be negative;"

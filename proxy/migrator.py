@@ -91,6 +91,7 @@ class Migrator:
                 s.request.priority,
                 running=bool(s.splicer.generated),
                 cached=self._cached(s),
+                silent_s=s.timing.silent_s(),
             )
             for s in self.streams_on(instance)
             if s.movable
@@ -109,8 +110,13 @@ class Migrator:
         """Moves that would start at once (the rescheduler plans no more)."""
         return max(0, self._max - len(self._moves))
 
-    def submit(self, stream: LiveStream, destination: str | None, reason: str) -> None:
-        task = asyncio.create_task(self._bounded(stream, destination, reason))
+    def submit(
+        self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool = True
+    ) -> None:
+        """Move `stream` (to `destination`, or wherever placement says) in the
+        background. `prewarm=False`: the source has stopped it already (preempted),
+        so warming the destination first would only add to its stall."""
+        task = asyncio.create_task(self._bounded(stream, destination, reason, prewarm))
         self._moves.add(task)
         task.add_done_callback(self._moves.discard)
 
@@ -142,11 +148,15 @@ class Migrator:
             task.cancel()
         await asyncio.gather(*self._moves, return_exceptions=True)
 
-    async def _bounded(self, stream: LiveStream, destination: str | None, reason: str) -> bool:
+    async def _bounded(
+        self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool
+    ) -> bool:
         async with self._slots:
-            return await self.move(stream, destination, reason)
+            return await self.move(stream, destination, reason, prewarm)
 
-    async def move(self, stream: LiveStream, destination: str | None, reason: str) -> bool:
+    async def move(
+        self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool = True
+    ) -> bool:
         """Move one live stream now; False when it stays where it is."""
         if not stream.movable:
             return False
@@ -162,7 +172,7 @@ class Migrator:
             return await stream.order_move(None, reason)
         if stream.tag and stream.splicer.prompt_ids and self.kv.applies(source, destination):
             return await self._move_kv(stream, source, destination, reason)
-        if self.prewarm:
+        if self.prewarm and prewarm:
             await self._prewarm(stream, destination)
         return await stream.order_move(destination, reason)
 

@@ -98,7 +98,10 @@ def encode(record: ProcessRecord) -> str:
         if not load.empty
     }
     candidates = {
-        name: [[r.id, r.tokens, int(r.priority), r.running, dict(r.cached)] for r in loads_]
+        name: [
+            [r.id, r.tokens, int(r.priority), r.running, dict(r.cached), round(r.silent_s, 3)]
+            for r in loads_
+        ]
         for name, loads_ in record.candidates.items()
         if loads_
     }
@@ -214,14 +217,22 @@ def _load(raw: Any) -> InstanceLoad:
 
 def _request(raw: Any) -> RequestLoad:
     values = _list(raw)
-    if len(values) != 5:
-        raise ValueError(f"a candidate must be [id, tokens, priority, running, cached] ({raw!r})")
-    ident, tokens, priority, running, cached = values
+    if len(values) == 5:  # from a peer that predates silent_s
+        values = [*values, 0.0]
+    if len(values) != 6:
+        raise ValueError(
+            f"a candidate must be [id, tokens, priority, running, cached, silent_s] ({raw!r})"
+        )
+    ident, tokens, priority, running, cached, silent_s = values
     if not (_count(ident) and _count(tokens) and isinstance(running, bool)):
         raise ValueError(f"a candidate's id and tokens must be counts ({raw!r})")
+    if not (isinstance(silent_s, int | float) and not isinstance(silent_s, bool) and silent_s >= 0):
+        raise ValueError(f"a candidate's silent_s must be seconds, 0 or more ({raw!r})")
     if not all(isinstance(k, str) and _count(v) for k, v in _dict(cached).items()):
         raise ValueError(f"a candidate's cached tokens must map names to counts ({raw!r})")
-    return RequestLoad(ident, tokens, Priority(priority), running, cached=dict(cached))
+    return RequestLoad(
+        ident, tokens, Priority(priority), running, cached=dict(cached), silent_s=float(silent_s)
+    )
 
 
 def _count(value: Any) -> bool:

@@ -39,8 +39,9 @@ class Coordinator(Protocol):
     def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
         """Each peer's movable streams by instance (ids are the peer's own)."""
 
-    def send_move(self, owner: str, request_id: int, destination: str) -> None:
-        """Ask `owner` to move its stream `request_id` to `destination`."""
+    def send_move(self, owner: str, request_id: int, destination: str, prewarm: bool) -> None:
+        """Ask `owner` to move its stream `request_id` to `destination` (warming
+        the destination first, or not: see `Migrator.submit`)."""
 
 
 class Rescheduler:
@@ -131,10 +132,10 @@ class Rescheduler:
             )
             if owner is None:
                 stream = self.migrator.streams[request_id]
-                self.migrator.submit(stream, move.destination, "rebalance")
+                self.migrator.submit(stream, move.destination, "rebalance", not move.preempted)
             else:
                 assert self.coordinator is not None
-                self.coordinator.send_move(owner, request_id, move.destination)
+                self.coordinator.send_move(owner, request_id, move.destination, not move.preempted)
         return len(plan)
 
     def _pool(

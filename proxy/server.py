@@ -285,6 +285,7 @@ def _migration_settings(config: FerryConfig) -> MigrationSettings:
         prefill_tokens_per_s=s.migration_prefill_tokens_per_s,
         preemption_stall_s=s.migration_preemption_stall_s,
         dest_ttft_slack_s=s.migration_dest_ttft_slack_s,
+        stalled_after_s=s.migration_stalled_after_s,
     )
 
 

@@ -129,7 +129,8 @@ class Sharing:
         self.lease_holder: str | None = None
         self._members: list[str] = []
         self._fleet_seen = "0"  # the last fleet change applied (a stream id)
-        self._outbox: list[tuple[str, int, str]] = []  # moves to send: (owner, id, destination)
+        # Moves to send: (owner, id, destination, prewarm).
+        self._outbox: list[tuple[str, int, str, bool]] = []
         self._announced: list[dict[str, Any]] = []  # fleet changes made here, to send
         self._gone: list[str] = []  # members whose records expired, to drop from the set
         self._last_round: float | None = None  # clock() of the last good round
@@ -182,8 +183,8 @@ class Sharing:
     def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
         return {name: record.candidates for name, record in self.peers.records.items()}
 
-    def send_move(self, owner: str, request_id: int, destination: str) -> None:
-        self._outbox.append((owner, request_id, destination))
+    def send_move(self, owner: str, request_id: int, destination: str, prewarm: bool) -> None:
+        self._outbox.append((owner, request_id, destination, prewarm))
 
     def _announce(self, op: dict[str, Any]) -> None:
         """A fleet change made here: the peers get it next round."""
@@ -227,9 +228,9 @@ class Sharing:
         pipe.get(self._lease_key)
         if known:
             pipe.mget([self._load_prefix + m for m in known])
-        for owner, request_id, destination in outbox:
+        for owner, request_id, destination, prewarm in outbox:
             key = f"{self.settings.key_prefix}:moves:{owner}"
-            pipe.rpush(key, json.dumps([request_id, destination]))
+            pipe.rpush(key, json.dumps([request_id, destination, prewarm]))
             pipe.pexpire(key, ttl_ms)  # a dead owner's moves go with it
         for op in announced:
             pipe.xadd(self._fleet_key, {"origin": self.name, "op": json.dumps(op)})
@@ -340,7 +341,8 @@ class Sharing:
 
     def _apply_move(self, raw: str) -> None:
         try:
-            request_id, destination = json.loads(raw)
+            request_id, destination, *rest = json.loads(raw)
+            prewarm = rest[0] if rest else True  # [id, destination] from an older peer
         except (ValueError, TypeError):
             log.warning("ignoring a malformed move: %r", raw)
             return
@@ -353,7 +355,7 @@ class Sharing:
         ):
             return  # finished, moving already, or the destination is gone
         log.info("rebalance (the lease holder's plan): request %s -> %s", request_id, destination)
-        self.migrator.submit(stream, destination, "rebalance")
+        self.migrator.submit(stream, destination, "rebalance", prewarm is not False)
 
     async def _flush_announced(self) -> None:
         announced, self._announced = self._announced, []

@@ -129,6 +129,10 @@ class TokenTiming:
     def first_token_seen(self) -> bool:
         return self.last is not None
 
+    def silent_s(self) -> float:
+        """Seconds since the last token (0 before the first)."""
+        return 0.0 if self.last is None else self.clock() - self.last
+
     def cut(self) -> None:
         """A move starts: the next token's gap is downtime."""
         self.cut_at = self.last if self.last is not None else self.clock()

@@ -244,7 +244,7 @@ class Simulator:
         """As the proxy's migrator: the policy core picks a victim on `chosen`, and
         it moves to the freest other instance."""
         inst = self.by_name[chosen.name]
-        candidates = [_load(r) for r in self._movable(inst)]
+        candidates = [_load(r, self.now) for r in self._movable(inst)]
         victim = make_room_victim(chosen, blocks, candidates)
         if victim is None:
             return
@@ -289,7 +289,9 @@ class Simulator:
         names = sources(view, ms)
         if not names:
             return
-        candidates = {n: [_load(r) for r in self._movable(self.by_name[n])] for n in names}
+        candidates = {
+            n: [_load(r, self.now) for r in self._movable(self.by_name[n])] for n in names
+        }
         block_size = {n: self.profile.block_size for n in names}
         for move in plan_migrations(view, candidates, block_size, ms):
             self._start_migration(move.request_id, move.source, move.destination)
@@ -426,7 +428,8 @@ class Simulator:
         return sum(self.retired.get(name, self.now) - born for name, born in self.born.items())
 
 
-def _load(r: SimRequest) -> RequestLoad:
+def _load(r: SimRequest, now: float) -> RequestLoad:
     # "Running" as the proxy's ledger sees it: it has streamed tokens (a request the
     # engine preempted is still running to the proxy, and a move recomputes it).
-    return RequestLoad(r.id, r.tokens, r.priority, running=r.generated > 0)
+    silent = 0.0 if r.last_token is None else now - r.last_token
+    return RequestLoad(r.id, r.tokens, r.priority, running=r.generated > 0, silent_s=silent)

@@ -5,13 +5,27 @@
 the request whose move costs least:
 - a request still queued in the source engine (no KV yet): moving it costs
   nothing and cuts its wait, so queued requests go first, oldest first;
+- then running requests the engine has preempted already (see "Rescue" below);
 - then running requests, lowest priority first, then shortest (in lite mode the
   destination recomputes prompt + generated tokens, so short ones are cheap).
-A move must pay: the source must be over its capacity (freeness below
-`source_below`, i.e. its virtual demand exceeds its KV memory, so vLLM will
-queue or preempt and recompute something there anyway), the destination must
-hold the request with `dest_reserve_blocks` to spare, and after the move the
-destination must still be freer than the source (no ping-pong).
+A move must pay: the source must be short of memory (freeness below
+`source_below`, default 1: less than one free KV block per request, so its
+running requests, each of which takes a new block every `block_size` tokens,
+will soon make vLLM preempt and recompute one of them, or its queue waits), the
+destination must be free (freeness above `dest_above`) and hold the request
+with `dest_reserve_blocks` to spare, and after the move the destination must
+still be freer than the source (no ping-pong).
+
+Rescue. vLLM puts a preempted request back in its queue, where it produces
+nothing until memory frees. The proxy cannot see preemption per request, but it
+sees its signs: the engine's scraped queue holds more requests than the ledger
+has waiting for a first token, and some of its streams have been silent for
+`stalled_after_s`. The most silent of them, as many as the excess, are moved at
+once (`stalled_requests`), from any instance, to any destination with room that
+ends up no less free than the source is now; the recompute test (1) below does
+not apply (the source would recompute them too), (2) and (3) do, and the move
+skips the pre-warm (the source is not decoding them, so there is nothing to
+overlap).
 
 In lite mode a moved running request is not free: the destination prefills its
 prompt + generated tokens again (with pre-warm nearly all of that prefill still
@@ -82,6 +96,7 @@ class RequestLoad:
     migratable: bool = True
     # Its tokens probably cached on other instances (name -> tokens; absent: 0).
     cached: Mapping[str, int] = field(default_factory=lambda: _NOTHING_CACHED)
+    silent_s: float = 0.0  # running: seconds since its last token came through
 
     def tail(self, instance: str) -> int:
         """Tokens a lite move to `instance` recomputes: those not cached there."""
@@ -94,11 +109,12 @@ class Migration:
     source: str
     destination: str
     reason: str
+    preempted: bool = False  # a rescue: the engine has stopped the request already
 
 
 @dataclass(frozen=True, slots=True)
 class MigrationSettings:
-    source_below: float = 0.0  # freeness (blocks/request) under which an instance sheds load
+    source_below: float = 1.0  # freeness (blocks/request) under which an instance sheds load
     dest_above: float = 4.0  # freeness a destination must have
     dest_reserve_blocks: int = 2  # room left on the destination after the move
     max_per_round: int = 4  # migrations started per plan
@@ -116,19 +132,34 @@ class MigrationSettings:
     # How much longer a move may make the destination's queued requests (and its next
     # arrivals) wait for their first token, seconds.
     dest_ttft_slack_s: float = 0.2
+    # A running request this silent, on a source whose engine queues more requests
+    # than the ledger has waiting for a first token, is taken for preempted (0: never).
+    stalled_after_s: float = 0.3
 
     def __post_init__(self) -> None:
         if not self.prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0 (got {self.prefill_tokens_per_s})")
-        if self.preemption_stall_s < 0 or self.dest_ttft_slack_s < 0:
-            raise ValueError("preemption_stall_s and dest_ttft_slack_s must be >= 0")
+        if self.preemption_stall_s < 0 or self.dest_ttft_slack_s < 0 or self.stalled_after_s < 0:
+            raise ValueError(
+                "preemption_stall_s, dest_ttft_slack_s and stalled_after_s must be >= 0"
+            )
 
 
 def sources(view: ClusterView, settings: MigrationSettings) -> list[str]:
-    """Instances that would shed load, least free first. The caller gathers
-    `RequestLoad`s for these only, which keeps a planning round cheap."""
-    over = [v for v in view.instances if v.healthy and v.freeness < settings.source_below]
-    return [v.name for v in sorted(over, key=lambda v: v.freeness)]
+    """Instances that would shed load, least free first: those over capacity, and
+    those whose engine queues requests (some may be preempted streams). The caller
+    gathers `RequestLoad`s for these only, which keeps a planning round cheap."""
+    rescue = settings.stalled_after_s > 0 and settings.move_running
+    shedding = [
+        v
+        for v in view.instances
+        if v.healthy and (_over(v, settings) or (rescue and v.engine_waiting > 0))
+    ]
+    return [v.name for v in sorted(shedding, key=lambda v: v.freeness)]
+
+
+def _over(src: InstanceView, settings: MigrationSettings) -> bool:
+    return src.freeness < settings.source_below
 
 
 def plan_migrations(
@@ -139,9 +170,7 @@ def plan_migrations(
 ) -> list[Migration]:
     """Moves for this round; `requests` holds the candidates of each source."""
     dests = sorted(
-        (v for v in view.instances if v.dispatchable and v.freeness > settings.dest_above),
-        key=lambda v: v.freeness,
-        reverse=True,
+        (v for v in view.instances if v.dispatchable), key=lambda v: v.freeness, reverse=True
     )
     src_views = {v.name: v for v in view.instances if v.name in requests}
     plan: list[Migration] = []
@@ -151,11 +180,16 @@ def plan_migrations(
         src = src_views.get(src_name)
         if src is None:
             continue
-        dest = _pair(src_name, dests, requests[src_name])
+        candidates = requests[src_name]
+        stalled = stalled_requests(src, candidates, settings)
+        # A preempted stream may go wherever it fits now (`_pick` checks the room):
+        # it is stalled already. Other moves need a destination free enough.
+        eligible = dests if stalled else [d for d in dests if d.freeness > settings.dest_above]
+        dest = _pair(src_name, eligible, candidates)
         if dest is None:
             continue
         dests.remove(dest)  # one move per destination per round, as pairs
-        move = _pick(src, dest, requests[src_name], block_size.get(src_name, 16), settings)
+        move = _pick(src, dest, candidates, stalled, block_size.get(src_name, 16), settings)
         if move is not None:
             plan.append(move)
     return plan
@@ -184,17 +218,22 @@ def _pick(
     src: InstanceView,
     dest: InstanceView,
     candidates: Sequence[RequestLoad],
+    stalled: Sequence[RequestLoad],
     block_size: int,
     settings: MigrationSettings,
 ) -> Migration | None:
     queued = sorted((r for r in candidates if not r.running and r.migratable), key=lambda r: r.id)
     running = sorted(
-        (r for r in candidates if r.running and r.migratable),
+        (r for r in candidates if r.running and r.migratable and r not in stalled),
         key=lambda r: (r.priority, r.tail(dest.name)),
     )
-    if settings.count_recompute and not preemption_due(src, running, block_size):
+    if not settings.move_running:
+        running = []
+    elif settings.count_recompute and not preemption_due(src, running, block_size):
         running = []  # only queued work makes it over capacity: nothing running is at risk
-    for r in queued + (running if settings.move_running else []):
+    if not _over(src, settings) or dest.freeness <= settings.dest_above:
+        queued, running = [], []  # only its preempted streams may move, or go there
+    for r in [*queued, *stalled, *running]:
         blocks = request_blocks(r.tokens + 1, block_size)
         room = dest.capacity_blocks - dest.virtual_blocks - settings.dest_reserve_blocks
         if blocks > room:
@@ -205,12 +244,21 @@ def _pick(
         dest_after = instance_freeness(
             dest.capacity_blocks, dest.virtual_blocks + blocks, dest.batch + 1
         )
-        if dest_after < src_after:
+        # No ping-pong: the destination stays freer than the source. A preempted
+        # stream holds no KV on its source, so its move frees nothing there: the
+        # destination need only end up no less free than the source is now.
+        if dest_after < (src.freeness if r in stalled else src_after):
             continue
         if r.running and settings.count_recompute:
-            if recompute_refusal(r.tail(dest.name), dest, settings) is not None:
+            refusal = recompute_refusal(r.tail(dest.name), dest, settings, r in stalled)
+            if refusal is not None:
                 continue
-        what = "queued" if not r.running else f"running, {r.priority.name.lower()} priority"
+        if not r.running:
+            what = "queued"
+        elif r in stalled:
+            what = f"running, silent {r.silent_s:.2f}s (preempted)"
+        else:
+            what = f"running, {r.priority.name.lower()} priority"
         reason = (
             f"{src.name} freeness {src.freeness:.1f} < {settings.source_below:g}; "
             f"{dest.name} freeness {dest.freeness:.1f}; {what} request of {r.tokens} tokens"
@@ -221,7 +269,7 @@ def _pick(
             reason += f"; recompute {cost:.3f}s x {dest.batch + 1} streams"
             if tail < r.tokens:
                 reason += f" ({r.tokens - tail} tokens cached there)"
-        return Migration(r.id, src.name, dest.name, reason)
+        return Migration(r.id, src.name, dest.name, reason, preempted=r in stalled)
     return None
 
 
@@ -234,14 +282,42 @@ def preemption_due(src: InstanceView, running: Sequence[RequestLoad], block_size
     return src.virtual_blocks - queued_blocks + len(running) > src.capacity_blocks
 
 
-def recompute_refusal(tokens: int, dest: InstanceView, settings: MigrationSettings) -> str | None:
+def stalled_requests(
+    src: InstanceView, candidates: Sequence[RequestLoad], settings: MigrationSettings
+) -> list[RequestLoad]:
+    """The source's running requests that its engine has most likely preempted,
+    most silent first. vLLM puts a preempted request back in its queue, so the
+    engine's waiting count exceeds the requests the ledger has seen no token of by
+    about the number preempted; those are the ones silent the longest. Moving
+    one costs no extra recompute (the source would recompute it too, once it has
+    memory again) and ends its stall at once."""
+    if settings.stalled_after_s <= 0 or not settings.move_running:
+        return []
+    preempted = src.engine_waiting - sum(1 for r in candidates if not r.running)
+    if preempted <= 0:
+        return []
+    silent = [
+        r
+        for r in candidates
+        if r.running and r.migratable and r.silent_s >= settings.stalled_after_s
+    ]
+    return sorted(silent, key=lambda r: -r.silent_s)[:preempted]
+
+
+def recompute_refusal(
+    tokens: int,
+    dest: InstanceView,
+    settings: MigrationSettings,
+    preempted: bool = False,
+) -> str | None:
     """Why recomputing `tokens` (P + G) on `dest` does not pay, or None when it does:
-    conditions (1)-(3) of the module docstring."""
+    conditions (1)-(3) of the module docstring. A preempted request would be
+    recomputed on its source anyway, so (1) does not apply to it."""
     rate = settings.prefill_tokens_per_s
     cost_s = tokens / rate
     if dest.engine_waiting > 0 and dest.queued_tokens <= 0:
         return f"{dest.name} queues {dest.engine_waiting} requests of unknown size"
-    if cost_s * (1 + dest.batch) > settings.preemption_stall_s:
+    if not preempted and cost_s * (1 + dest.batch) > settings.preemption_stall_s:
         return (
             f"recompute {cost_s:.3f}s x {dest.batch + 1} streams > "
             f"{settings.preemption_stall_s:g}s preemption stall"

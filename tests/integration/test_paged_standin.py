@@ -151,3 +151,55 @@ def test_ferry_moves_a_stream_between_paged_engines_token_exactly(
     continuation = dest.seen_bodies[-1]
     assert continuation["prompt"][: len(prompt)] == prompt and len(continuation["prompt"]) > 20
     assert dest.engine.cached_tokens > 0
+
+
+def test_ferry_rescues_a_stream_its_engine_preempted(paged_standins: Any, ferry: Any) -> None:
+    # 16 blocks of 4 tokens; three 8 + 24 token streams want 24 blocks on one engine,
+    # so it preempts the newest. Ferry sees that engine queue a request the ledger
+    # has streamed tokens of, and that stream go silent: it moves it to the idle
+    # engine at once, where it goes on token-exactly. Plain load-shedding is off
+    # (source_below far below any freeness): only the rescue can move it.
+    engine = {**TINY, "kv_blocks": 16, "step_base_s": 0.03}
+    (source, a), (dest, b) = paged_standins(2, **engine)
+    prompts = [[11 + i] * 8 for i in range(3)]
+    alone = [stream_ids(b.url, p, 24)[1] for p in prompts]  # the unmoved runs
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={
+            "rebalance_interval_s": 0.05,
+            "migration_source_below": -1000,
+            "migration_stalled_after_s": 0.2,
+            "migration_prewarm": False,
+        },
+    )
+    admin(proxy.url, "/admin/instances/i1/drain")  # every stream starts on i0
+    bodies_before = len(dest.seen_bodies)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = stream_ids(proxy.url, prompts[i], 24)[1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not source.engine.preemptions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert source.engine.preemptions, "the engine never preempted"
+    admin(proxy.url, "/admin/instances/i1/undrain")
+    for t in threads:
+        t.join(20)
+    assert [results[i] for i in range(3)] == alone
+    moved = [body for body in dest.seen_bodies[bodies_before:] if len(body["prompt"]) > 8]
+    assert len(moved) == 1  # one continuation: the preempted stream's prompt + its tokens
+    assert 'outcome="ok"' in scrape(proxy.url).split("ferry_migrations_total{", 1)[1]
+
+
+def admin(url: str, path: str) -> None:
+    request = urllib.request.Request(
+        url + path, data=b"", method="POST", headers={"Authorization": "Bearer t"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        assert resp.status == 200

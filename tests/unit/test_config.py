@@ -144,6 +144,10 @@ def test_admin_token_from_environment() -> None:
         ),
         (base(scheduler={"prefix_credit": 1}), r"^scheduler\.prefix_credit: must be bool"),
         (
+            base(scheduler={"migration_stalled_after_s": -0.1}),
+            r"^scheduler\.migration_stalled_after_s: must not be negative",
+        ),
+        (
             base(scheduler={"high_priority_headroom_blocks": -1}),
             r"^scheduler\.high_priority_headroom_blocks: must not be negative",
         ),

@@ -195,3 +195,42 @@ def test_running_requests_with_a_cached_tail_go_first() -> None:
         RequestLoad(2, 300, Priority.LOW, running=True, cached={"cold": 288}),  # 12 to go
     ]
     assert plan(view, {"hot": reqs})[0].request_id == 2
+
+
+def test_a_preempted_stream_is_rescued_at_once_most_silent_first() -> None:
+    # "src" is full but not over (F >= 0): no load is shed. Its engine queues 2
+    # requests while the ledger has 1 waiting for a first token: one stream was
+    # preempted, the one silent longest; it moves even to a destination that is
+    # not free enough for a plain move, and without the recompute test.
+    src = inst("src", 64, 64, 4, engine_waiting=2)
+    tight = inst("tight", 64, 40, 8)  # F = 3.0: below dest_above (4)
+    reqs = [
+        RequestLoad(1, 30, Priority.NORMAL, running=False),
+        RequestLoad(2, 200, Priority.NORMAL, running=True, silent_s=0.5),
+        RequestLoad(3, 100, Priority.NORMAL, running=True, silent_s=0.9),
+        RequestLoad(4, 80, Priority.NORMAL, running=True, silent_s=0.1),
+    ]
+    view = ClusterView((src, tight))
+    assert sources(view, MigrationSettings()) == ["src"]
+    # Recomputing 100 tokens at 10 tok/s on a batch of 8 costs 90 s: still moved.
+    [move] = plan(view, {"src": reqs}, prefill_tokens_per_s=10.0, dest_ttft_slack_s=100.0)
+    assert (move.request_id, move.destination, move.preempted) == (3, "tight", True)
+    assert "preempted" in move.reason
+    # Nothing silent enough, or no sign of preemption in the engine's queue: no move.
+    assert plan(view, {"src": reqs}, stalled_after_s=1.0) == []
+    assert plan(view, {"src": reqs}, stalled_after_s=0) == []
+    quiet = ClusterView((inst("src", 64, 64, 4, engine_waiting=1), tight))
+    assert plan(quiet, {"src": reqs}) == []
+    # Without moves of running requests (migration off), no rescue either.
+    assert plan(view, {"src": reqs}, move_running=False) == []
+
+
+def test_a_rescue_still_respects_the_destination_s_queue_and_room() -> None:
+    src = inst("src", 64, 64, 4, engine_waiting=1)
+    stalled = [RequestLoad(3, 100, Priority.NORMAL, running=True, silent_s=2.0)]
+    # The destination's queue would wait 1.2 s for its prefill plus the recompute.
+    busy = inst("busy", 64, 20, 4, queued_tokens=11_900)
+    assert plan(ClusterView((src, busy)), {"src": stalled}) == []
+    # 7 blocks do not fit in the 6 left (after the 2 reserved).
+    full = inst("full", 64, 56, 4)
+    assert plan(ClusterView((src, full)), {"src": stalled}) == []

@@ -29,7 +29,7 @@ def record(process: str, seq: int = 0, **loads: InstanceLoad) -> ProcessRecord:
 
 
 def test_a_record_reads_back_as_written_without_its_idle_instances() -> None:
-    moving = RequestLoad(7, 130, Priority.LOW, running=True, cached={"b": 64})
+    moving = RequestLoad(7, 130, Priority.LOW, running=True, cached={"b": 64}, silent_s=0.75)
     written = ProcessRecord(
         "host:1:ab",
         {"a": InstanceLoad(12, 3, 1, 40), "b": InstanceLoad()},
@@ -106,6 +106,14 @@ def test_a_change_reads_back_as_written() -> None:
         (
             json.dumps({"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, 1, {}]]}}),
             "must be counts",
+        ),
+        (
+            json.dumps({"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, True, {}, -1]]}}),
+            "silent_s must be seconds",
+        ),
+        (
+            json.dumps({"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, True, {}, "1"]]}}),
+            "silent_s must be seconds",
         ),
     ],
 )

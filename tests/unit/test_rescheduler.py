@@ -26,19 +26,19 @@ class Migrator:
         self.free_slots = 2
         self._candidates = candidates
         self.streams = {r.id: f"stream {r.id}" for loads in candidates.values() for r in loads}
-        self.submitted: list[tuple[Any, str | None, str]] = []
+        self.submitted: list[tuple[Any, str | None, str, bool]] = []
 
     def candidates(self, instance: str) -> list[RequestLoad]:
         return self._candidates.get(instance, [])
 
-    def submit(self, stream: Any, destination: str | None, reason: str) -> None:
-        self.submitted.append((stream, destination, reason))
+    def submit(self, stream: Any, destination: str | None, reason: str, prewarm: bool) -> None:
+        self.submitted.append((stream, destination, reason, prewarm))
 
 
 class Coordinator:
     def __init__(self, holds: bool, peers: dict[str, dict[str, list[RequestLoad]]]) -> None:
         self.holds, self.peers = holds, peers
-        self.sent: list[tuple[str, int, str]] = []
+        self.sent: list[tuple[str, int, str, bool]] = []
 
     def holds_lease(self) -> bool:
         return self.holds
@@ -46,8 +46,8 @@ class Coordinator:
     def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
         return self.peers
 
-    def send_move(self, owner: str, request_id: int, destination: str) -> None:
-        self.sent.append((owner, request_id, destination))
+    def send_move(self, owner: str, request_id: int, destination: str, prewarm: bool) -> None:
+        self.sent.append((owner, request_id, destination, prewarm))
 
 
 def queued(request_id: int) -> RequestLoad:
@@ -70,7 +70,7 @@ def test_the_holder_sends_a_peer_s_stream_to_that_peer() -> None:
     coordinator = Coordinator(True, {"p1": {"a": [queued(42)]}})
     planner, migrator = rescheduler({}, coordinator)
     assert planner.tick() == 1
-    assert coordinator.sent == [("p1", 42, "b")]  # the peer's own id
+    assert coordinator.sent == [("p1", 42, "b", True)]  # the peer's own id; warmed first
     assert migrator.submitted == []
 
 
@@ -78,7 +78,7 @@ def test_the_holder_moves_its_own_streams_itself() -> None:
     coordinator = Coordinator(True, {})
     planner, migrator = rescheduler({"a": [queued(3)]}, coordinator)
     assert planner.tick() == 1
-    assert migrator.submitted == [("stream 3", "b", "rebalance")]
+    assert migrator.submitted == [("stream 3", "b", "rebalance", True)]
     assert coordinator.sent == []
     # What this process publishes for a holder elsewhere: its movable streams on a.
     assert planner.local_candidates() == {"a": [queued(3)]}
