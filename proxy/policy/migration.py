@@ -253,15 +253,14 @@ def _pick(
             refusal = recompute_refusal(r.tail(dest.name), dest, settings, r in stalled)
             if refusal is not None:
                 continue
-        if not r.running:
-            what = "queued"
-        elif r in stalled:
+        if r in stalled:
+            why = f"{src.name} engine queues {src.engine_waiting}, silent streams among them"
             what = f"running, silent {r.silent_s:.2f}s (preempted)"
         else:
-            what = f"running, {r.priority.name.lower()} priority"
+            why = f"{src.name} freeness {src.freeness:.1f} < {settings.source_below:g}"
+            what = "queued" if not r.running else f"running, {r.priority.name.lower()} priority"
         reason = (
-            f"{src.name} freeness {src.freeness:.1f} < {settings.source_below:g}; "
-            f"{dest.name} freeness {dest.freeness:.1f}; {what} request of {r.tokens} tokens"
+            f"{why}; {dest.name} freeness {dest.freeness:.1f}; {what} request of {r.tokens} tokens"
         )
         if r.running and settings.count_recompute:
             tail = r.tail(dest.name)
