@@ -12,7 +12,8 @@ per second of makespan), each also as a ratio to plain llumnix.
     python -m loadtest.bench_prefix                    # 16 instances, 3,000 requests
     python -m loadtest.bench_prefix --requests 800 --instances 4   # quick
 
-Real vLLM and vllm-router are not in this run: see the closing note of issue 13.
+The same comparison on real vLLM CPU servers, with vllm-router's own
+`cache_aware` and `round_robin`: loadtest/bench_prefix_real.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ start) comes back as `SimRequest`s, so the simulator's
     print(summarize(done, {}))
 
 `client="lean"` sends the same requests with aiohttp and reads the SSE bytes
-directly, for token rates the official client cannot keep up with.
+directly, for token rates the official client cannot keep up with. It can take
+its prompts from a `PromptSource` instead, which also hears each answer's token
+ids (a multi-turn conversation whose next turn carries the answer: see
+loadtest/bench_prefix_real.py), and can give up on a request after `timeout_s`.
 
 Tokens are counted from the `token_ids` vLLM streams when asked
 (`return_token_ids`; Ferry passes them through to a client that asks), or one per
@@ -29,6 +32,7 @@ import re
 import time
 from collections.abc import Sequence
 from itertools import cycle, islice
+from typing import Protocol
 
 import aiohttp
 import openai
@@ -40,6 +44,18 @@ from proxy.policy import Priority
 log = logging.getLogger(__name__)
 
 PROMPT_IDS = range(10, 300)
+
+
+class PromptSource(Protocol):
+    """Where the lean client gets a request's prompt, and where it reports the answer."""
+
+    async def prompt(self, t: TraceRequest) -> list[int]:
+        """`t`'s prompt as token ids; may wait (for an earlier turn's answer)."""
+        ...
+
+    def answered(self, t: TraceRequest, generated: list[int], finished: bool) -> None:
+        """`t` ended: the ids it generated, and whether it finished."""
+        ...
 
 
 def prompt_ids(length: int, start: int = 0) -> list[int]:
@@ -99,6 +115,12 @@ async def _one(client: openai.AsyncOpenAI, model: str, t: TraceRequest, start: f
 _TOKEN_IDS = re.compile(rb'"token_ids":\[([^\]]*)\]')
 
 
+def raw_chunk_ids(data: bytes) -> list[int]:
+    """The ids in one SSE chunk's `token_ids` (none if it has none)."""
+    match = _TOKEN_IDS.search(data)
+    return [int(i) for i in match.group(1).split(b",") if i.strip()] if match else []
+
+
 def raw_chunk_tokens(data: bytes) -> int:
     """Tokens in one SSE chunk's JSON, read from the bytes: the ids in its
     `token_ids`, else 1 for a chunk with a choice, 0 for one without (usage)."""
@@ -110,12 +132,23 @@ def raw_chunk_tokens(data: bytes) -> int:
 
 
 async def _one_lean(
-    session: aiohttp.ClientSession, url: str, model: str, t: TraceRequest, start: float
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    t: TraceRequest,
+    start: float,
+    source: PromptSource | None = None,
 ) -> SimRequest:
     r = await _scheduled(t, start)
+    if source is None:
+        prompt = prompt_ids(t.prompt_tokens, start=t.id * 37)
+    else:
+        prompt = await source.prompt(t)
+        r.arrival = time.perf_counter() - start  # sent now, if it waited for an answer
+    generated: list[int] = []
     body = {
         "model": model,
-        "prompt": prompt_ids(t.prompt_tokens, start=t.id * 37),
+        "prompt": prompt,
         "max_tokens": t.output_tokens,
         "temperature": 0,
         "stream": True,
@@ -136,15 +169,25 @@ async def _one_lean(
                     raise ValueError(data[:300].decode(errors="replace"))
                 if data:
                     _received(r, raw_chunk_tokens(data), start)
+                    if source is not None:
+                        generated += raw_chunk_ids(data)
         r.finish = time.perf_counter() - start
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        log.warning("request %d failed after %d tokens: %s", t.id, r.generated, exc)
+        log.warning("request %d failed after %d tokens: %r", t.id, r.generated, exc)
         r.finish = None
+    if source is not None:
+        source.answered(t, generated, r.finish is not None)
     return r
 
 
 async def replay(
-    url: str, requests: Sequence[TraceRequest], model: str, *, client: str = "openai"
+    url: str,
+    requests: Sequence[TraceRequest],
+    model: str,
+    *,
+    client: str = "openai",
+    prompts: PromptSource | None = None,
+    timeout_s: float = 600,
 ) -> list[SimRequest]:
     """Send `requests` to `url` on the trace's schedule; return what the client saw.
 
@@ -152,19 +195,25 @@ async def replay(
     0.5 ms of CPU per chunk, so one core keeps up with about 1,000 chunks/s at
     most. `client="lean"` reads the SSE bytes with aiohttp and one regular
     expression per chunk (tens of microseconds), for benchmarks whose token rate
-    the official client could not keep up with."""
+    the official client could not keep up with; only it takes `prompts`. A request
+    not done `timeout_s` after it was sent counts as not finished."""
     url = url.rstrip("/")
     start = time.perf_counter()
     if client == "lean":
         connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=600)
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            lean = [asyncio.create_task(_one_lean(session, url, model, t, start)) for t in requests]
+            lean = [
+                asyncio.create_task(_one_lean(session, url, model, t, start, prompts))
+                for t in requests
+            ]
             return list(await asyncio.gather(*lean))
     if client != "openai":
         raise ValueError(f"client must be openai or lean (got {client!r})")
+    if prompts is not None:
+        raise ValueError("only the lean client takes prompts")
     official = openai.AsyncOpenAI(
-        base_url=url + "/v1", api_key="replay", max_retries=0, timeout=600
+        base_url=url + "/v1", api_key="replay", max_retries=0, timeout=timeout_s
     )
     try:
         tasks = [asyncio.create_task(_one(official, model, t, start)) for t in requests]
