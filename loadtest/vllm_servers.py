@@ -125,7 +125,9 @@ def start_vllm(
             "replay_endpoint": f"tcp://*:{kv_events_ports[1]}",
         }
         cmd += ["--kv-events-config", json.dumps(config)]
-    if cpus and shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
+    # The machine's cores, not the caller's: a benchmark that pinned itself to
+    # the load generator's core first must still put the server on `cpus`.
+    if cpus and shutil.which("taskset") and (os.cpu_count() or 1) > 1:
         cmd = ["taskset", "-c", cpus, *cmd]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
