@@ -174,7 +174,11 @@ def test_precopy_runs_in_several_stages(full: Any, vllm_pair: list[VLLMServer]) 
 def test_destination_killed_mid_copy_rolls_back(
     full: Any, vllm_pair: list[VLLMServer], doomed: VLLMServer
 ) -> None:
-    proxy = full([vllm_pair[0], doomed], migration_bandwidth_mb_s=0.1)
+    # A block of this model's KV is 256 KiB (128 tokens of 2 KiB): at 0.5 MB/s
+    # the second block goes about 0.5 s after the first, after the kill at 0.2 s
+    # and well before the source decodes the 700 tokens left. (At 0.1 MB/s it
+    # waited 2.6 s, and on a quiet machine the request finished at the source first.)
+    proxy = full([vllm_pair[0], doomed], migration_bandwidth_mb_s=0.5)
     # Long after the cut, so the copy meets the dead destination before the
     # request ends at the source (on a quiet machine 400 tokens were too few).
     reference, _, _ = stream_ids(api(vllm_pair[0].url), False, 1000, on_chunk=lambda n: None)
