@@ -93,16 +93,14 @@ class SchedulerConfig:
     unhealthy_after_failures: int = 3  # consecutive failed scrapes
     models_refresh_s: float = 10.0
     topk: int = 1  # llumnix: random among the k freest
-    # Prefix locality (proxy/prefix_index.py, proxy/policy/policies.py): llumnix
-    # counts a request's cached blocks on an instance as free there, times
-    # prefix_weight; a session stays on its instance unless another is freer by
-    # more than affinity_margin_blocks (blocks per request).
+    # Prefix locality (proxy/prefix_index.py, proxy/policy/policies.py): with
+    # part of a prompt cached somewhere, llumnix sends it where the least prefill
+    # is ahead of its first token, among the instances that stay at or above
+    # prefix_safe_freeness (blocks per request) after taking it; a session stays
+    # on its instance unless another is freer by more than affinity_margin_blocks.
     prefix_credit: bool = False
-    prefix_weight: float = 1.0
     affinity_margin_blocks: float = 32.0
-    # Above this freeness (blocks/request) instances count as equally free, so
-    # that at light load the prefix decides (a prefill saved is TTFT saved).
-    prefix_free_enough_blocks: float = 64.0
+    prefix_safe_freeness: float = 4.0
     # cache_aware (vllm-router's defaults): follow a prefix match above
     # cache_threshold of the prompt unless in-flight counts differ by more than
     # balance_abs_threshold and by a factor above balance_rel_threshold.
@@ -491,9 +489,8 @@ def _check_scheduler(s: SchedulerConfig) -> None:
 
 def _check_prefix(s: SchedulerConfig) -> None:
     for key in (
-        "prefix_weight",
         "affinity_margin_blocks",
-        "prefix_free_enough_blocks",
+        "prefix_safe_freeness",
         "balance_abs_threshold",
     ):
         value = getattr(s, key)

@@ -30,6 +30,7 @@ class LedgerEntry:
     priority: Priority
     arrival: float  # monotonic seconds
     prompt_tokens: int
+    cached_tokens: int = 0  # of the prompt, in the instance's prefix cache at dispatch
     prompt_exact: bool = False  # True once the engine reported prompt ids
     generated_tokens: int = 0
     blocks: int = 0  # KV blocks at the instance's block size, kept to detect crossings
@@ -45,7 +46,8 @@ class Ledger:
         # Running totals per instance, so a view is built in O(1), not O(requests).
         self._blocks_total: dict[str, int] = {}
         self._high: dict[str, int] = {}
-        # Prompt tokens of the requests that have no token yet: the prefill still ahead.
+        # Uncached prompt tokens of the requests that have no token yet: the
+        # prefill still ahead.
         self._queued_tokens: dict[str, int] = {}
 
     def set_block_size(self, instance: str, block_size: int) -> None:
@@ -56,24 +58,33 @@ class Ledger:
             self._on_change(instance)
 
     def add(
-        self, instance: str, model: str, priority: Priority, prompt_tokens: int, now: float
+        self,
+        instance: str,
+        model: str,
+        priority: Priority,
+        prompt_tokens: int,
+        now: float,
+        cached_tokens: int = 0,
     ) -> LedgerEntry:
-        entry = LedgerEntry(next(self._ids), instance, model, priority, now, prompt_tokens)
+        entry = LedgerEntry(
+            next(self._ids), instance, model, priority, now, prompt_tokens, cached_tokens
+        )
         self._by_instance.setdefault(instance, {})[entry.id] = entry
         self._set_blocks(entry, self._blocks(entry))
         if priority is Priority.HIGH:
             self._high[instance] = self._high.get(instance, 0) + 1
-        self._add_queued(entry, prompt_tokens)
+        self._add_queued(entry, _prefill(entry))
         self._on_change(instance)
         if self.on_count is not None:
             self.on_count(instance)
         return entry
 
     def set_prompt_tokens(self, entry: LedgerEntry, tokens: int) -> None:
-        queued = not entry.generated_tokens and tokens != entry.prompt_tokens
-        if queued:
-            self._add_queued(entry, tokens - entry.prompt_tokens)
+        before = _prefill(entry)
         entry.prompt_tokens = tokens
+        queued = not entry.generated_tokens and _prefill(entry) != before
+        if queued:
+            self._add_queued(entry, _prefill(entry) - before)
         entry.prompt_exact = True
         self._rebill(entry)
         if queued and self._live(entry):
@@ -83,7 +94,7 @@ class Ledger:
         first = not entry.generated_tokens and tokens > 0
         entry.generated_tokens += tokens
         if first:
-            self._add_queued(entry, -entry.prompt_tokens)
+            self._add_queued(entry, -_prefill(entry))
             if self._live(entry):
                 self._on_change(entry.instance)
         self._rebill(entry)
@@ -91,7 +102,7 @@ class Ledger:
     def release(self, entry: LedgerEntry) -> None:
         requests = self._by_instance.get(entry.instance)
         if requests is not None and entry.id in requests:
-            self._add_queued(entry, 0 if entry.generated_tokens else -entry.prompt_tokens)
+            self._add_queued(entry, 0 if entry.generated_tokens else -_prefill(entry))
             del requests[entry.id]
             self._blocks_total[entry.instance] -= entry.blocks
             if entry.priority is Priority.HIGH:
@@ -120,7 +131,8 @@ class Ledger:
         return self._high.get(instance, 0)
 
     def queued_tokens(self, instance: str) -> int:
-        """Prompt tokens of the instance's requests still waiting for their first token."""
+        """Tokens the instance prefills before its queued requests' first tokens:
+        their prompts less what was cached there at dispatch."""
         return self._queued_tokens.get(instance, 0)
 
     def _live(self, entry: LedgerEntry) -> bool:
@@ -150,3 +162,7 @@ class Ledger:
             self._set_blocks(entry, blocks)
             if live:
                 self._on_change(entry.instance)
+
+
+def _prefill(entry: LedgerEntry) -> int:
+    return max(0, entry.prompt_tokens - entry.cached_tokens)

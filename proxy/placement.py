@@ -32,10 +32,13 @@ class Placement:
         self.metrics = metrics
         self.rng = rng
 
-    def choose(self, request: DispatchRequest, key: PrefixKey | None = None) -> InstanceView:
-        """The instance for `request`; raises `NoCandidate`. With the prefix index
-        on, `key` (the request's prefix) gives each candidate its cached length
-        and the session's last instance, and is recorded on the one chosen."""
+    def choose(
+        self, request: DispatchRequest, key: PrefixKey | None = None
+    ) -> tuple[InstanceView, int]:
+        """The instance for `request` and how many of its prompt tokens it probably
+        caches; raises `NoCandidate`. With the prefix index on, `key` (the
+        request's prefix) gives each candidate its cached length and the session's
+        last instance, and is recorded on the one chosen."""
         started = time.perf_counter()
         view = self.cluster.view()
         prefixes = self.cluster.prefixes
@@ -49,7 +52,7 @@ class Placement:
         if key is not None and prefixes.enabled:
             prefixes.record(chosen.name, key, chosen.capacity_blocks)
         self.metrics.decision.observe(time.perf_counter() - started)
-        return chosen
+        return chosen, request.cached_tokens.get(chosen.name, 0)
 
     def prefix_key(
         self, body: dict[str, Any] | None, prompt_tokens: int, session_header: str | None
@@ -93,7 +96,7 @@ class Placement:
         skip = frozenset(exclude | (set(self.cluster.instances) - usable))
         request = DispatchRequest(model, tokens, priority, skip, cached_tokens=cached or {})
         try:
-            return self.choose(request).name
+            return self.choose(request)[0].name
         except NoCandidate:
             return None
 

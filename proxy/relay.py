@@ -110,7 +110,7 @@ class Relay:
             stages = TTFTStages(self.clock, arrived, parsed)
         for attempt in range(self.retries + 1):
             try:
-                chosen = self.placement.choose(
+                chosen, cached = self.placement.choose(
                     DispatchRequest(model, prompt_estimate, priority, frozenset(tried)), key
                 )
             except NoCandidate as exc:
@@ -138,7 +138,9 @@ class Relay:
                 tag = uuid.uuid4().hex
                 params = {**(upstream_body.get("kv_transfer_params") or {}), wire.TAG: tag}
                 data = sse.dumps({**upstream_body, "kv_transfer_params": params})
-            call = self.upstreams.begin(name, model or "", priority, prompt_estimate, arrived)
+            call = self.upstreams.begin(
+                name, model or "", priority, prompt_estimate, arrived, cached
+            )
             try:
                 upstream = await self.upstreams.send(
                     call,

@@ -242,9 +242,8 @@ def _policy(s: SchedulerConfig) -> DispatchPolicy:
         options = {
             "topk": s.topk,
             "prefix_credit": s.prefix_credit,
-            "prefix_weight": s.prefix_weight,
             "affinity_margin": s.affinity_margin_blocks,
-            "free_enough": s.prefix_free_enough_blocks,
+            "safe_freeness": s.prefix_safe_freeness,
         }
     elif s.policy == "cache_aware":
         options = {
@@ -256,9 +255,9 @@ def _policy(s: SchedulerConfig) -> DispatchPolicy:
 
 
 def _policy_changed(new: SchedulerConfig, old: SchedulerConfig) -> bool:
-    keys: tuple[str, ...] = ("policy", "topk", "prefix_credit", "prefix_weight")
+    keys: tuple[str, ...] = ("policy", "topk", "prefix_credit", "prefix_safe_freeness")
     keys += ("affinity_margin_blocks", "cache_threshold", "balance_abs_threshold")
-    keys += ("balance_rel_threshold", "prefix_free_enough_blocks")
+    keys += ("balance_rel_threshold",)
     return any(getattr(new, k) != getattr(old, k) for k in keys)
 
 

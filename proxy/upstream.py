@@ -76,13 +76,21 @@ class Upstreams:
         return self.cluster.instances[instance].url
 
     def begin(
-        self, instance: str, model: str, priority: Priority, prompt_tokens: int, now: float
+        self,
+        instance: str,
+        model: str,
+        priority: Priority,
+        prompt_tokens: int,
+        now: float,
+        cached_tokens: int = 0,
     ) -> Call:
         """Bill `instance` for a request about to be sent (before the connect, so
-        a burst sees it at once)."""
-        return Call(
-            self.cluster, self.cluster.ledger.add(instance, model, priority, prompt_tokens, now)
+        a burst sees it at once); `cached_tokens` of its prompt are probably in
+        the instance's prefix cache (the prefix index's guess)."""
+        entry = self.cluster.ledger.add(
+            instance, model, priority, prompt_tokens, now, cached_tokens
         )
+        return Call(self.cluster, entry)
 
     async def send(
         self,

@@ -129,12 +129,14 @@ class Instance:
         return not (self.count or self.busy or self.reserved or self.running or self.waiting)
 
     # ledger ---------------------------------------------------------------
-    def assign(self, r: SimRequest) -> None:
+    def assign(self, r: SimRequest, cached_tokens: int = 0) -> None:
+        """Count `r` here as the proxy's ledger does; `cached_tokens` of it are in
+        this instance's prefix cache as far as the prefix index knows."""
         r.instance = self
         r.demand = self.blocks_for(r.tokens)
         self.count += 1
         self.demand += r.demand
-        r.queued = r.tokens
+        r.queued = max(0, r.tokens - cached_tokens)
         self.queued_tokens += r.queued
         if r.priority is Priority.HIGH:
             self.high += 1
@@ -149,8 +151,8 @@ class Instance:
         r.instance = None
 
     # queue and batch --------------------------------------------------------
-    def enqueue(self, r: SimRequest) -> None:
-        self.assign(r)
+    def enqueue(self, r: SimRequest, cached_tokens: int = 0) -> None:
+        self.assign(r, cached_tokens)
         self.waiting.append(r)
 
     def attach_running(self, r: SimRequest, stall_until: float) -> bool:

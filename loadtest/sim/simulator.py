@@ -92,11 +92,11 @@ class SimSettings:
     startup_s: float = 40.0  # from asking for an instance to its first request
     scale_in_window_s: float = 60.0  # scale in to the highest desired count seen this long
     # Prefix locality (loadtest/sim/prefix_cache.py): the engines cache prefixes;
-    # llumnix credits cached blocks (cache_aware always reads the index).
+    # llumnix places by prefill ahead (cache_aware always reads the index).
     prefix_caching: bool = False
     prefix_credit: bool = False
     affinity_margin_blocks: float = 32.0
-    prefix_free_enough: float = 64.0
+    prefix_safe_freeness: float = 4.0
 
 
 class Simulator:
@@ -113,7 +113,7 @@ class Simulator:
             options = {
                 "prefix_credit": True,
                 "affinity_margin": settings.affinity_margin_blocks,
-                "free_enough": settings.prefix_free_enough,
+                "safe_freeness": settings.prefix_safe_freeness,
             }
         self.policy = make_policy(settings.policy, **options)
         # Ferry's own prefix index, recorded at dispatch as the proxy records it.
@@ -237,7 +237,7 @@ class Simulator:
         inst = self.by_name[chosen.name]
         if r.priority is Priority.HIGH and self.settings.migration != "off":
             self._make_room(view, chosen, request_blocks(r.prompt, self.profile.block_size))
-        inst.enqueue(r)
+        inst.enqueue(r, request.cached_tokens.get(chosen.name, 0))
         self._kick(inst)
 
     def _make_room(self, view: ClusterView, chosen: InstanceView, blocks: int) -> None:

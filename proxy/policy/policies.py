@@ -14,7 +14,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from proxy.policy.view import DispatchRequest, InstanceView, Priority
-from proxy.policy.virtual_usage import prefix_credit
+from proxy.policy.virtual_usage import (
+    freeness_after,
+    prefill_ahead,
+    request_blocks,
+    uncached_tokens,
+)
 
 
 class DispatchPolicy(Protocol):
@@ -50,16 +55,20 @@ class Llumnix:
     High-priority requests rank instances by `freeness_high` (headroom reserved
     for their class not counted); the rest by `freeness`.
 
-    With `prefix_credit` on, an instance caching c of the prompt's tokens ranks
-    by min(F, free_enough) + prefix_weight * floor(c / block_size) / max(B, 1):
-    the request's cached blocks are not demand there (virtual_usage.prefix_credit),
-    and above `free_enough` blocks per request instances count as equally free, so
-    that at light load locality decides (a prefill saved is TTFT saved) while
-    under memory pressure freeness still does. Where no candidate caches any of
-    the prompt the ranking is plain F. With a
-    session (`request.affinity`), its last instance is kept unless another is
-    freer by more than `affinity_margin` blocks per request: a soft preference,
-    so a session follows its cache but never onto an instance that is full.
+    With `prefix_credit` on and part of the prompt cached somewhere, the request
+    goes where its first token comes soonest without crowding memory: among the
+    instances that stay free enough after taking it (freeness at or above
+    `safe_freeness`, its cached blocks not counted as demand there:
+    virtual_usage.freeness_after), the one with the least prefill ahead of it,
+    the prefill queued there plus its own uncached tokens
+    (virtual_usage.prefill_ahead); ties go to the freer. Time, not blocks: a
+    cached prefix saves its prefill, which is what a user waits for, while the
+    memory it saves is a few blocks among hundreds. Where no instance is free
+    enough, or none caches any of the prompt, the ranking is plain F. With a
+    session (`request.affinity`), its last instance is kept while it is free
+    enough and no other is freer by more than `affinity_margin` blocks per
+    request: a soft preference, so a session follows its cache but never onto an
+    instance that is full.
 
     Use it when requests differ in length: it balances KV memory per request,
     not request counts. `topk` > 1 picks at random among the k freest, which
@@ -72,15 +81,13 @@ class Llumnix:
         self,
         topk: int = 1,
         prefix_credit: bool = False,
-        prefix_weight: float = 1.0,
         affinity_margin: float = 32.0,
-        free_enough: float = 64.0,
+        safe_freeness: float = 4.0,
     ) -> None:
         self.topk = topk
         self.prefix_credit = prefix_credit
-        self.prefix_weight = prefix_weight
         self.affinity_margin = affinity_margin
-        self.free_enough = free_enough
+        self.safe_freeness = safe_freeness
 
     def choose(
         self,
@@ -95,40 +102,57 @@ class Llumnix:
         else:
             scores = [v.freeness for v in candidates]
         if self.prefix_credit:
-            scores = self._credited(request, candidates, scores)
-            affine = self._affine(request, candidates, scores)
-            if affine is not None:
-                return affine
+            local = self._affine(request, candidates, scores) or self._soonest(
+                request, candidates, scores, rng
+            )
+            if local is not None:
+                return local
         if self.topk <= 1 or len(candidates) <= 1:
             return best(candidates, scores, rng)
         ranked = sorted(zip(scores, range(len(candidates)), strict=True), reverse=True)
         return candidates[rng.choice(ranked[: self.topk])[1]]
 
-    def _credited(
-        self, request: DispatchRequest, candidates: Sequence[InstanceView], scores: list[float]
-    ) -> list[float]:
+    def _safe(self, request: DispatchRequest, v: InstanceView, score: float) -> bool:
+        cached = request.cached_tokens.get(v.name, 0)
+        blocks = request_blocks(uncached_tokens(request.prompt_tokens, cached), v.block_size)
+        return freeness_after(score, v, blocks) >= self.safe_freeness
+
+    def _soonest(
+        self,
+        request: DispatchRequest,
+        candidates: Sequence[InstanceView],
+        scores: list[float],
+        rng: random.Random,
+    ) -> InstanceView | None:
+        """Among the instances free enough, the one with the least prefill ahead
+        of the request's first token; None when nothing is cached anywhere."""
         cached = request.cached_tokens
-        if not cached:
-            return scores
-        w, cap = self.prefix_weight, self.free_enough
-        # One pass that caps, one that credits (3x faster than a key per item at 256).
-        out = [s if s < cap else cap for s in scores]
-        for i, v in enumerate(candidates):
-            tokens = cached.get(v.name)
-            if tokens is not None:
-                out[i] += w * prefix_credit(tokens, v)
-        return out
+        if not any(cached.values()):
+            return None
+        safe = [
+            (v, score)
+            for v, score in zip(candidates, scores, strict=True)
+            if self._safe(request, v, score)
+        ]
+        if not safe:
+            return None
+        ahead = [prefill_ahead(request.prompt_tokens, cached.get(v.name, 0), v) for v, _ in safe]
+        least = min(ahead)
+        soonest = [pair for pair, a in zip(safe, ahead, strict=True) if a == least]
+        return best([v for v, _ in soonest], [score for _, score in soonest], rng)
 
     def _affine(
         self, request: DispatchRequest, candidates: Sequence[InstanceView], scores: list[float]
     ) -> InstanceView | None:
-        """The session's instance, if it is within `affinity_margin` of the best."""
+        """The session's instance, if it is free enough and within
+        `affinity_margin` of the freest."""
         name = request.affinity
         if name is None:
             return None
-        for i, v in enumerate(candidates):
+        for v, score in zip(candidates, scores, strict=True):
             if v.name == name:
-                return v if scores[i] >= max(scores) - self.affinity_margin else None
+                near = score >= max(scores) - self.affinity_margin
+                return v if near and self._safe(request, v, score) else None
         return None
 
 

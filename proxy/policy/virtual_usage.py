@@ -21,9 +21,12 @@ instances rank first.
 
 Prefix credit (issue 13): on an instance that already caches c of a request's
 prompt tokens, the request's demand is only its uncached blocks and its prefill
-only its uncached tokens. `prefix_credit` is what that saves, in freeness units:
-floor(c / block_size) / max(B, 1), the cached blocks counted as free there.
-Where nothing is cached the credit is 0 and the ranking is plain Llumnix.
+only its uncached tokens. `freeness_after` is an instance's freeness once it
+takes a request's uncached blocks; `prefill_ahead` is the prefill a request
+waits for there (the queue's, then its own uncached tokens); `prefix_credit`
+counts the cached blocks as free there, in freeness units, floor(c /
+block_size) / max(B, 1) (moves pair sources and destinations with it). Where
+nothing is cached the credit is 0 and the ranking is plain Llumnix.
 """
 
 from __future__ import annotations
@@ -110,6 +113,23 @@ def prefix_credit(cached_tokens: int, view: InstanceView) -> float:
     if cached_tokens <= 0:
         return 0.0
     return (cached_tokens // view.block_size) / max(view.batch, 1)
+
+
+def freeness_after(freeness: float, view: InstanceView, blocks: int) -> float:
+    """The freeness `view` would have with one more request of `blocks` blocks,
+    from its freeness now (as the request's class sees it) and batch. An instance
+    whose capacity is unknown is never known to be short: +inf."""
+    if view.capacity_blocks <= 0:
+        return math.inf
+    free = freeness * max(view.batch, 1) if freeness >= 0 else freeness
+    used = view.capacity_blocks - free + blocks
+    return instance_freeness(view.capacity_blocks, used, view.batch + 1)
+
+
+def prefill_ahead(prompt_tokens: int, cached_tokens: int, view: InstanceView) -> int:
+    """Tokens `view` prefills before a request's first token: those queued there
+    (ledger: prompts less what was cached at dispatch), then its uncached ones."""
+    return view.queued_tokens + uncached_tokens(prompt_tokens, cached_tokens)
 
 
 def uncached_tokens(prompt_tokens: int, cached_tokens: int) -> int:

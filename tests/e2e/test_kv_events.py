@@ -68,14 +68,9 @@ def precise(
         }
         raw = {
             "instances": [{"name": "roomy", "url": roomy.url}, real],
-            # Both count as free enough above 4 blocks a request, so the
-            # prefix credit decides between them.
-            "scheduler": {
-                "scrape_interval_s": 0.1,
-                "seed": 1,
-                "prefix_credit": True,
-                "prefix_free_enough_blocks": 4.0,
-            },
+            # Both stay free enough after taking a request (4 blocks a request),
+            # so the prefill a cached prefix saves decides between them.
+            "scheduler": {"scrape_interval_s": 0.1, "seed": 1, "prefix_credit": True},
             "admin_token": TOKEN,
         }
         proxy = Ferry(loop_thread, parse_config(raw, env={}))

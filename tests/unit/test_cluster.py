@@ -79,6 +79,19 @@ def test_queued_tokens_count_prompts_until_their_first_token() -> None:
     assert cluster.instance_view("a").queued_tokens == 0
 
 
+def test_queued_tokens_leave_out_what_was_cached_at_dispatch() -> None:
+    cluster = make_cluster("a")
+    entry = cluster.ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, cached_tokens=64)
+    assert cluster.instance_view("a").queued_tokens == 36  # only the tail is prefilled
+    assert cluster.instance_view("a").virtual_blocks == 7  # the KV is all of it
+    cluster.ledger.set_prompt_tokens(entry, 60)  # fewer than the guess: nothing ahead
+    assert cluster.instance_view("a").queued_tokens == 0
+    cluster.ledger.set_prompt_tokens(entry, 70)
+    assert cluster.instance_view("a").queued_tokens == 6
+    cluster.ledger.release(entry)
+    assert cluster.instance_view("a").queued_tokens == 0
+
+
 def test_high_priority_reserves_headroom() -> None:
     cluster = make_cluster("a", "b", headroom=20)
     cluster.ledger.add("a", "m", Priority.HIGH, 16, now=0.0)

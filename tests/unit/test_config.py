@@ -137,7 +137,10 @@ def test_admin_token_from_environment() -> None:
         ),
         (base(scheduler={"topk": 0}), r"^scheduler\.topk: must be at least 1"),
         (base(scheduler={"cache_threshold": 1.5}), r"^scheduler\.cache_threshold: must be between"),
-        (base(scheduler={"prefix_weight": -1.0}), r"^scheduler\.prefix_weight: must be a finite"),
+        (
+            base(scheduler={"prefix_safe_freeness": -1.0}),
+            r"^scheduler\.prefix_safe_freeness: must be a finite",
+        ),
         (
             base(scheduler={"balance_rel_threshold": 0.5}),
             r"^scheduler\.balance_rel_threshold: must be a finite number, 1 or more",

@@ -21,6 +21,7 @@ from proxy.policy import (
     make_policy,
     virtual_usage,
 )
+from proxy.policy.virtual_usage import freeness_after, prefill_ahead
 
 M = "m"
 
@@ -191,15 +192,77 @@ def credit_pick(*instances: InstanceView, seed: int = 0, **options: object) -> s
     return dispatch(policy, request, ClusterView(tuple(instances)), random.Random(seed)).name
 
 
-def test_prefix_credit_counts_cached_blocks_as_free() -> None:
-    a = inst("a", freeness=20.0, batch=4, block_size=16)
-    b = inst("b", freeness=30.0, batch=4, block_size=16)
-    # 640 cached tokens = 40 blocks over 4 requests: +10, so a (30) ties... beats b at 41.
-    cached = {"a": 41 * 16 * 4 // 4}
-    assert credit_pick(a, b, cached_tokens=cached) == "b"  # credit off: plain llumnix
-    assert credit_pick(a, b, cached_tokens=cached, prefix_credit=True) == "a"
-    # A less free instance loses when the cached prefix is small.
-    assert credit_pick(a, b, cached_tokens={"a": 64}, prefix_credit=True) == "b"
+def test_prefix_goes_where_the_least_prefill_is_ahead() -> None:
+    a = inst("a", freeness=20.0, batch=4, block_size=16, capacity_blocks=200)
+    b = inst("b", freeness=30.0, batch=4, block_size=16, capacity_blocks=200)
+    cached = {"a": 640}
+    options = {"cached_tokens": cached, "prompt_tokens": 800}
+    assert credit_pick(a, b, **options) == "b"  # type: ignore[arg-type]  # credit off: plain
+    # 160 tokens to prefill on a against 800 on b: a, though b is freer.
+    assert credit_pick(a, b, prefix_credit=True, **options) == "a"  # type: ignore[arg-type]
+    # A queue of 700 tokens on a puts 860 ahead of the first token there: b.
+    queued = inst(
+        "a", freeness=20.0, batch=4, block_size=16, capacity_blocks=200, queued_tokens=700
+    )
+    assert credit_pick(queued, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
+
+
+def test_prefix_never_crowds_memory() -> None:
+    # a holds the prefix but would drop below 4 free blocks a request: plain llumnix.
+    a = inst("a", freeness=4.5, batch=4, block_size=16, capacity_blocks=40)
+    b = inst("b", freeness=8.0, batch=4, block_size=16, capacity_blocks=80)
+    options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
+    assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
+    # With a guard it can meet, locality decides again.
+    picked = credit_pick(a, b, prefix_credit=True, safe_freeness=1.0, **options)  # type: ignore[arg-type]
+    assert picked == "a"
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(-50, 200), st.integers(0, 16), st.integers(0, 4000), st.integers(0, 2000)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 3000),
+    st.integers(0, 2**31),
+)
+def test_prefix_choice_is_free_enough_and_soonest(
+    shapes: list[tuple[float, int, int, int]], prompt: int, seed: int
+) -> None:
+    views, cached = [], {}
+    for n, (free, batch, queued, hit) in enumerate(shapes):
+        views.append(
+            inst(
+                f"i{n}",
+                freeness=free,
+                batch=batch,
+                queued_tokens=queued,
+                block_size=16,
+                capacity_blocks=400,
+            )
+        )
+        if hit:
+            cached[f"i{n}"] = hit
+    policy = make_policy("llumnix", prefix_credit=True)
+    request = DispatchRequest(model=M, prompt_tokens=prompt, cached_tokens=cached)
+    chosen = dispatch(policy, request, ClusterView(tuple(views)), random.Random(seed))
+
+    def after(v: InstanceView) -> float:
+        blocks = -(-max(0, prompt - cached.get(v.name, 0)) // 16)
+        return freeness_after(v.freeness, v, blocks)
+
+    def ahead(v: InstanceView) -> int:
+        return prefill_ahead(prompt, cached.get(v.name, 0), v)
+
+    safe = [v for v in views if after(v) >= 4.0]
+    if not any(cached.values()) or not safe:
+        assert chosen.freeness == max(v.freeness for v in views)  # plain llumnix
+    else:
+        assert chosen in safe
+        assert ahead(chosen) == min(ahead(v) for v in safe)
 
 
 @given(
@@ -217,6 +280,11 @@ def test_affinity_is_kept_within_the_margin() -> None:
     b = inst("b", freeness=25.0)
     assert credit_pick(a, b, affinity="a", prefix_credit=True, affinity_margin=8.0) == "a"
     assert credit_pick(a, b, affinity="a", prefix_credit=True, affinity_margin=4.0) == "b"
+    # Not onto an instance that would be short of memory, margin or not.
+    full = inst("a", freeness=20.0, batch=4, capacity_blocks=82)
+    roomy = inst("b", freeness=25.0, batch=4, capacity_blocks=200)
+    request = {"affinity": "a", "prompt_tokens": 16 * 70}
+    assert credit_pick(full, roomy, prefix_credit=True, **request) == "b"  # type: ignore[arg-type]
     # An affinity to an instance not among the candidates is ignored.
     assert credit_pick(a, b, affinity="gone", prefix_credit=True) == "b"
 
@@ -232,12 +300,3 @@ def test_cache_aware_follows_the_match_unless_imbalanced() -> None:
     # Imbalanced (100 - 2 > 64 and 100 > 1.5 * 2): fewest in flight, match or not.
     busy = inst("a", inflight=100)
     assert credit_pick(busy, b, policy="cache_aware", **follow) == "b"  # type: ignore[arg-type]
-
-
-def test_above_free_enough_locality_decides() -> None:
-    # Both roomy (F well above 64 blocks/request): the one holding the prefix wins,
-    # even though the other is freer.
-    a = inst("a", freeness=300.0, batch=2, block_size=16)
-    b = inst("b", freeness=500.0, batch=2, block_size=16)
-    assert credit_pick(a, b, cached_tokens={"a": 160}, prefix_credit=True) == "a"
-    assert credit_pick(a, b, cached_tokens={"a": 160}, prefix_credit=True, free_enough=1e9) == "b"
