@@ -315,11 +315,11 @@ def tokens_per_s(done: list[SimRequest]) -> float:
 
 
 def table(title: str, results: list[Result]) -> str:
-    base = next(r for r in results if r.path == "ferry:llumnix")
+    base = next((r for r in results if r.path == "ferry:llumnix"), results[0])
     lines = [
         title,
         f"{'path':<26}{'hit rate':>9}{'TTFT p50':>10}{'p99':>9}{'tok/s':>8}{'finished':>10}"
-        f"{'p99 / llumnix':>15}{'prefix index':>14}",
+        f"{'p99 / ' + base.path.split(':')[1]:>15}{'prefix index':>14}",
     ]
     for r in results:
         lines.append(
@@ -398,7 +398,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alone-rate", type=float, default=0.8, help="its requests/s")
     parser.add_argument("--kv-bytes", type=int, default=128 << 20, help="KV cache per server")
     parser.add_argument("--timeout-s", type=float, default=60, help="per request")
+    parser.add_argument(
+        "--paths", default=",".join(SHARED), help="comma-separated: which of them to run"
+    )
     args = parser.parse_args(argv)
+    chosen = args.paths.split(",")
+    unknown = sorted(set(chosen) - set(SHARED))
+    if unknown:
+        parser.error(f"unknown paths {unknown}; choose from {', '.join(SHARED)}")
     trace = make_trace(args, args.requests, args.rate)
     alone = nothing_shared(make_trace(args, args.alone_requests, args.alone_rate))
     servers = start_servers(args)  # first: start_vllm pins only from an unpinned process
@@ -413,11 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(servers, args.seed)
         cost = prefill_cost(servers[0], 1024, args.seed)
         print(cost, file=sys.stderr, flush=True)
-        for path in SHARED:
+        for path in [p for p in SHARED if p in chosen]:
             started = time.monotonic()
             shared[path] = run_path(path, servers, trace, args.seed, args.timeout_s)
             _progress(shared[path], started)
-        for path in ALONE:
+        for path in [p for p in ALONE if p in chosen]:
             started = time.monotonic()
             apart[path] = run_path(path, servers, alone, args.seed, args.timeout_s)
             _progress(apart[path], started)
@@ -438,13 +445,16 @@ def main(argv: list[str] | None = None) -> int:
         f"message mean {args.input_mean:g}, output mean {args.output_mean:g} tokens (max "
         f"{args.max_len}); prompt mean {_mean_prompt(trace):.0f} tokens"
     )
-    print(table("\nshared prefixes:", list(shared.values())))
-    print(
-        f"\nnothing shared: {len(alone)} requests over {alone[-1].arrival_s:.0f}s (Poisson, "
-        f"{args.alone_rate:g}/s), the same lengths, every prompt its own"
-    )
-    print(table("", list(apart.values())))
-    print(targets(shared, apart))
+    if shared:
+        print(table("\nshared prefixes:", list(shared.values())))
+    if apart:
+        print(
+            f"\nnothing shared: {len(alone)} requests over {alone[-1].arrival_s:.0f}s (Poisson, "
+            f"{args.alone_rate:g}/s), the same lengths, every prompt its own"
+        )
+        print(table("", list(apart.values())))
+    if len(shared) == len(SHARED) and len(apart) == len(ALONE):
+        print(targets(shared, apart))
     return 0
 
 

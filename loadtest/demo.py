@@ -2,7 +2,8 @@
 
 The same seeded, bursty, heavy-tailed workload runs twice through Ferry: once
 with `round_robin` (what nginx and vllm-router do by default), once with
-`llumnix` and lite migration. At the same point of each run the busiest
+`llumnix` and lite migration, rebalancing as it goes (a stream whose engine
+preempted it, or that is about to be, moves to the other). At the same point of each run the busiest
 instance is drained with `ferry drain` while streams run on it, as an operator
 taking it out for maintenance would: with round_robin (no migration, like nginx
 or vllm-router) the drain waits until its streams end; with llumnix they move
@@ -158,13 +159,20 @@ def preemptions(urls: list[str]) -> int:
 
 
 def write_config(path: Path, urls: list[str], policy: str, port: int, token: str) -> None:
-    migration = "off" if policy == "round_robin" else "lite"
+    baseline = policy == "round_robin"  # as nginx or vllm-router would: no moves
+    scheduler: dict[str, Any] = {"policy": policy, "scrape_interval_s": 0.25, "seed": 1}
+    if not baseline:  # Ferry as we would run it: rebalancing by lite moves
+        scheduler["rebalance_interval_s"] = 0.25
     config = {
         "instances": [
-            {"name": f"vllm-{chr(ord('a') + i)}", "url": u, "migration": migration}
+            {
+                "name": f"vllm-{chr(ord('a') + i)}",
+                "url": u,
+                "migration": "off" if baseline else "lite",
+            }
             for i, u in enumerate(urls)
         ],
-        "scheduler": {"policy": policy, "scrape_interval_s": 0.25, "seed": 1},
+        "scheduler": scheduler,
         "server": {"port": port, "shutdown_delay_s": 0},
         "admin_token": token,
     }
@@ -214,11 +222,14 @@ def run_once(urls: list[str], policy: str, workload: Workload, work: Path, port:
 
 
 def migration_figures(metrics_text: str) -> dict[str, float]:
-    """Moves the drain made and their downtime, from Ferry's own metrics."""
-    figures = {"moved": 0.0, "downtime_sum": 0.0, "downtime_count": 0.0}
+    """Moves the drain and the rebalancing made, and the downtime of all moves,
+    from Ferry's own metrics."""
+    figures = {"moved": 0.0, "rebalanced": 0.0, "downtime_sum": 0.0, "downtime_count": 0.0}
     for line in metrics_text.splitlines():
         if line.startswith('ferry_migrations_total{outcome="ok",reason="drain"}'):
             figures["moved"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith('ferry_migrations_total{outcome="ok",reason="rebalance"}'):
+            figures["rebalanced"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("ferry_migration_downtime_seconds_sum"):
             figures["downtime_sum"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("ferry_migration_downtime_seconds_count"):
@@ -262,7 +273,8 @@ def drain_report(run: Run) -> str:
     mean_ms = 1000 * d.get("downtime_sum", 0.0) / count if count else 0.0
     return (
         f"drain of {d.get('instance')} at t={run.drained_at:.1f}s with {d.get('inflight')} in "
-        f"flight: {d.get('moved', 0):.0f} streams moved (mean downtime {mean_ms:.0f} ms); "
+        f"flight: {d.get('moved', 0):.0f} streams moved; rebalancing moved "
+        f"{d.get('rebalanced', 0):.0f} more (mean downtime of all moves {mean_ms:.0f} ms); "
         f"{run.complete}/{len(run.streams)} streams of this run finished with all their tokens"
     )
 

@@ -100,7 +100,7 @@ class SchedulerConfig:
     # on its instance unless another is freer by more than affinity_margin_blocks.
     prefix_credit: bool = False
     affinity_margin_blocks: float = 32.0
-    prefix_safe_freeness: float = 4.0
+    prefix_safe_freeness: float = 1.0
     # cache_aware (vllm-router's defaults): follow a prefix match above
     # cache_threshold of the prompt unless in-flight counts differ by more than
     # balance_abs_threshold and by a factor above balance_rel_threshold.

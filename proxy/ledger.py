@@ -146,7 +146,11 @@ class Ledger:
     def _blocks(self, entry: LedgerEntry) -> int:
         # 16 tokens is vLLM's GPU default, used until the first scrape says otherwise.
         size = self._block_size.get(entry.instance, 16)
-        return request_blocks(entry.prompt_tokens + entry.generated_tokens, size)
+        # Blocks of its prompt the instance cached already are shared, not its
+        # demand (issue 13); if they were only free cached blocks, the engine's
+        # usage shows them at the next scrape (Cluster.record_scrape's gap).
+        shared = entry.cached_tokens // size
+        return max(0, request_blocks(entry.prompt_tokens + entry.generated_tokens, size) - shared)
 
     def _set_blocks(self, entry: LedgerEntry, blocks: int) -> None:
         """Change an entry's blocks, keeping the instance total in step (live entries only)."""

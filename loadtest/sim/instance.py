@@ -54,6 +54,7 @@ class SimRequest:
         "prefix_tokens",
         "session",
         "cached_tokens",
+        "shared_blocks",
     )
 
     def __init__(
@@ -91,6 +92,7 @@ class SimRequest:
         # Shared structure (loadtest/sim/prefix_cache.py): system prompt and session.
         self.prefix_group, self.prefix_tokens, self.session = prefix_group, prefix_tokens, session
         self.cached_tokens = 0  # found in the prefix cache at its last admission
+        self.shared_blocks = 0  # of its prompt, cached where it was dispatched (not demand)
 
     @property
     def tokens(self) -> int:
@@ -123,6 +125,10 @@ class Instance:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.bs)
 
+    def ledger_blocks(self, r: SimRequest) -> int:
+        """`r`'s blocks as the proxy's ledger counts them: less those it shares."""
+        return max(0, self.blocks_for(r.tokens) - r.shared_blocks)
+
     @property
     def empty(self) -> bool:
         """Nothing assigned, running, queued or reserved here: it can be retired."""
@@ -133,7 +139,8 @@ class Instance:
         """Count `r` here as the proxy's ledger does; `cached_tokens` of it are in
         this instance's prefix cache as far as the prefix index knows."""
         r.instance = self
-        r.demand = self.blocks_for(r.tokens)
+        r.shared_blocks = cached_tokens // self.bs
+        r.demand = self.ledger_blocks(r)
         self.count += 1
         self.demand += r.demand
         r.queued = max(0, r.tokens - cached_tokens)
@@ -261,7 +268,7 @@ class Instance:
             if r.queued:
                 self.queued_tokens -= r.queued
                 r.queued = 0
-            demand = self.blocks_for(r.tokens)
+            demand = self.ledger_blocks(r)
             if demand != r.demand:
                 self.demand += demand - r.demand
                 r.demand = demand

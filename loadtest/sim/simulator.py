@@ -96,7 +96,7 @@ class SimSettings:
     prefix_caching: bool = False
     prefix_credit: bool = False
     affinity_margin_blocks: float = 32.0
-    prefix_safe_freeness: float = 4.0
+    prefix_safe_freeness: float = 1.0
 
 
 class Simulator:

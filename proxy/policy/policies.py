@@ -82,7 +82,7 @@ class Llumnix:
         topk: int = 1,
         prefix_credit: bool = False,
         affinity_margin: float = 32.0,
-        safe_freeness: float = 4.0,
+        safe_freeness: float = 1.0,
     ) -> None:
         self.topk = topk
         self.prefix_credit = prefix_credit

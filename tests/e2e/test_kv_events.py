@@ -68,7 +68,7 @@ def precise(
         }
         raw = {
             "instances": [{"name": "roomy", "url": roomy.url}, real],
-            # Both stay free enough after taking a request (4 blocks a request),
+            # Both stay free enough after taking a request (1 block a request),
             # so the prefill a cached prefix saves decides between them.
             "scheduler": {"scrape_interval_s": 0.1, "seed": 1, "prefix_credit": True},
             "admin_token": TOKEN,

@@ -79,11 +79,11 @@ def test_queued_tokens_count_prompts_until_their_first_token() -> None:
     assert cluster.instance_view("a").queued_tokens == 0
 
 
-def test_queued_tokens_leave_out_what_was_cached_at_dispatch() -> None:
+def test_what_was_cached_at_dispatch_is_neither_demand_nor_prefill() -> None:
     cluster = make_cluster("a")
     entry = cluster.ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, cached_tokens=64)
     assert cluster.instance_view("a").queued_tokens == 36  # only the tail is prefilled
-    assert cluster.instance_view("a").virtual_blocks == 7  # the KV is all of it
+    assert cluster.instance_view("a").virtual_blocks == 7 - 4  # 4 of its 7 blocks are shared
     cluster.ledger.set_prompt_tokens(entry, 60)  # fewer than the guess: nothing ahead
     assert cluster.instance_view("a").queued_tokens == 0
     cluster.ledger.set_prompt_tokens(entry, 70)

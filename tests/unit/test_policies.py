@@ -208,13 +208,14 @@ def test_prefix_goes_where_the_least_prefill_is_ahead() -> None:
 
 
 def test_prefix_never_crowds_memory() -> None:
-    # a holds the prefix but would drop below 4 free blocks a request: plain llumnix.
-    a = inst("a", freeness=4.5, batch=4, block_size=16, capacity_blocks=40)
+    # a holds the prefix, but its 160 uncached tokens (10 blocks) are more than its
+    # 8 free ones: it would fall below 1 free block a request. Plain llumnix: b.
+    a = inst("a", freeness=2.0, batch=4, block_size=16, capacity_blocks=40)
     b = inst("b", freeness=8.0, batch=4, block_size=16, capacity_blocks=80)
     options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
     assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
-    # With a guard it can meet, locality decides again.
-    picked = credit_pick(a, b, prefix_credit=True, safe_freeness=1.0, **options)  # type: ignore[arg-type]
+    # With a guard it meets, locality decides again.
+    picked = credit_pick(a, b, prefix_credit=True, safe_freeness=-5.0, **options)  # type: ignore[arg-type]
     assert picked == "a"
 
 
@@ -257,7 +258,7 @@ def test_prefix_choice_is_free_enough_and_soonest(
     def ahead(v: InstanceView) -> int:
         return prefill_ahead(prompt, cached.get(v.name, 0), v)
 
-    safe = [v for v in views if after(v) >= 4.0]
+    safe = [v for v in views if after(v) >= 1.0]
     if not any(cached.values()) or not safe:
         assert chosen.freeness == max(v.freeness for v in views)  # plain llumnix
     else:
@@ -283,7 +284,7 @@ def test_affinity_is_kept_within_the_margin() -> None:
     # Not onto an instance that would be short of memory, margin or not.
     full = inst("a", freeness=20.0, batch=4, capacity_blocks=82)
     roomy = inst("b", freeness=25.0, batch=4, capacity_blocks=200)
-    request = {"affinity": "a", "prompt_tokens": 16 * 70}
+    request = {"affinity": "a", "prompt_tokens": 16 * 76}  # 4 blocks left for 5
     assert credit_pick(full, roomy, prefix_credit=True, **request) == "b"  # type: ignore[arg-type]
     # An affinity to an instance not among the candidates is ignored.
     assert credit_pick(a, b, affinity="gone", prefix_credit=True) == "b"
