@@ -7,6 +7,7 @@ Loading has no side effects; reload is all-or-nothing (load, then swap).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -24,6 +25,8 @@ from proxy.policy.scaling import ScalingSettings
 
 ENGINES = tuple(ADAPTERS)  # the `engine:` names: one per adapter in `adapters/`
 MIGRATION_MODES = ("off", "lite", "full")
+
+log = logging.getLogger("ferry.config")
 
 
 class ConfigError(ValueError):
@@ -239,7 +242,7 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
     _reject_unknown(top, known, "")
     discovery = _discovery(top.get("discovery", []), env)
     instances = _instances(top.get("instances"), env, allow_none=bool(discovery))
-    scheduler = _section(SchedulerConfig, top.get("scheduler", {}), "scheduler")
+    scheduler = _section(SchedulerConfig, _retired(top.get("scheduler", {})), "scheduler")
     server = _section(ServerConfig, top.get("server", {}), "server")
     sharing = _section(SharingConfig, top.get("sharing", {}), "sharing")
     _check_scheduler(scheduler)
@@ -551,6 +554,22 @@ def _check_sharing(s: SharingConfig) -> None:
         raise ConfigError(
             f"sharing.key_prefix: must be letters, digits or _ . : - (got {s.key_prefix!r})"
         )
+
+
+# Scheduler keys an older Ferry read, and why they no longer mean anything: a
+# file that sets them still loads (with a warning), so an upgrade is no outage.
+RETIRED_SCHEDULER_KEYS = {
+    "prefix_weight": "prefix locality ranks by prefill time now",
+    "prefix_free_enough_blocks": "replaced by prefix_safe_freeness",
+}
+
+
+def _retired(raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        return raw
+    for key in sorted(raw.keys() & RETIRED_SCHEDULER_KEYS.keys()):
+        log.warning("scheduler.%s: ignored (%s)", key, RETIRED_SCHEDULER_KEYS[key])
+    return {k: v for k, v in raw.items() if k not in RETIRED_SCHEDULER_KEYS}
 
 
 def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> Any:

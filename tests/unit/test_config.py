@@ -253,3 +253,12 @@ def test_kv_events_endpoints_are_kept() -> None:
     a, b = config.instances
     assert (a.kv_events, a.kv_events_replay) == ("tcp://10.0.0.7:5557", "tcp://[::1]:5558")
     assert (b.kv_events, b.kv_events_replay) == ("ipc:///run/vllm-events", None)
+
+
+def test_retired_scheduler_keys_load_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    raw = base(scheduler={"prefix_weight": 2.0, "prefix_free_enough_blocks": 8.0, "topk": 2})
+    with caplog.at_level("WARNING", logger="ferry.config"):
+        config = parse_config(raw, env={})
+    assert config.scheduler.topk == 2  # the rest of the section still applies
+    assert "scheduler.prefix_free_enough_blocks: ignored" in caplog.text
+    assert "scheduler.prefix_weight: ignored" in caplog.text
