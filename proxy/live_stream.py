@@ -264,16 +264,12 @@ class LiveStream:
         self.timing.cut()
         tried = {source}
         preferred = order.destination
+        ids = (splicer.prompt_ids or []) + splicer.generated
+        cached = self.placement.cached_for(ids, source) if splicer.prompt_ids else {}
         for _ in range(2):
             tokens = splicer.continuation_tokens() or self.call.entry.prompt_tokens
-            ids = (splicer.prompt_ids or []) + splicer.generated
             dest = self.placement.destination(
-                self.request.model,
-                tokens,
-                self.request.priority,
-                tried,
-                preferred,
-                self.placement.cached_for(ids, source) if splicer.prompt_ids else None,
+                self.request.model, tokens, self.request.priority, tried, preferred, cached
             )
             if dest is None:
                 self.metrics.migrations.labels(order.reason, "no_destination").inc()
@@ -281,7 +277,7 @@ class LiveStream:
             tried.add(dest)
             preferred = None
             load = order.load if order.load is not None and order.load["dest"] == dest else None
-            if await self._start(dest, load):
+            if await self._start(dest, load, cached.get(dest, 0)):
                 self.metrics.migrations.labels(order.reason, "ok").inc()
                 log.info(
                     "request %s moved %s -> %s (%s) after %d tokens",
@@ -307,7 +303,9 @@ class LiveStream:
         self.timing.uncut()
         return "failed"
 
-    async def _start(self, dest: str, load: dict[str, Any] | None) -> bool:
+    async def _start(self, dest: str, load: dict[str, Any] | None, cached_tokens: int) -> bool:
+        """Send the stream on to `dest`; `cached_tokens` of it are probably in its
+        prefix cache (the index's guess, billed as shared, not as prefill ahead)."""
         splicer, request = self.splicer, self.request
         kv_params: dict[str, Any] = {}
         if self.upstreams.cluster.instances[dest].migration_mode == "full":
@@ -338,7 +336,9 @@ class LiveStream:
                 **body,
                 "kv_transfer_params": {**(body.get("kv_transfer_params") or {}), **kv_params},
             }
-        call = self.upstreams.begin(dest, request.model, request.priority, tokens, self.clock())
+        call = self.upstreams.begin(
+            dest, request.model, request.priority, tokens, self.clock(), cached_tokens
+        )
         try:
             upstream = await self.upstreams.send(
                 call,

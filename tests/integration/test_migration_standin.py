@@ -215,3 +215,63 @@ def test_failover_loses_no_stream_whenever_the_instance_dies(
         t.join(60)
     assert not errors
     assert results == [" tok" * 40] * 20
+
+
+def test_a_move_bills_its_destination_for_the_uncached_tail_only(standins: Any, ferry: Any) -> None:
+    from proxy.server import MIGRATOR
+
+    (_, a), (_, b) = standins(2, itl_s=0.05)
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"prefix_credit": True, "migration_prewarm": False},
+    )
+    received: list[str] = []
+
+    def client() -> None:
+        for c in api(proxy.url).completions.create(
+            model="standin", prompt="hi", max_tokens=60, stream=True
+        ):
+            received.append(c.choices[0].text)
+
+    t = threading.Thread(target=client)
+    t.start()
+    while len(received) < 35:  # 3 prompt ids + 35 generated: two full 16-token blocks
+        time.sleep(0.01)
+    migrator = proxy.site.app[MIGRATOR]
+    prefixes = proxy.cluster.prefixes
+
+    def hold_the_stream_elsewhere() -> tuple[str, str]:
+        [stream] = migrator.streams.values()
+        source = stream.instance
+        dest = "i1" if source == "i0" else "i0"
+        ids = stream.splicer.prompt_ids + stream.splicer.generated
+        prefixes.record_tokens(dest, ids, 16, 1000)  # as if dest had served them
+        return source, dest
+
+    source, dest = proxy.loop.call(hold_the_stream_elsewhere)
+    request = urllib.request.Request(
+        proxy.url + f"/admin/instances/{source}/drain?migrate=true",
+        data=b"",
+        method="POST",
+        headers={"Authorization": "Bearer t"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        assert json.load(resp)["migrating"] == 1
+
+    def billed_on_dest() -> list[tuple[int, int]]:
+        return [(e.prompt_tokens, e.cached_tokens) for e in proxy.cluster.ledger.entries(dest)]
+
+    deadline = time.monotonic() + 5
+    while not (billed := proxy.loop.call(billed_on_dest)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The continuation's P + G is billed there, its two cached blocks as shared.
+    [(tokens, cached)] = billed
+    assert tokens >= 38 and cached == 32
+    assert proxy.loop.call(lambda: proxy.cluster.instance_view(dest).queued_tokens) in (
+        0,  # its first token came already
+        tokens - 32,
+    )
+    t.join(30)
+    assert "".join(received) == " tok" * 60
