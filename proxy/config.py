@@ -208,6 +208,10 @@ class SharingConfig:
     lease_ttl_s: float = 2.0
     # Namespace of every key: processes with the same prefix share a view.
     key_prefix: str = "ferry"
+    # Admin changes kept in the fleet log (a Redis stream). A process that starts
+    # later, or falls further behind, starts from each instance's compacted
+    # changes instead (proxy/fleet.py's `compact`).
+    fleet_log_length: int = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,6 +554,10 @@ def _check_sharing(s: SharingConfig) -> None:
                 f"sharing.{key}: must be at least 3 x sharing.publish_interval_s"
                 f" ({3 * s.publish_interval_s:g} s; got {value:g})"
             )
+    if s.fleet_log_length < 1:
+        raise ConfigError(
+            f"sharing.fleet_log_length: must be at least 1 (got {s.fleet_log_length})"
+        )
     if not re.fullmatch(r"[A-Za-z0-9_.:-]+", s.key_prefix):
         raise ConfigError(
             f"sharing.key_prefix: must be letters, digits or _ . : - (got {s.key_prefix!r})"

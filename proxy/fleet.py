@@ -43,6 +43,40 @@ FLEET_OPS: dict[str, tuple[str, ...]] = {
 }
 
 
+def op_instance(op: Any) -> str | None:
+    """The instance a fleet op is about (an `add` names it in its body)."""
+    if not isinstance(op, dict):
+        return None
+    name = op.get("name")
+    if name is None and isinstance(op.get("instance"), dict):
+        name = op["instance"].get("name")
+    return name if isinstance(name, str) else None
+
+
+def compact(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """An instance's fleet ops, shortest form, once `entry` ({"origin", "op"}) is
+    added: what a process that starts later applies instead of the whole log.
+    An add or a remove starts the instance's story over; drain and undrain keep
+    only the last; patches merge into one (later changes win). Applying the
+    result leaves the instance as applying every op in order would."""
+    kind = entry["op"]["op"]
+    if kind in ("add", "remove"):
+        return [entry]
+    if kind in ("drain", "undrain"):
+        return [e for e in history if e["op"]["op"] not in ("drain", "undrain")] + [entry]
+    if kind != "patch" or not isinstance(entry["op"].get("changes"), dict):
+        return [*history, entry]
+    merged = dict(entry["op"]["changes"])
+    out = []
+    for e in history:
+        if e["op"]["op"] == "patch" and isinstance(e["op"].get("changes"), dict):
+            merged = {**e["op"]["changes"], **merged}
+        else:
+            out.append(e)
+    patch = {"origin": entry["origin"], "op": {**entry["op"], "changes": merged}}
+    return out + [patch]
+
+
 class FleetError(Exception):
     """A change that cannot be made; `status` and `code` are the API's answer."""
 

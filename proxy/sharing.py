@@ -20,6 +20,13 @@ there: a peer's placements reach the view in milliseconds, not in one or two
 rounds (proxy/peer_load.py says why that matters). A lost message costs nothing
 lasting: the next record carries the same totals.
 
+The fleet log keeps the last `fleet_log_length` changes. With each change the
+process that made it also rewrites that instance's compacted changes in the hash
+`<prefix>:fleet:state` (proxy/fleet.py's `compact`: at most an add or remove, one
+merged patch, and the last drain or undrain), in the same transaction. A process
+that starts applies the hash, not the log; one that finds the log trimmed past
+the last change it applied (it was cut off from Redis that long) does the same.
+
 Redis is a shared blackboard, not a dependency of each request: a request
 reads the view in memory, never Redis. If Redis cannot be reached the process
 goes on alone: after `ttl_s` without a good round its peers' totals are
@@ -46,11 +53,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from proxy.cluster import Cluster
 from proxy.config import SharingConfig
-from proxy.fleet import Fleet, FleetError
+from proxy.fleet import Fleet, FleetError, compact, op_instance
 from proxy.migrator import Migrator
 from proxy.peer_load import (
     BadRecord,
@@ -121,6 +128,7 @@ class Sharing:
         prefix = settings.key_prefix
         self._members_key = f"{prefix}:members"
         self._fleet_key = f"{prefix}:fleet"
+        self._fleet_state_key = f"{prefix}:fleet:state"
         self._lease_key = f"{prefix}:lease"
         self._load_prefix = f"{prefix}:load:"
         self._moves_key = f"{prefix}:moves:{self.name}"
@@ -129,6 +137,7 @@ class Sharing:
         self.lease_holder: str | None = None
         self._members: list[str] = []
         self._fleet_seen = "0"  # the last fleet change applied (a stream id)
+        self._resync_due = True  # apply the compacted fleet state next round
         # Moves to send: (owner, id, destination, prewarm).
         self._outbox: list[tuple[str, int, str, bool]] = []
         self._announced: list[dict[str, Any]] = []  # fleet changes made here, to send
@@ -209,8 +218,10 @@ class Sharing:
         )
         ttl_ms = int(self.settings.ttl_s * 1000)
         lease_ms = int(self.settings.lease_ttl_s * 1000)
+        if self._resync_due:
+            await self._resync()
+        await self._flush_announced()
         outbox, self._outbox = self._outbox, []
-        announced, self._announced = self._announced, []
         gone, self._gone = self._gone, []
         known = [m for m in self._members if m != self.name]
         started = self.clock()
@@ -221,6 +232,7 @@ class Sharing:
         if gone:  # before SMEMBERS, which then no longer names them
             pipe.srem(self._members_key, *gone)
         pipe.smembers(self._members_key)
+        pipe.xrange(self._fleet_key, count=1)  # the oldest change kept: was one trimmed unseen?
         pipe.xrange(self._fleet_key, min=f"({self._fleet_seen}", count=100)
         pipe.lrange(self._moves_key, 0, -1)
         pipe.delete(self._moves_key)
@@ -232,25 +244,27 @@ class Sharing:
             key = f"{self.settings.key_prefix}:moves:{owner}"
             pipe.rpush(key, json.dumps([request_id, destination, prewarm]))
             pipe.pexpire(key, ttl_ms)  # a dead owner's moves go with it
-        for op in announced:
-            pipe.xadd(self._fleet_key, {"origin": self.name, "op": json.dumps(op)})
         try:
             results = await pipe.execute()
         except BaseException:
-            # Sent next round: a fleet change must reach the peers. (Moves are
-            # planned again by then; resending them could move a stream twice.)
-            self._announced[:0] = announced
+            # (Moves are planned again by then; resending them could move a stream twice.)
             self._gone[:0] = gone
             raise
         self._last_round = started
         if gone:
             del results[2]  # SREM's answer
-        _, _, members, changes, moves, _, held, holder = results[:8]
-        texts = results[8] if known else []
+        _, _, members, oldest, changes, moves, _, held, holder = results[:9]
+        texts = results[9] if known else []
         self._read({_text(m) for m in members}, dict(zip(known, texts, strict=True)))
         # From the round's start: the lease was renewed no earlier than that.
         self._lease_until = started + self.settings.lease_ttl_s if held else -1.0
         self.lease_holder = None if holder is None else _text(holder)
+        seen = self._fleet_seen
+        if seen != "0" and oldest and _stream_id(oldest[0][0]) > _stream_id(seen):
+            # Changes this process never read were trimmed: start over from the state.
+            log.warning("fleet log trimmed past the last change applied here: resyncing")
+            self._resync_due = True
+            changes = []
         for change_id, fields in changes:
             self._fleet_seen = _text(change_id)
             self._apply_change({_text(k): _text(v) for k, v in fields.items()})
@@ -358,9 +372,51 @@ class Sharing:
         self.migrator.submit(stream, destination, "rebalance", prewarm is not False)
 
     async def _flush_announced(self) -> None:
-        announced, self._announced = self._announced, []
-        for op in announced:
-            await self.redis.xadd(self._fleet_key, {"origin": self.name, "op": json.dumps(op)})
+        """Send the fleet changes made here, in order; one not sent stays queued
+        (a fleet change must reach the peers)."""
+        while self._announced:
+            await self._record(self._announced[0])
+            del self._announced[0]
+
+    async def _record(self, op: dict[str, Any]) -> None:
+        """Append one change to the fleet log (trimmed to `fleet_log_length`) and,
+        in the same transaction, to its instance's compacted changes."""
+        entry = {"origin": self.name, "op": op}
+        name = op_instance(op)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    history: list[dict[str, Any]] = []
+                    if name is not None:
+                        await pipe.watch(self._fleet_state_key)
+                        history = _history(await pipe.hget(self._fleet_state_key, name))
+                    pipe.multi()
+                    if name is not None:
+                        state = json.dumps(compact(history, entry))
+                        pipe.hset(self._fleet_state_key, name, state)
+                    pipe.xadd(
+                        self._fleet_key,
+                        {"origin": self.name, "op": json.dumps(op)},
+                        maxlen=self.settings.fleet_log_length,
+                        approximate=False,
+                    )
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue  # another process changed the state meanwhile: again
+
+    async def _resync(self) -> None:
+        """Apply every instance's compacted changes, and read the log from now on."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self._fleet_state_key)
+        pipe.xrevrange(self._fleet_key, count=1)
+        state, newest = await pipe.execute()
+        for name in sorted(state, key=_text):
+            for entry in _history(state[name]):
+                self._apply_change({"origin": entry["origin"], "op": json.dumps(entry["op"])})
+        # No state but a log: written by an older Ferry, so replay it from the start.
+        self._fleet_seen = _text(newest[0][0]) if state and newest else "0"
+        self._resync_due = False
 
     def _went_wrong(self, exc: Exception) -> None:
         if not self._failing:
@@ -398,3 +454,21 @@ class Sharing:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _stream_id(value: Any) -> tuple[int, int]:
+    """A stream id ("ms-seq", or "0") in the order Redis keeps them."""
+    ms, _, seq = _text(value).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _history(raw: Any) -> list[dict[str, Any]]:
+    """An instance's compacted changes as stored; a malformed value counts as none."""
+    try:
+        entries = json.loads(_text(raw)) if raw is not None else []
+    except ValueError:
+        return []
+    ok = isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("op"), dict) for e in entries
+    )
+    return entries if ok else []

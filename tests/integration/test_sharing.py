@@ -73,12 +73,17 @@ def ferries(
 ) -> Iterator[Callable[..., list[FerryProcess]]]:
     """Factory: n `ferry serve` processes sharing through Redis, in front of two
     stand-ins (`i0`, `i1`) that stream one token every 50 ms. The first call's
-    `kv_blocks`, `migration`, `scheduler` and `redis_url` hold for every process."""
+    `kv_blocks`, `migration`, `scheduler`, `sharing` and `redis_url` hold for every
+    process."""
     config = tmp_path / "ferry.yaml"
     started: list[FerryProcess] = []
 
     def write_config(
-        kv_blocks: int, migration: str, scheduler: dict[str, Any], redis_url: str
+        kv_blocks: int,
+        migration: str,
+        scheduler: dict[str, Any],
+        sharing: dict[str, Any],
+        redis_url: str,
     ) -> None:
         sites = [site for _, site in standins(2, itl_s=0.05, kv_blocks=kv_blocks)]
         instances = [
@@ -88,7 +93,12 @@ def ferries(
             "instances": instances,
             "admin_token": TOKEN,
             "redis_url": redis_url,
-            "sharing": {"key_prefix": redis_prefix, "ttl_s": TTL_S, "lease_ttl_s": LEASE_TTL_S},
+            "sharing": {
+                "key_prefix": redis_prefix,
+                "ttl_s": TTL_S,
+                "lease_ttl_s": LEASE_TTL_S,
+                **sharing,
+            },
             "scheduler": {"scrape_interval_s": 0.1, **scheduler},
             "server": {"shutdown_delay_s": 0, "shutdown_grace_s": 2},
         }
@@ -100,10 +110,11 @@ def ferries(
         kv_blocks: int = 1000,
         migration: str = "off",
         scheduler: dict[str, Any] | None = None,
+        sharing: dict[str, Any] | None = None,
         redis_url: str = redis_server,
     ) -> list[FerryProcess]:
         if not config.exists():
-            write_config(kv_blocks, migration, scheduler or {}, redis_url)
+            write_config(kv_blocks, migration, scheduler or {}, sharing or {}, redis_url)
         new = []
         for _ in range(n):
             index = len(started)
@@ -201,6 +212,53 @@ def test_each_process_sees_the_others_load_and_fleet_changes_apply_everywhere(
         assert not s.errors, s.errors
     assert streams.texts == [" tok" * 100] * 4 and late.texts == [" tok" * 20] * 2
     wait_until(lambda: a.inflight() == 0 and b.inflight() == 0, timeout=3)
+
+
+def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
+    ferries: Any, standins: Any, redis_server: str, redis_prefix: str
+) -> None:
+    import redis
+
+    [a] = ferries(1, sharing={"fleet_log_length": 3})
+    [(_, extra)] = standins(1)
+    a.admin("/admin/instances/i0", "PATCH", {"migration": "lite"})
+    for _ in range(3):
+        a.admin("/admin/instances/i1/drain", "POST")
+        a.admin("/admin/instances/i1/undrain", "POST")
+    a.admin("/admin/instances/i1/drain", "POST")
+    a.admin("/admin/instances", "POST", {"name": "i2", "url": extra.url})
+    a.admin("/admin/instances/i2", "PATCH", {"labels": {"zone": "b"}})
+    a.admin("/admin/instances/i0", "PATCH", {"labels": {"zone": "a"}})
+    client = redis.Redis.from_url(redis_server)
+    try:
+        # 11 changes (sent with the next round), of which the log keeps 3.
+        state = f"{redis_prefix}:fleet:state"
+        wait_until(lambda: b"zone" in (client.hget(state, "i0") or b""), timeout=2)
+        assert client.xlen(f"{redis_prefix}:fleet") == 3
+        # The first PATCH of i0 is long gone from the log; its compacted state keeps it.
+        [b] = ferries(1)
+        rows = b.rows()
+        assert rows["i0"]["migration_configured"] == "lite"
+        assert rows["i0"]["labels"] == {"zone": "a"}
+        assert rows["i1"]["draining"] and not rows["i0"]["draining"]
+        assert rows["i2"]["labels"] == {"zone": "b"}
+
+        # A process cut off while the log moved past it starts over from the state.
+        # As a peer would, in one transaction: i1 undrained, then junk enough to
+        # trim that change from the log before b reads it.
+        undrain = {"origin": "peer", "op": {"op": "undrain", "name": "i1"}}
+        junk = json.dumps({"op": "undrain", "name": "ghost"})
+        pipe = client.pipeline(transaction=True)
+        pipe.hset(state, "i1", json.dumps([undrain]))
+        for _ in range(5):
+            pipe.xadd(
+                f"{redis_prefix}:fleet", {"origin": "peer", "op": junk}, maxlen=3, approximate=False
+            )
+        pipe.execute()
+        wait_until(lambda: not b.rows()["i1"]["draining"], timeout=2)
+        assert "fleet log trimmed past the last change applied here" in b.log.read_text()
+    finally:
+        client.close()
 
 
 def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(

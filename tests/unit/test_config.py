@@ -201,6 +201,9 @@ def test_sharing_is_off_unless_a_redis_url_is_given() -> None:
     shared = parse_config(base(redis_url="redis://r:6379/2", server={"workers": 4}), env={})
     assert shared.redis_url == "redis://r:6379/2" and shared.server.workers == 4
     assert shared.sharing.publish_interval_s == 0.05 and shared.sharing.key_prefix == "ferry"
+    assert shared.sharing.fleet_log_length == 1000
+    with pytest.raises(ConfigError, match=r"^sharing\.fleet_log_length: must be at least 1"):
+        parse_config(base(sharing={"fleet_log_length": 0}), env={})
 
 
 def test_file_errors(tmp_path: Path) -> None:

@@ -1,0 +1,65 @@
+"""The fleet log's compaction (proxy/fleet.py `compact`): an instance's changes
+in their shortest form leave it as all of them, in order, would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.fleet import compact, op_instance
+
+NAME = "i0"
+
+
+def apply(ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the changes leave of one instance, as Fleet applies them: an add or a
+    remove starts it over, a patch overrides keys, drain and undrain set a flag."""
+    state: dict[str, Any] = {"present": None, "config": {}, "draining": None}
+    for op in ops:
+        kind = op["op"]
+        if kind == "add":
+            state = {"present": True, "config": dict(op["instance"]), "draining": False}
+        elif kind == "remove":
+            state = {"present": False, "config": {}, "draining": None}
+        elif kind == "patch":
+            state["config"] = {**state["config"], **op["changes"]}
+        else:
+            state["draining"] = kind == "drain"
+    return state
+
+
+changes = st.dictionaries(st.sampled_from(["migration", "labels", "api_key"]), st.integers(0, 3))
+ops = st.one_of(
+    st.builds(lambda url: {"op": "add", "instance": {"name": NAME, "url": url}}, st.integers(0, 3)),
+    st.builds(lambda m: {"op": "remove", "name": NAME, "migrate": m}, st.booleans()),
+    st.builds(lambda c: {"op": "patch", "name": NAME, "changes": c}, changes),
+    st.builds(lambda m: {"op": "drain", "name": NAME, "migrate": m}, st.booleans()),
+    st.just({"op": "undrain", "name": NAME}),
+)
+
+
+@given(st.lists(ops, max_size=30))
+def test_the_compacted_changes_leave_the_instance_as_all_of_them(history: list[Any]) -> None:
+    kept: list[dict[str, Any]] = []
+    for n, op in enumerate(history):
+        kept = compact(kept, {"origin": f"p{n % 3}", "op": op})
+    assert len(kept) <= 3  # an add or remove, one patch, one drain or undrain
+    assert apply([e["op"] for e in kept]) == apply(history)
+
+
+def test_patches_merge_with_the_later_winning() -> None:
+    first = {"origin": "a", "op": {"op": "patch", "name": NAME, "changes": {"migration": "lite"}}}
+    later = {"origin": "b", "op": {"op": "patch", "name": NAME, "changes": {"migration": "full"}}}
+    labels = {"origin": "a", "op": {"op": "patch", "name": NAME, "changes": {"labels": {"z": 1}}}}
+    [merged] = compact(compact([first], later), labels)
+    assert merged["op"]["changes"] == {"migration": "full", "labels": {"z": 1}}
+    assert merged["origin"] == "a"  # the last to change it
+
+
+def test_the_instance_an_op_is_about() -> None:
+    assert op_instance({"op": "drain", "name": "x", "migrate": True}) == "x"
+    assert op_instance({"op": "add", "instance": {"name": "y", "url": "http://h"}}) == "y"
+    assert op_instance({"op": "add", "instance": "not a mapping"}) is None
+    assert op_instance("junk") is None
