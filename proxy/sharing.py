@@ -413,7 +413,8 @@ class Sharing:
         state, newest = await pipe.execute()
         for name in sorted(state, key=_text):
             for entry in _history(state[name]):
-                self._apply_change({"origin": entry["origin"], "op": json.dumps(entry["op"])})
+                origin = str(entry.get("origin", ""))
+                self._apply_change({"origin": origin, "op": json.dumps(entry["op"])})
         # No state but a log: written by an older Ferry, so replay it from the start.
         self._fleet_seen = _text(newest[0][0]) if state and newest else "0"
         self._resync_due = False
