@@ -41,6 +41,8 @@ class SharingStatus:
     """What `/admin/sharing` shows: filled in once the shared view runs."""
 
     describe: Callable[[], dict[str, Any]] = _alone
+    # This process's /metrics with its peers' merged in; None: alone.
+    merged_metrics: Callable[[bytes], Awaitable[bytes]] | None = None
 
 
 def instances_json(

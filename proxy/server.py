@@ -20,6 +20,7 @@ import contextlib
 import logging
 import random
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -222,9 +223,12 @@ async def _shared_view(
         config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
     )
     sharing = Sharing(client, config.sharing, app[CLUSTER], app[FLEET], migrator, rescheduler)
+    sharing.exposition = lambda: app[METRICS].render(app[CLUSTER])
+    sharing.metrics_group = f"{socket.gethostname()}:{config.server.port}"
     try:
         await sharing.start()
         app[SHARING].describe = sharing.describe
+        app[SHARING].merged_metrics = sharing.merged_metrics
         log.info("sharing the cluster view through %s as %s", config.redis_url, sharing.name)
         yield
     finally:
@@ -376,6 +380,9 @@ async def _readyz(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     text = request.app[METRICS].render(request.app[CLUSTER])
+    merged = request.app[SHARING].merged_metrics
+    if merged is not None:  # sharing: this process answers for its peers too
+        text = await merged(text)
     return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 

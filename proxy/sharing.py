@@ -11,7 +11,13 @@ pipeline that:
   drain, undrain, add, remove and patch made through any process's admin API;
 - takes the moves the rescheduler lease holder sent it (`<prefix>:moves:<process>`);
 - takes or renews the rescheduler lease (`<prefix>:lease`, a key with expiry
-  `lease_ttl_s` holding its holder's name).
+  `lease_ttl_s` holding its holder's name);
+- once a second, writes its Prometheus exposition to
+  `<prefix>:metrics:<group>:<process>` (expiring after `METRICS_TTL_S`), the
+  group being its host and port: a scrape of that port reaches one of the
+  processes serving it (`--workers`), which answers for all of them
+  (`merged_metrics`, proxy/metrics_merge.py). Replicas on other hosts are
+  scraped apart, so each answers for its own.
 
 Between rounds, a dispatch or a release is announced at once on the channel
 `<prefix>:changes` (Redis pub/sub; at most one message per `change_interval_s`,
@@ -45,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -58,6 +65,7 @@ from redis.exceptions import RedisError, WatchError
 from proxy.cluster import Cluster
 from proxy.config import SharingConfig
 from proxy.fleet import Fleet, FleetError, compact, op_instance
+from proxy.metrics_merge import merge
 from proxy.migrator import Migrator
 from proxy.peer_load import (
     BadRecord,
@@ -73,6 +81,9 @@ from proxy.policy.migration import RequestLoad
 from proxy.rescheduler import Rescheduler
 
 log = logging.getLogger("ferry.sharing")
+
+METRICS_EVERY_S = 1.0  # how often a process publishes its exposition
+METRICS_TTL_S = 3 * METRICS_EVERY_S  # a dead process's counters leave the sum after this
 
 # Take the lease when nobody holds it, renew it when we do: atomically, so two
 # processes never both believe they hold it.
@@ -133,6 +144,12 @@ class Sharing:
         self._load_prefix = f"{prefix}:load:"
         self._moves_key = f"{prefix}:moves:{self.name}"
         self._changes_key = f"{prefix}:changes"
+        self._metrics_prefix = f"{prefix}:metrics:"
+        # This process's exposition, published for the processes serving the same
+        # host and port (both set by the server).
+        self.exposition: Callable[[], bytes] | None = None
+        self.metrics_group = socket.gethostname()
+        self._metrics_at = -math.inf  # clock() of the last publish
         self.peers = PeerLoads()
         self.lease_holder: str | None = None
         self._members: list[str] = []
@@ -179,6 +196,7 @@ class Sharing:
             await self._flush_announced()  # a change made just before the stop
             pipe = self.redis.pipeline(transaction=True)
             pipe.delete(self._load_prefix + self.name, self._moves_key)
+            pipe.delete(self._metrics_key(self.name))
             pipe.srem(self._members_key, self.name)
             await pipe.execute()
             await self.redis.eval(_RELEASE, 1, self._lease_key, self.name)
@@ -240,6 +258,10 @@ class Sharing:
         pipe.get(self._lease_key)
         if known:
             pipe.mget([self._load_prefix + m for m in known])
+        if self.exposition is not None and started - self._metrics_at >= METRICS_EVERY_S:
+            self._metrics_at = started
+            ttl = int(METRICS_TTL_S * 1000)
+            pipe.set(self._metrics_key(self.name), self.exposition(), px=ttl)
         for owner, request_id, destination, prewarm in outbox:
             key = f"{self.settings.key_prefix}:moves:{owner}"
             pipe.rpush(key, json.dumps([request_id, destination, prewarm]))
@@ -428,6 +450,28 @@ class Sharing:
             # Their records would have expired by now: they may be dead.
             self.peers = PeerLoads()
             self.cluster.set_peer_load({})
+
+    # -- what a scrape of /metrics shows ---------------------------------------------
+    async def merged_metrics(self, own: bytes) -> bytes:
+        """This process's exposition with those of the live processes serving the
+        same host and port merged in; its own alone if Redis cannot be read."""
+        peers = [m for m in self._members if m != self.name]
+        if not peers:
+            return own
+        try:
+            # A peer in another group has no key in this one: it reads as None.
+            texts = await self.redis.mget([self._metrics_key(m) for m in peers])
+        except (RedisError, OSError) as exc:
+            log.debug("peers' metrics unreadable, serving this process's: %s", exc)
+            return own
+        found = [_text(t) for t in texts if t is not None]
+        if not found:
+            return own
+        # Parsing several expositions takes milliseconds: off the event loop.
+        return await asyncio.to_thread(merge, own.decode(), found)
+
+    def _metrics_key(self, process: str) -> str:
+        return f"{self._metrics_prefix}{self.metrics_group}:{process}"
 
     # -- what the admin API shows ---------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -13,12 +13,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.redis_server import start_redis
 from tests.helpers import call_json, free_port, wait_until
@@ -259,6 +261,32 @@ def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
         assert "fleet log trimmed past the last change applied here" in b.log.read_text()
     finally:
         client.close()
+
+
+def requests_total(url: str) -> float:
+    """The sum of ferry_requests_total over its labels, from one scrape of `url`."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "ferry_requests_total"
+    )
+
+
+def test_a_scrape_answers_for_every_worker_on_its_port_and_no_more(ferries: Any) -> None:
+    [workers] = ferries(1, "--workers", "2")
+    [replica] = ferries(1)  # another port, as a replica on another host: scraped apart
+    wait_until(lambda: len(replica.sharing()["peers"]) == 2)
+    for _ in range(5):
+        complete(workers.url)  # each call a new connection: spread over the workers
+    for _ in range(2):
+        complete(replica.url)
+    # Each publishes its exposition once a second; whichever worker a scrape
+    # reaches answers for both, and for nobody else.
+    wait_until(lambda: all(requests_total(workers.url) == 5 for _ in range(4)), timeout=5)
+    assert requests_total(replica.url) == 2
 
 
 def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
