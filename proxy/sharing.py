@@ -244,7 +244,7 @@ class Sharing:
         known = [m for m in self._members if m != self.name]
         started = self.clock()
         pipe = self.redis.pipeline(transaction=True)
-        # Answers read by position: these eight (and SREM's), the records, then writes.
+        # Answers read by position: these nine (and SREM's), the records, then writes.
         pipe.set(self._load_prefix + self.name, encode(record), px=ttl_ms)
         pipe.sadd(self._members_key, self.name)
         if gone:  # before SMEMBERS, which then no longer names them
