@@ -54,9 +54,12 @@ class Workload:
     # so that the comparison is mostly of placement, with streams still running.
     drain_at: float = 0.8
     seed: int = 7
+    min_tokens: int = 8  # the shortest answer
 
 
-SHORT = Workload(requests=16, rate_per_s=3.0, drain_at=0.5)  # more streams left to move
+# Fewer streams, each long enough to outlast a move's pre-warm (up to a second):
+# a drain then has streams to move, not streams that end before their turn.
+SHORT = Workload(requests=16, rate_per_s=3.0, drain_at=0.5, min_tokens=300)
 
 
 @dataclass
@@ -98,7 +101,7 @@ def request_specs(workload: Workload) -> list[tuple[float, int, int]]:
     for _ in range(workload.requests):
         gap = rng.gammavariate(shape, 1.0 / (workload.rate_per_s * shape))
         # Heavy tails: most answers are short, a few are long and hold KV for long.
-        max_tokens = min(800, max(8, int(rng.lognormvariate(4.3, 1.0))))
+        max_tokens = min(800, max(workload.min_tokens, int(rng.lognormvariate(4.3, 1.0))))
         specs.append((gap, rng.randint(10, 300), max_tokens))
     return specs
 

@@ -10,9 +10,16 @@ test: it exits 0 whatever the numbers, and always stops what it started.
 
     python -m loadtest.validate_sim [--requests 60] [--rate 3] [--seed 1]
 
-Prefix caching is off on the servers unless `--prefix-caching`: the simulator
-does not model it, and the replayed prompts all start with the same token ids,
-so with it on every prompt of 128+ tokens would hit a cached block.
+Prefix caching is off on the servers unless `--prefix-caching`: the replayed
+prompts all start with the same token ids, so with it on every prompt of 128+
+tokens would hit a cached block. `--prefix-groups G` validates the simulator's
+prefix cache instead: the servers cache prefixes, the trace gets shared system
+prompts and multi-turn sessions (`--prefix-len`, `--turns`), the prompts go out
+as token ids with that structure (each turn carries its session's earlier turns
+and the answers the engine really gave: loadtest/bench_prefix_real.py's
+`Conversations`), and the simulated engines cache prefixes too.
+
+    python -m loadtest.validate_sim --prefix-groups 4 --prefix-len 384 --turns 3
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.vllm import parse_metrics
+from loadtest.bench_prefix_real import Conversations
 from loadtest.ferry_process import wait_healthy
 from loadtest.measure_profile import format_report, measure
 from loadtest.replay import replay
@@ -57,11 +65,27 @@ ROWS = (
 )
 
 
-def make_trace(requests: int, rate: float, seed: int) -> list[TraceRequest]:
+def make_trace(args: argparse.Namespace) -> list[TraceRequest]:
     """The trace, with outputs clamped so that prompt + output fits max_model_len."""
     spec = TraceSpec(
-        requests=requests, rate=rate, seed=seed, input_mean=200, output_mean=150, max_len=700
+        requests=args.requests,
+        rate=args.rate,
+        seed=args.seed,
+        input_mean=200,
+        output_mean=150,
+        max_len=700,
     )
+    if args.prefix_groups:  # turns carry their session's history: keep each part short
+        spec = dataclasses.replace(
+            spec,
+            input_mean=48,
+            output_mean=48,
+            max_len=128,
+            prefix_groups=args.prefix_groups,
+            prefix_len=args.prefix_len,
+            turns=args.turns,
+            sessions_at_once=args.sessions_at_once,
+        )
     return [
         dataclasses.replace(t, output_tokens=min(t.output_tokens, MAX_MODEL_LEN - t.prompt_tokens))
         for t in generate(spec)
@@ -143,7 +167,8 @@ def verdict(real: dict[str, Any], sim: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
-    trace = make_trace(args.requests, args.rate, args.seed)
+    trace = make_trace(args)
+    prefixes = args.prefix_groups > 0
     span = trace[-1].arrival_s if trace else 0.0
     print(
         f"trace: {len(trace)} requests over {span:.1f}s (rate {args.rate}/s, seed {args.seed}), "
@@ -151,7 +176,8 @@ def run(args: argparse.Namespace) -> None:
         f"output mean {sum(t.output_tokens for t in trace) / max(1, len(trace)):.0f} tokens"
     )
     model = build(WORK / "tiny-llama")
-    extra = () if args.prefix_caching else ("--no-enable-prefix-caching",)
+    caching = args.prefix_caching or prefixes
+    extra = () if caching else ("--no-enable-prefix-caching",)
     servers: list[VLLMServer] = []
     ferry: subprocess.Popen[bytes] | None = None
     try:
@@ -182,7 +208,13 @@ def run(args: argparse.Namespace) -> None:
         before = preemptions(servers)
         print(f"replaying through ferry at {ferry_url}...", flush=True)
         started = time.perf_counter()
-        done = asyncio.run(replay(ferry_url, trace, DEFAULT_MODEL_NAME))
+        if prefixes:  # the lean client: it sends each turn its session's history
+            conversations = Conversations(trace, args.seed)
+            done = asyncio.run(
+                replay(ferry_url, trace, DEFAULT_MODEL_NAME, client="lean", prompts=conversations)
+            )
+        else:
+            done = asyncio.run(replay(ferry_url, trace, DEFAULT_MODEL_NAME))
         print(f"replayed in {time.perf_counter() - started:.1f}s")
         real_preempt = preemptions(servers) - before
     finally:
@@ -196,7 +228,8 @@ def run(args: argparse.Namespace) -> None:
             server.stop()
 
     real = summarize(done, {})
-    simulated = Simulator(trace, profile, SimSettings(instances=2, policy="llumnix")).run()
+    settings = SimSettings(instances=2, policy="llumnix", prefix_caching=prefixes)
+    simulated = Simulator(trace, profile, settings).run()
     sim = summarize(simulated, {})
     print()
     print(format_table(real, sim, real_preempt))
@@ -214,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefix-caching", action="store_true", help="keep vLLM's prefix caching on"
     )
+    parser.add_argument(
+        "--prefix-groups", type=int, default=0, help="shared system prompts (0: none)"
+    )
+    parser.add_argument("--prefix-len", type=int, default=384, help="tokens of each")
+    parser.add_argument("--turns", type=int, default=3, help="turns per session")
+    parser.add_argument("--sessions-at-once", type=int, default=16)
     args = parser.parse_args(argv)
     try:
         run(args)

@@ -2,10 +2,12 @@
 
 Drain, rebalance and priority ask it to move a stream (`submit`); it runs every
 such move as a task in one bounded set: at most `max_concurrent` at a time, the
-rest wait their turn in order. A move is full mode (KV copied through the shims)
-where both ends run migration_shim, else lite (recompute, after a pre-warm of
-the destination's prefix cache); a full-mode copy that does not happen falls
-back to lite at once, so a move never waits on a copy that cannot finish.
+rest wait their turn, the moves an operator or a high-priority request asked
+for (drain, priority) before rebalancing's, each class in order. A move is full
+mode (KV copied through the shims) where both ends run migration_shim, else
+lite (recompute, after a pre-warm of the destination's prefix cache); a
+full-mode copy that does not happen falls back to lite at once, so a move never
+waits on a copy that cannot finish.
 Failover is the one move that does not queue: a stream whose upstream broke
 resumes at once, by itself (`LiveStream.run`), through the same placement.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 
@@ -33,6 +36,41 @@ log = logging.getLogger("ferry.migration")
 # work; waiting for it would hold the move (a drain, too) hostage to that queue,
 # and the cut-over's recompute joins the same queue anyway. So the move goes on.
 PREWARM_WAIT_S = 1.0
+
+# Which waiting moves take a free slot first (lower first): rebalancing is
+# opportunistic, and a stream it waits behind may end before its turn.
+MOVE_RANKS = {"drain": 0, "priority": 0, "rebalance": 1}
+
+
+class MoveSlots:
+    """At most `size` moves at once; waiters are served by rank, then arrival."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.held = 0
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+
+    async def acquire(self, rank: int) -> None:
+        if self.held < self.size and not self._waiting:
+            self.held += 1
+            return
+        slot = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (rank, next(self._arrivals), slot))
+        try:
+            await slot
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():
+                self.release()  # handed a slot while being cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            _, _, slot = heapq.heappop(self._waiting)
+            if not slot.done():  # a cancelled waiter's is done: skip it
+                slot.set_result(None)  # the slot passes on: `held` stays
+                return
+        self.held -= 1
 
 
 class Migrator:
@@ -56,7 +94,7 @@ class Migrator:
         # there later (its instance was slow to answer) moves off as it arrives.
         self.evacuating: set[str] = set()
         self._ids = itertools.count(1)
-        self._slots = asyncio.Semaphore(max(1, max_concurrent))
+        self._slots = MoveSlots(max(1, max_concurrent))
         self._max = max(1, max_concurrent)
         self._moves: set[asyncio.Task[bool]] = set()
 
@@ -65,7 +103,7 @@ class Migrator:
         self.prewarm = prewarm
         if max(1, max_concurrent) != self._max:
             self._max = max(1, max_concurrent)
-            self._slots = asyncio.Semaphore(self._max)
+            self._slots = MoveSlots(self._max)
 
     # -- the registry ----------------------------------------------------------------
     def next_id(self) -> int:
@@ -151,8 +189,12 @@ class Migrator:
     async def _bounded(
         self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool
     ) -> bool:
-        async with self._slots:
+        slots = self._slots  # a retune replaces it; this move releases the one it took
+        await slots.acquire(MOVE_RANKS.get(reason, 1))
+        try:
             return await self.move(stream, destination, reason, prewarm)
+        finally:
+            slots.release()
 
     async def move(
         self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool = True

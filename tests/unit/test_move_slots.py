@@ -1,0 +1,51 @@
+"""The migrator's bounded set of moves (proxy/migrator.py `MoveSlots`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from proxy.migrator import MOVE_RANKS, MoveSlots
+
+
+def test_a_drain_waiting_for_a_slot_goes_before_rebalancing() -> None:
+    async def scenario() -> list[str]:
+        slots = MoveSlots(1)
+        served: list[str] = []
+
+        async def move(name: str, reason: str) -> None:
+            await slots.acquire(MOVE_RANKS[reason])
+            served.append(name)
+            await asyncio.sleep(0)
+            slots.release()
+
+        await slots.acquire(MOVE_RANKS["rebalance"])  # one move under way
+        waiting = [
+            asyncio.create_task(move("rebalance 1", "rebalance")),
+            asyncio.create_task(move("rebalance 2", "rebalance")),
+            asyncio.create_task(move("drain", "drain")),
+        ]
+        await asyncio.sleep(0)  # all three wait
+        slots.release()
+        await asyncio.gather(*waiting)
+        assert slots.held == 0
+        return served
+
+    assert asyncio.run(scenario()) == ["drain", "rebalance 1", "rebalance 2"]
+
+
+def test_a_cancelled_waiter_passes_its_turn_on() -> None:
+    async def scenario() -> None:
+        slots = MoveSlots(1)
+        await slots.acquire(0)
+        gone = asyncio.create_task(slots.acquire(0))
+        kept = asyncio.create_task(slots.acquire(1))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        slots.release()
+        await asyncio.wait_for(kept, 1)  # the slot skipped the cancelled waiter
+        assert slots.held == 1
+        slots.release()
+        assert slots.held == 0
+
+    asyncio.run(scenario())
