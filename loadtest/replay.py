@@ -157,7 +157,9 @@ async def _one_lean(
     }
     try:
         async with session.post(
-            url + "/v1/completions", json=body, headers={"x-ferry-priority": t.priority}
+            url + "/v1/completions",
+            json=body,
+            headers={"x-ferry-priority": t.priority, "x-request-id": f"trace-{t.id}"},
         ) as resp:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")

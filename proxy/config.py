@@ -124,6 +124,9 @@ class SchedulerConfig:
     eject_base_s: float = 5.0
     eject_max_s: float = 300.0
     migration_prewarm: bool = True  # lite: warm the destination's prefix cache first
+    # ...for a rebalancing move only when the recompute it saves takes this long
+    # at migration_prefill_tokens_per_s (drains always pre-warm).
+    migration_prewarm_min_recompute_s: float = 0.05
     rebalance_interval_s: float = 0.0  # rescheduler tick; 0 turns rebalancing off
     migration_max_concurrent: int = 2  # moves in flight at once (rebalancing)
     migration_source_below: float = 1.0  # freeness under which an instance sheds requests
@@ -469,8 +472,9 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     ):
         if getattr(s, key) <= 0:
             raise ConfigError(f"scheduler.{key}: must be positive")
-    if s.migration_stalled_after_s < 0:
-        raise ConfigError("scheduler.migration_stalled_after_s: must not be negative")
+    for key in ("migration_stalled_after_s", "migration_prewarm_min_recompute_s"):
+        if getattr(s, key) < 0:
+            raise ConfigError(f"scheduler.{key}: must not be negative")
     if s.rebalance_interval_s < 0 or s.migration_max_concurrent < 1:
         raise ConfigError(
             "scheduler.rebalance_interval_s: must not be negative;"

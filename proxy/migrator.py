@@ -15,7 +15,6 @@ resumes at once, by itself (`LiveStream.run`), through the same placement.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
@@ -36,6 +35,7 @@ log = logging.getLogger("ferry.migration")
 # work; waiting for it would hold the move (a drain, too) hostage to that queue,
 # and the cut-over's recompute joins the same queue anyway. So the move goes on.
 PREWARM_WAIT_S = 1.0
+PREWARM_CHECK_S = 0.02  # how often a waiting move checks that its stream still streams
 
 # Which waiting moves take a free slot first (lower first): rebalancing is
 # opportunistic, and a stream it waits behind may end before its turn.
@@ -257,9 +257,19 @@ class Migrator:
             body["cache_salt"] = stream.request.body["cache_salt"]
         # An optimisation only: if it fails or is slow, the cut-over recomputes instead.
         # A slow one is expected under load: give up on it quietly (cancelling the
-        # call closes its connection, and the engine aborts the request).
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(
-                self.upstreams.post_json(destination, "/v1/completions", body, timeout_s=30),
-                PREWARM_WAIT_S,
-            )
+        # call closes its connection, and the engine aborts the request). Give up
+        # too when the stream stops while it waits: a pre-warm pays by overlapping
+        # the source's decoding, and a source short of memory may preempt the very
+        # stream being moved; waiting on would only lengthen its stall.
+        warm = asyncio.ensure_future(
+            self.upstreams.post_json(destination, "/v1/completions", body, timeout_s=30)
+        )
+        deadline = asyncio.get_running_loop().time() + PREWARM_WAIT_S
+        try:
+            while not warm.done() and not stream.timing.stopped():
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                await asyncio.wait({warm}, timeout=min(left, PREWARM_CHECK_S))
+        finally:
+            warm.cancel()  # a no-op when it is done; post_json raises nothing else

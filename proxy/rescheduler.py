@@ -132,10 +132,10 @@ class Rescheduler:
             )
             if owner is None:
                 stream = self.migrator.streams[request_id]
-                self.migrator.submit(stream, move.destination, "rebalance", not move.preempted)
+                self.migrator.submit(stream, move.destination, "rebalance", move.prewarm)
             else:
                 assert self.coordinator is not None
-                self.coordinator.send_move(owner, request_id, move.destination, not move.preempted)
+                self.coordinator.send_move(owner, request_id, move.destination, move.prewarm)
         return len(plan)
 
     def _pool(

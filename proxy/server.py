@@ -289,6 +289,7 @@ def _migration_settings(config: FerryConfig) -> MigrationSettings:
         preemption_stall_s=s.migration_preemption_stall_s,
         dest_ttft_slack_s=s.migration_dest_ttft_slack_s,
         stalled_after_s=s.migration_stalled_after_s,
+        prewarm_min_recompute_s=s.migration_prewarm_min_recompute_s,
     )
 
 

@@ -31,6 +31,12 @@ STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyn
 
 DONE = b"data: [DONE]\n\n"
 
+# A stream silent for STOPPED_GAPS of its usual token gaps, and at least
+# STOPPED_FLOOR_S, has stopped producing (`TokenTiming.stopped`): decode gaps
+# vary by a small factor with the batch, a preemption stops a stream for good.
+STOPPED_GAPS = 4.0
+STOPPED_FLOOR_S = 0.1
+
 
 def dumps(obj: Any) -> bytes:
     """Compact JSON. orjson is 5-10x faster than json; what it refuses (integers
@@ -104,6 +110,7 @@ class TokenTiming:
         "arrived",
         "model",
         "last",
+        "gap_s",
         "cut_at",
         "ttft",
         "stages",
@@ -120,6 +127,7 @@ class TokenTiming:
     ) -> None:
         self.metrics, self.clock, self.arrived, self.model = metrics, clock, arrived, model
         self.last: float | None = None
+        self.gap_s: float | None = None  # its recent gap between token chunks (EWMA)
         self.cut_at: float | None = None
         self.ttft: float | None = None  # seconds, once the first token came
         self.stages = stages  # None once its breakdown is recorded
@@ -132,6 +140,14 @@ class TokenTiming:
     def silent_s(self) -> float:
         """Seconds since the last token (0 before the first)."""
         return 0.0 if self.last is None else self.clock() - self.last
+
+    def stopped(self) -> bool:
+        """Whether the stream has stopped producing: silent for several of its own
+        recent gaps (at least STOPPED_FLOOR_S), as when its engine preempted it."""
+        if self.last is None:
+            return False
+        usual = STOPPED_GAPS * self.gap_s if self.gap_s is not None else 0.0
+        return self.silent_s() >= max(STOPPED_FLOOR_S, usual)
 
     def cut(self) -> None:
         """A move starts: the next token's gap is downtime."""
@@ -171,6 +187,9 @@ class TokenTiming:
             if self.stages is not None:
                 self.stages.first_token()
         else:
-            self.metrics.itl.labels(self.model, instance).observe(now - self.last)
+            gap = now - self.last
+            self.metrics.itl.labels(self.model, instance).observe(gap)
+            if downtime is None:  # a move's downtime is not the engine's pace
+                self.gap_s = gap if self.gap_s is None else self.gap_s + 0.25 * (gap - self.gap_s)
         self.last = now
         return downtime

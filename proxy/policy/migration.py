@@ -59,6 +59,16 @@ scrape) has a queue of unknown size: no recompute goes there. Queued requests
 (no KV yet) and full-mode moves (`count_recompute=False`: the KV moves along)
 skip these tests.
 
+Pre-warm. A lite move of a running request may first send P + G to the
+destination as a one-token request, so that its prefix cache holds them and the
+cut-over recomputes almost nothing while the source goes on decoding. That costs
+the move a trip through the destination's queue (an engine step or more), during
+which a source short of memory may preempt the very request being moved. So a
+move pre-warms only when the recompute it saves, tail / prefill_tokens_per_s, is
+at least `prewarm_min_recompute_s` (about one decode step); a rescued request
+never does (its source is not decoding it: there is nothing to overlap), and the
+migrator gives up waiting on a pre-warm as soon as the stream stops producing.
+
 Prefix credit (issue 13): a request whose tokens are partly cached on a
 destination (`RequestLoad.cached`, from the prefix index) recomputes only the
 uncached tail there, so T above is P + G - cached; running requests are tried
@@ -110,6 +120,9 @@ class Migration:
     destination: str
     reason: str
     preempted: bool = False  # a rescue: the engine has stopped the request already
+    # Lite: warm the destination's prefix cache with P + G before the cut-over (see
+    # "Pre-warm" in the module docstring).
+    prewarm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +148,25 @@ class MigrationSettings:
     # A running request this silent, on a source whose engine queues more requests
     # than the ledger has waiting for a first token, is taken for preempted (0: never).
     stalled_after_s: float = 0.3
+    # A lite move pre-warms its destination when the recompute it saves at the
+    # cut-over would take at least this long (seconds at prefill_tokens_per_s).
+    prewarm_min_recompute_s: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0 (got {self.prefill_tokens_per_s})")
-        if self.preemption_stall_s < 0 or self.dest_ttft_slack_s < 0 or self.stalled_after_s < 0:
+        if (
+            min(
+                self.preemption_stall_s,
+                self.dest_ttft_slack_s,
+                self.stalled_after_s,
+                self.prewarm_min_recompute_s,
+            )
+            < 0
+        ):
             raise ValueError(
-                "preemption_stall_s, dest_ttft_slack_s and stalled_after_s must be >= 0"
+                "preemption_stall_s, dest_ttft_slack_s, stalled_after_s and"
+                " prewarm_min_recompute_s must be >= 0"
             )
 
 
@@ -262,13 +287,17 @@ def _pick(
         reason = (
             f"{why}; {dest.name} freeness {dest.freeness:.1f}; {what} request of {r.tokens} tokens"
         )
+        prewarm = r.running and r not in stalled
         if r.running and settings.count_recompute:
             tail = r.tail(dest.name)
             cost = tail / settings.prefill_tokens_per_s
+            prewarm = prewarm and cost >= settings.prewarm_min_recompute_s
             reason += f"; recompute {cost:.3f}s x {dest.batch + 1} streams"
             if tail < r.tokens:
                 reason += f" ({r.tokens - tail} tokens cached there)"
-        return Migration(r.id, src.name, dest.name, reason, preempted=r in stalled)
+            if prewarm:
+                reason += ", pre-warmed"
+        return Migration(r.id, src.name, dest.name, reason, preempted=r in stalled, prewarm=prewarm)
     return None
 
 

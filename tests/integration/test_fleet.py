@@ -302,3 +302,31 @@ def test_a_drain_does_not_wait_for_a_slow_prewarm(standins: Any, ferry: Any) -> 
     text = get(proxy.url + "/metrics")[1]["raw"]
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in text
     assert any(body.get("max_tokens") == 1 for body in b.seen_bodies)  # it was pre-warmed
+
+
+def test_a_move_stops_waiting_for_its_prewarm_once_its_stream_stops(
+    standins: Any, ferry: Any
+) -> None:
+    """The source goes silent mid-move (as when its engine preempts the stream being
+    moved): the move cuts over at once instead of waiting out the pre-warm."""
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.05)
+    a.stall_after, a.stall_s = 12, 5.0  # silent from about 0.6 s on
+    b.ttft_s = 2.0  # a pre-warm there would wait 2 s for its token
+    proxy: Ferry = ferry(
+        [site_a.url, site_b.url],
+        admin_token=TOKEN,
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    threads, texts = streams(proxy.url, 2, 60)
+    wait_until(lambda: a.running == 1 and b.running == 1)
+    time.sleep(0.3)
+    code, _ = send(proxy.url + "/admin/instances/i0/drain?migrate=true", "POST")
+    assert code == 200
+    drained = time.monotonic()
+    wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 0, timeout=2.5)
+    # Stopped about 0.3 s after the drain, noticed within a few of its 50 ms gaps.
+    assert time.monotonic() - drained < PREWARM_WAIT_S - 0.1
+    join(threads)
+    assert texts == [" tok" * 60] * 2
+    assert any(body.get("max_tokens") == 1 for body in b.seen_bodies)  # a pre-warm began

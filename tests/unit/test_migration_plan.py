@@ -137,7 +137,11 @@ def test_a_destination_queue_the_ledger_cannot_size_takes_no_recompute() -> None
 
 
 def test_cost_settings_are_validated() -> None:
-    for bad in ({"prefill_tokens_per_s": 0.0}, {"dest_ttft_slack_s": -1.0}):
+    for bad in (
+        {"prefill_tokens_per_s": 0.0},
+        {"dest_ttft_slack_s": -1.0},
+        {"prewarm_min_recompute_s": -0.1},
+    ):
         try:
             MigrationSettings(**bad)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -197,6 +201,23 @@ def test_running_requests_with_a_cached_tail_go_first() -> None:
     assert plan(view, {"hot": reqs})[0].request_id == 2
 
 
+def test_a_move_pre_warms_only_where_the_recompute_it_saves_is_long() -> None:
+    hot = inst("hot", 1000, 1100, 4)
+    idle = inst("cold", 1000, 0, 0)
+    view = ClusterView((hot, idle))
+    # At 1,000 tokens/s, 40 tokens recompute in 0.04 s: less than a decode step,
+    # not worth a trip through the destination's queue first; 400 take 0.4 s.
+    [short] = plan(view, {"hot": [running(1, 40)]}, **COST)
+    [long] = plan(view, {"hot": [running(1, 400)]}, **COST)
+    assert (short.prewarm, long.prewarm) == (False, True)
+    assert "pre-warmed" in long.reason and "pre-warmed" not in short.reason
+    [short] = plan(view, {"hot": [running(1, 40)]}, **COST, prewarm_min_recompute_s=0.0)
+    assert short.prewarm
+    # A queued request has nothing to warm.
+    [queued] = plan(view, {"hot": [RequestLoad(2, 400, Priority.NORMAL, running=False)]}, **COST)
+    assert not queued.prewarm
+
+
 def test_a_preempted_stream_is_rescued_at_once_most_silent_first() -> None:
     # "src" is full but not over (F >= 0): no load is shed. Its engine queues 2
     # requests while the ledger has 1 waiting for a first token: one stream was
@@ -216,6 +237,7 @@ def test_a_preempted_stream_is_rescued_at_once_most_silent_first() -> None:
     [move] = plan(view, {"src": reqs}, prefill_tokens_per_s=10.0, dest_ttft_slack_s=100.0)
     assert (move.request_id, move.destination, move.preempted) == (3, "tight", True)
     assert "preempted" in move.reason
+    assert not move.prewarm  # its source is not decoding it: nothing to overlap
     # Nothing silent enough, or no sign of preemption in the engine's queue: no move.
     assert plan(view, {"src": reqs}, stalled_after_s=1.0) == []
     assert plan(view, {"src": reqs}, stalled_after_s=0) == []

@@ -70,7 +70,7 @@ def test_the_holder_sends_a_peer_s_stream_to_that_peer() -> None:
     coordinator = Coordinator(True, {"p1": {"a": [queued(42)]}})
     planner, migrator = rescheduler({}, coordinator)
     assert planner.tick() == 1
-    assert coordinator.sent == [("p1", 42, "b", True)]  # the peer's own id; warmed first
+    assert coordinator.sent == [("p1", 42, "b", False)]  # the peer's own id; queued: no warming
     assert migrator.submitted == []
 
 
@@ -78,7 +78,7 @@ def test_the_holder_moves_its_own_streams_itself() -> None:
     coordinator = Coordinator(True, {})
     planner, migrator = rescheduler({"a": [queued(3)]}, coordinator)
     assert planner.tick() == 1
-    assert migrator.submitted == [("stream 3", "b", "rebalance", True)]
+    assert migrator.submitted == [("stream 3", "b", "rebalance", False)]
     assert coordinator.sent == []
     # What this process publishes for a holder elsewhere: its movable streams on a.
     assert planner.local_candidates() == {"a": [queued(3)]}

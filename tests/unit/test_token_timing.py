@@ -1,0 +1,53 @@
+"""A stream's timing: when it has stopped producing (`TokenTiming.stopped`)."""
+
+from __future__ import annotations
+
+from proxy.metrics import FerryMetrics
+from proxy.sse import STOPPED_FLOOR_S, STOPPED_GAPS, TokenTiming
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timing_with_gaps(clock: Clock, gaps: list[float]) -> TokenTiming:
+    timing = TokenTiming(FerryMetrics(), clock, arrived=clock.now, model="m")
+    timing.token("a")
+    for gap in gaps:
+        clock.now += gap
+        timing.token("a")
+    return timing
+
+
+def test_a_stream_has_stopped_after_several_of_its_own_gaps() -> None:
+    clock = Clock()
+    slow = timing_with_gaps(clock, [0.2] * 10)  # 200 ms per chunk
+    clock.now += 0.5
+    assert not slow.stopped()  # a slow step, not a stop
+    clock.now += STOPPED_GAPS * 0.2 - 0.5 + 0.01
+    assert slow.stopped()
+
+
+def test_a_fast_stream_is_judged_by_the_floor_and_a_move_s_downtime_is_not_its_pace() -> None:
+    clock = Clock()
+    fast = timing_with_gaps(clock, [0.01] * 10)
+    clock.now += STOPPED_FLOOR_S * 0.9
+    assert not fast.stopped()
+    clock.now += STOPPED_FLOOR_S * 0.2
+    assert fast.stopped()
+    usual = fast.gap_s
+    fast.cut()  # a move: the gap it ends is downtime
+    clock.now += 2.0
+    fast.token("b")
+    assert fast.gap_s == usual
+
+
+def test_no_stop_before_the_first_token() -> None:
+    clock = Clock()
+    timing = TokenTiming(FerryMetrics(), clock, arrived=clock.now, model="m")
+    clock.now += 60
+    assert not timing.stopped()
