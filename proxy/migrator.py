@@ -8,8 +8,11 @@ mode (KV copied through the shims) where both ends run migration_shim, else
 lite (recompute, after a pre-warm of the destination's prefix cache); a
 full-mode copy that does not happen falls back to lite at once, so a move never
 waits on a copy that cannot finish.
-Failover is the one move that does not queue: a stream whose upstream broke
-resumes at once, by itself (`LiveStream.run`), through the same placement.
+Two moves do not queue, because their stream is stopped already and every
+moment in a queue is a stall: failover (a stream whose upstream broke resumes at
+once, by itself, in `LiveStream.run`, through the same placement) and a rescue
+(a stream its engine preempted; the rescheduler plans at most as many as the
+engine's queue shows, and they skip the pre-warm).
 """
 
 from __future__ import annotations
@@ -189,6 +192,8 @@ class Migrator:
     async def _bounded(
         self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool
     ) -> bool:
+        if reason == "rescue":  # stopped already: no queue (see the module docstring)
+            return await self.move(stream, destination, reason, prewarm)
         slots = self._slots  # a retune replaces it; this move releases the one it took
         await slots.acquire(MOVE_RANKS.get(reason, 1))
         try:

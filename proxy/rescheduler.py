@@ -39,9 +39,11 @@ class Coordinator(Protocol):
     def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
         """Each peer's movable streams by instance (ids are the peer's own)."""
 
-    def send_move(self, owner: str, request_id: int, destination: str, prewarm: bool) -> None:
+    def send_move(
+        self, owner: str, request_id: int, destination: str, prewarm: bool, reason: str
+    ) -> None:
         """Ask `owner` to move its stream `request_id` to `destination` (warming
-        the destination first, or not: see `Migrator.submit`)."""
+        the destination first, or not, for `reason`: see `Migrator.submit`)."""
 
 
 class Rescheduler:
@@ -106,16 +108,17 @@ class Rescheduler:
             return 0
         if self.metrics is not None:
             self.metrics.rescheduler_ticks.inc()
-        room = self.migrator.free_slots
-        if room <= 0:
-            return 0
         view = self._view()
         names = sources(view, self.settings)
         if not names:
             return 0
         candidates, owners = self._pool(names)
         block_size = {n: self.cluster.block_size(n) for n in names}
-        plan = plan_migrations(view, candidates, block_size, self.settings)[:room]
+        planned = plan_migrations(view, candidates, block_size, self.settings)
+        # Rescues take no slot (see Migrator.submit); the other moves fill what is free.
+        room = self.migrator.free_slots
+        plan = [m for m in planned if m.preempted]
+        plan += [m for m in planned if not m.preempted][:room]
         running = {r.id for loads in candidates.values() for r in loads if r.running}
         for move in plan:
             if self.metrics is not None:
@@ -130,12 +133,15 @@ class Rescheduler:
                 move.destination,
                 move.reason,
             )
+            reason = "rescue" if move.preempted else "rebalance"
             if owner is None:
                 stream = self.migrator.streams[request_id]
-                self.migrator.submit(stream, move.destination, "rebalance", move.prewarm)
+                self.migrator.submit(stream, move.destination, reason, move.prewarm)
             else:
                 assert self.coordinator is not None
-                self.coordinator.send_move(owner, request_id, move.destination, move.prewarm)
+                self.coordinator.send_move(
+                    owner, request_id, move.destination, move.prewarm, reason
+                )
         return len(plan)
 
     def _pool(

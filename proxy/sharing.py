@@ -155,8 +155,8 @@ class Sharing:
         self._members: list[str] = []
         self._fleet_seen = "0"  # the last fleet change applied (a stream id)
         self._resync_due = True  # apply the compacted fleet state next round
-        # Moves to send: (owner, id, destination, prewarm).
-        self._outbox: list[tuple[str, int, str, bool]] = []
+        # Moves to send: (owner, id, destination, prewarm, reason).
+        self._outbox: list[tuple[str, int, str, bool, str]] = []
         self._announced: list[dict[str, Any]] = []  # fleet changes made here, to send
         self._gone: list[str] = []  # members whose records expired, to drop from the set
         self._last_round: float | None = None  # clock() of the last good round
@@ -210,8 +210,10 @@ class Sharing:
     def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
         return {name: record.candidates for name, record in self.peers.records.items()}
 
-    def send_move(self, owner: str, request_id: int, destination: str, prewarm: bool) -> None:
-        self._outbox.append((owner, request_id, destination, prewarm))
+    def send_move(
+        self, owner: str, request_id: int, destination: str, prewarm: bool, reason: str
+    ) -> None:
+        self._outbox.append((owner, request_id, destination, prewarm, reason))
 
     def _announce(self, op: dict[str, Any]) -> None:
         """A fleet change made here: the peers get it next round."""
@@ -262,9 +264,9 @@ class Sharing:
             self._metrics_at = started
             ttl = int(METRICS_TTL_S * 1000)
             pipe.set(self._metrics_key(self.name), self.exposition(), px=ttl)
-        for owner, request_id, destination, prewarm in outbox:
+        for owner, request_id, destination, prewarm, reason in outbox:
             key = f"{self.settings.key_prefix}:moves:{owner}"
-            pipe.rpush(key, json.dumps([request_id, destination, prewarm]))
+            pipe.rpush(key, json.dumps([request_id, destination, prewarm, reason]))
             pipe.pexpire(key, ttl_ms)  # a dead owner's moves go with it
         try:
             results = await pipe.execute()
@@ -378,7 +380,9 @@ class Sharing:
     def _apply_move(self, raw: str) -> None:
         try:
             request_id, destination, *rest = json.loads(raw)
-            prewarm = rest[0] if rest else True  # [id, destination] from an older peer
+            # An older peer sends [id, destination] or [id, destination, prewarm].
+            prewarm = rest[0] if rest else True
+            reason = rest[1] if len(rest) > 1 and rest[1] == "rescue" else "rebalance"
         except (ValueError, TypeError):
             log.warning("ignoring a malformed move: %r", raw)
             return
@@ -390,8 +394,8 @@ class Sharing:
             or destination not in self.cluster.instances
         ):
             return  # finished, moving already, or the destination is gone
-        log.info("rebalance (the lease holder's plan): request %s -> %s", request_id, destination)
-        self.migrator.submit(stream, destination, "rebalance", prewarm is not False)
+        log.info("%s (the lease holder's plan): request %s -> %s", reason, request_id, destination)
+        self.migrator.submit(stream, destination, reason, prewarm is not False)
 
     async def _flush_announced(self) -> None:
         """Send the fleet changes made here, in order; one not sent stays queued

@@ -2,10 +2,12 @@
 
 `plan_migrations` pairs the least free instances (sources) with the freest ones
 (destinations), like Llumnix's pair-migration policy, and picks for each pair
-the request whose move costs least:
-- a request still queued in the source engine (no KV yet): moving it costs
-  nothing and cuts its wait, so queued requests go first, oldest first;
-- then running requests the engine has preempted already (see "Rescue" below);
+the request whose move pays most:
+- running requests the engine has preempted already (see "Rescue" below): their
+  stall is under way, and vLLM queues a preempted request ahead of every other
+  waiting one, so it holds up the source's queue too;
+- then requests still queued in the source engine (no KV yet): moving one costs
+  nothing and cuts its wait, oldest first;
 - then running requests, lowest priority first, then shortest (in lite mode the
   destination recomputes prompt + generated tokens, so short ones are cheap).
 A move must pay: the source must be short of memory (freeness below
@@ -258,7 +260,7 @@ def _pick(
         running = []  # only queued work makes it over capacity: nothing running is at risk
     if not _over(src, settings) or dest.freeness <= settings.dest_above:
         queued, running = [], []  # only its preempted streams may move, or go there
-    for r in [*queued, *stalled, *running]:
+    for r in [*stalled, *queued, *running]:
         blocks = request_blocks(r.tokens + 1, block_size)
         room = dest.capacity_blocks - dest.virtual_blocks - settings.dest_reserve_blocks
         if blocks > room:

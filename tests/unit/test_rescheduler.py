@@ -10,7 +10,7 @@ from proxy.peer_load import InstanceLoad
 from proxy.policy import Priority
 from proxy.policy.migration import MigrationSettings, RequestLoad
 from proxy.rescheduler import Rescheduler
-from tests.unit.test_cluster import make_cluster
+from tests.unit.test_cluster import make_cluster, snapshot
 
 
 class Placement:
@@ -38,7 +38,7 @@ class Migrator:
 class Coordinator:
     def __init__(self, holds: bool, peers: dict[str, dict[str, list[RequestLoad]]]) -> None:
         self.holds, self.peers = holds, peers
-        self.sent: list[tuple[str, int, str, bool]] = []
+        self.sent: list[tuple[str, int, str, bool, str]] = []
 
     def holds_lease(self) -> bool:
         return self.holds
@@ -46,8 +46,10 @@ class Coordinator:
     def peer_candidates(self) -> Mapping[str, Mapping[str, Sequence[RequestLoad]]]:
         return self.peers
 
-    def send_move(self, owner: str, request_id: int, destination: str, prewarm: bool) -> None:
-        self.sent.append((owner, request_id, destination, prewarm))
+    def send_move(
+        self, owner: str, request_id: int, destination: str, prewarm: bool, reason: str
+    ) -> None:
+        self.sent.append((owner, request_id, destination, prewarm, reason))
 
 
 def queued(request_id: int) -> RequestLoad:
@@ -70,7 +72,8 @@ def test_the_holder_sends_a_peer_s_stream_to_that_peer() -> None:
     coordinator = Coordinator(True, {"p1": {"a": [queued(42)]}})
     planner, migrator = rescheduler({}, coordinator)
     assert planner.tick() == 1
-    assert coordinator.sent == [("p1", 42, "b", False)]  # the peer's own id; queued: no warming
+    # The peer's own id; queued: no warming.
+    assert coordinator.sent == [("p1", 42, "b", False, "rebalance")]
     assert migrator.submitted == []
 
 
@@ -89,3 +92,19 @@ def test_without_the_lease_nothing_is_planned() -> None:
     planner, migrator = rescheduler({"a": [queued(3)]}, coordinator)
     assert planner.tick() == 0
     assert coordinator.sent == [] and migrator.submitted == []
+
+
+def test_a_preempted_stream_is_rescued_even_with_every_slot_taken() -> None:
+    """Moves in flight fill the migrator's slots: no rebalancing move is planned,
+    but a stream its engine preempted (a's engine queues two requests, the peer's
+    queued one and one the ledger has streamed tokens of; stream 2 went silent)
+    moves at once, unwarmed."""
+    silent = RequestLoad(2, 64, Priority.NORMAL, running=True, silent_s=1.0)
+    busy = RequestLoad(3, 64, Priority.NORMAL, running=True, silent_s=0.01)
+    coordinator = Coordinator(True, {"p1": {"a": [queued(42)]}})
+    planner, migrator = rescheduler({"a": [silent, busy]}, coordinator)
+    planner.cluster.record_scrape("a", snapshot(running=2, waiting=2, kv_usage=0.9), now=1.0)
+    migrator.free_slots = 0
+    assert planner.tick() == 1
+    assert migrator.submitted == [("stream 2", "b", "rescue", False)]
+    assert coordinator.sent == []  # the peer's queued request waits for a free slot
