@@ -42,6 +42,12 @@ class StandIn:
         self.break_after: int | None = None  # tests: drop the connection after n tokens
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
+        # tests: give the stream up after n tokens as vLLM does when it shuts down
+        # or pauses: a chunk with finish_reason "abort" and no token, then [DONE]
+        self.abort_after: int | None = None
+        # tests: cut this many requests before reading them, as an engine closing
+        # an idle keep-alive connection just as the proxy reuses it
+        self.drop_next = 0
         self.headers_delay_s = 0.0  # tests: a busy server sends a stream's headers late
         self.seen_bodies: list[dict[str, Any]] = []
         self.seen_headers: list[dict[str, str]] = []  # of each POST, in order
@@ -249,6 +255,10 @@ class StandIn:
             transport.abort()
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if self.drop_next and request.transport is not None:
+            self.drop_next -= 1
+            request.transport.abort()
+            return web.Response()  # never sent: the connection is gone
         if self.dead and request.transport is not None:
             request.transport.abort()
         body = await self._body(request)
@@ -306,9 +316,16 @@ class StandIn:
                 assert request.transport is not None
                 request.transport.abort()  # an instance dying mid-stream
                 return resp
+            if self.abort_after is not None and i == self.abort_after:
+                # The engine gives the request up: no token, then the end.
+                choice.update(finish_reason="abort", token_ids=[] if ids else None)
+                choice["delta" if chat else "text"] = {"content": ""} if chat else ""
+                n = i  # nothing follows this chunk
             await resp.write(
                 b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
             )
+            if i + 1 >= n:
+                break
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -215,9 +215,12 @@ class LiveStream:
                 for event in events:
                     fed = splicer.feed(event)
                     self._account(fed)
-                    if fed.stopped_by_source:
+                    if fed.stopped_by_source or fed.aborted:
                         self._pending = b""
                         await self._write(response, out)
+                        if fed.aborted:
+                            log.info("stream %s: %s aborted it", self.request.id, self.instance)
+                            return "broken"
                         return "stopped"
                     out.append(fed.data)
                     if fed.finished:
@@ -244,7 +247,7 @@ class LiveStream:
     async def _write(self, response: web.StreamResponse, out: list[bytes]) -> None:
         data = b"".join(out)
         if data:
-            await response.write(data)
+            await sse.write(response, data)
             self.timing.written()
 
     # -- the cut-over ---------------------------------------------------------------
@@ -353,7 +356,10 @@ class LiveStream:
             await self._release_kv(dest, kv_params)
             return False
         if upstream.status != 200:
-            detail = (await upstream.read())[:300]
+            try:
+                detail = (await upstream.read())[:300]
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                detail = _why(exc).encode()  # it broke while it answered
             call.close()
             log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
             await self._release_kv(dest, kv_params)

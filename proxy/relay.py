@@ -377,7 +377,7 @@ class Relay:
                     timing.read()
                 out = relay(data)
                 if out:
-                    await response.write(out)
+                    await sse.write(response, out)
                     whole = out.endswith(b"\n\n")
                     if timing is not None:
                         timing.written()

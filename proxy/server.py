@@ -57,6 +57,11 @@ SCRAPER = web.AppKey("scraper", Scraper)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)  # set on SIGTERM
 
 # vLLM's model-routed POST routes outside /v1 (vLLM 0.32's api_server).
+# How long an idle upstream connection is kept for reuse: under the 5 s after
+# which vLLM's uvicorn closes one (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so that Ferry
+# does not send a request on a connection the engine is closing.
+UPSTREAM_KEEPALIVE_S = 4.0
+
 ENGINE_ROUTES = (
     "/tokenize",
     "/detokenize",
@@ -100,7 +105,9 @@ def build_app(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: every client stream holds one upstream connection.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        connector = aiohttp.TCPConnector(
+            limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S
+        )
         # The tracing signal marks when each call has its connection (the TTFT breakdown).
         async with aiohttp.ClientSession(
             connector=connector, auto_decompress=False, trace_configs=[ttft_stages.trace_config()]

@@ -43,6 +43,10 @@ class Fed:
     prompt_tokens: int | None = None  # the engine's count, when this event reports it
     finished: bool = False  # the stream is over ([DONE], an error, or a stop across the join)
     stopped_by_source: bool = False  # the abort a full-mode source sends when it stops
+    # Any other abort: the engine gave the request up (vLLM sends "abort" to every
+    # stream when it shuts down, pauses or loses its engine core). Nothing of the
+    # event reaches the client; the stream is broken and resumes elsewhere.
+    aborted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +158,8 @@ class Splicer:
             self.finished = True
             return Fed(event + b"\n\n" + sse.DONE, finished=True)
         choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
-        if self.expect_source_stop and any(c.get("finish_reason") == "abort" for c in choices):
-            return Fed(stopped_by_source=True)
+        if any(c.get("finish_reason") == "abort" for c in choices):
+            return Fed(stopped_by_source=True) if self.expect_source_stop else Fed(aborted=True)
         if any(c.get("finish_reason") for c in choices):
             self.ended = True
         if self.segment == 0:

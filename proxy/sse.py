@@ -86,6 +86,21 @@ async def open_response(request: web.Request, instance: str) -> web.StreamRespon
     return response
 
 
+class ClientGone(ConnectionResetError):
+    """The client went away while a stream wrote to it. aiohttp raises its
+    ClientConnectionResetError there, which is also a ClientConnectionError and
+    so would read as a broken upstream (one of STREAM_ERRORS) and start a failover
+    for nobody; this one is not."""
+
+
+async def write(response: web.StreamResponse, data: bytes) -> None:
+    """Write stream bytes to the client; a client gone raises `ClientGone`."""
+    try:
+        await response.write(data)
+    except ConnectionResetError as exc:
+        raise ClientGone(str(exc)) from exc
+
+
 async def finish(response: web.StreamResponse, data: bytes | None = None) -> None:
     """Write the last bytes and end a stream whose client may already be gone."""
     try:

@@ -115,16 +115,24 @@ class Upstreams:
             headers.update(auth)
         if stages is not None:
             stages.send()
+        timeout = self.stream_timeout if stream else self.whole_timeout
+        url = self.url(call.instance) + path
         try:
-            call.response = await self.session.request(
-                method,
-                self.url(call.instance) + path,
-                data=data,
-                headers=headers,
-                params=params,
-                timeout=self.stream_timeout if stream else self.whole_timeout,
-                trace_request_ctx=stages,
-            )
+            try:
+                call.response = await self.session.request(
+                    method, url, data=data, headers=headers, params=params,
+                    timeout=timeout, trace_request_ctx=stages,
+                )  # fmt: skip
+            except aiohttp.ClientConnectorError:
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # Most likely a pooled keep-alive connection the engine closed just
+                # as it was reused: the request never got there, and one failure
+                # of that kind says nothing about the instance. Once more on
+                # another connection before calling it unreachable.
+                call.response = await self.session.request(
+                    method, url, data=data, headers=headers, params=params, timeout=timeout
+                )  # fmt: skip
         except sse.CONNECT_ERRORS as exc:
             call.close()
             self.cluster.mark_unreachable(call.instance, f"{type(exc).__name__}: {exc}")

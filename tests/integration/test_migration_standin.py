@@ -275,3 +275,84 @@ def test_a_move_bills_its_destination_for_the_uncached_tail_only(standins: Any, 
     )
     t.join(30)
     assert "".join(received) == " tok" * 60
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("after", [0, 7])
+def test_a_stream_its_engine_aborts_resumes_elsewhere(
+    after: int, endpoint: str, standins: Any, ferry: Any
+) -> None:
+    """An engine that gives a stream up (vLLM, shutting down, sends finish_reason
+    "abort" to each of its streams) is a broken upstream: the stream goes on on
+    the other instance, before its first token too, and the client sees no abort."""
+    (aborting, a), (healthy, b) = standins(2, itl_s=0.001)
+    aborting.abort_after = after
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    if endpoint == "chat":
+        chunks = list(
+            api(proxy.url).chat.completions.create(
+                model="standin", messages=[{"role": "user", "content": "x"}], max_tokens=20,
+                stream=True,
+            )
+        )  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        chunks = list(
+            api(proxy.url).completions.create(
+                model="standin", prompt="hi", max_tokens=20, stream=True
+            )
+        )
+        text = "".join(c.choices[0].text for c in chunks)
+    assert text == " tok" * 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    continued = healthy.seen_bodies[-1]
+    if after:  # prompt + generated ids
+        assert continued["prompt"] == [1, 2, 3] + [7] * after
+    else:  # nothing generated: the request starts over
+        assert continued.get("prompt", continued.get("messages")) in (
+            "hi",
+            [{"role": "user", "content": "x"}],
+        )
+    assert continued["max_tokens"] == 20 - after
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+
+
+def test_a_client_that_leaves_starts_no_failover(standins: Any, ferry: Any) -> None:
+    """Writing to a client that left raises aiohttp's ClientConnectionResetError,
+    which is also a ClientConnectionError: it must not pass for a broken upstream."""
+    (source, a), (other, b) = standins(2, itl_s=0.02)
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=200, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    deadline = time.monotonic() + 5
+    while source.running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert source.running == 0  # Ferry let the source go
+    time.sleep(0.2)
+    assert other.seen_bodies == []  # and started no continuation for nobody
+    assert 'reason="failover"} 1.0' not in metrics(proxy.url)
+
+
+def test_a_reused_connection_the_engine_closed_is_sent_again(standins: Any, ferry: Any) -> None:
+    """An engine closes an idle keep-alive connection just as Ferry reuses it: the
+    request goes again on a new connection, and the instance stays healthy."""
+    ((only, a),) = standins(1, itl_s=0.001)
+    proxy = ferry([a.url], admin_token="t", scheduler={"policy": "round_robin"})
+    for stream in (False, True):
+        only.drop_next = 1
+        answer = api(proxy.url).completions.create(
+            model="standin", prompt="hi", max_tokens=3, stream=stream
+        )
+        chunks = list(answer) if stream else [answer]  # type: ignore[call-overload]
+        assert "".join(c.choices[0].text for c in chunks) == " tok" * 3
+    rows = urllib.request.Request(
+        proxy.url + "/admin/instances", headers={"Authorization": "Bearer t"}
+    )
+    with urllib.request.urlopen(rows, timeout=5) as resp:
+        [row] = json.loads(resp.read())
+    assert row["healthy"] and only.served == 2 and only.drop_next == 0

@@ -303,6 +303,19 @@ def test_a_full_mode_stop_is_not_relayed() -> None:
     assert fed.stopped_by_source and fed.data == b""
 
 
+def test_an_engine_abort_is_a_break_not_the_end() -> None:
+    # vLLM aborts every stream as it shuts down or pauses: that stream goes on
+    # elsewhere, so the client must not see the abort, nor the stream end.
+    splicer = Splicer({}, "completions", wants_ids=True)
+    token = b'data: {"id":"c","choices":[{"index":0,"text":"a","token_ids":[5],'
+    splicer.feed(token + b'"prompt_token_ids":[1,2]}]}')
+    abort = b'data: {"id":"c","choices":[{"index":0,"text":"","finish_reason":"abort"}]}'
+    fed = splicer.feed(abort)
+    assert fed.aborted and not fed.stopped_by_source and fed.data == b""
+    assert not splicer.ended and not splicer.finished
+    assert (splicer.prompt_ids, splicer.generated) == ([1, 2], [5])
+
+
 @pytest.mark.parametrize("cut", range(1, 7))
 @pytest.mark.parametrize("include_stop", [False, True])
 def test_a_stop_string_across_the_join_ends_the_stream_where_it_would_have(
