@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
 import socket
@@ -57,6 +58,8 @@ SCRAPER = web.AppKey("scraper", Scraper)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)  # set on SIGTERM
 
 # vLLM's model-routed POST routes outside /v1 (vLLM 0.32's api_server).
+ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
+
 # How long an idle upstream connection is kept for reuse: under the 5 s after
 # which vLLM's uvicorn closes one (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so that Ferry
 # does not send a request on a connection the engine is closing.
@@ -447,6 +450,11 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         loop.add_signal_handler(signal.SIGHUP, reload)
     except (NotImplementedError, RuntimeError):
         pass
+    orphan_watch = (
+        asyncio.create_task(_stop_when_orphaned(stop, os.getppid()))
+        if config.server.workers > 1
+        else None
+    )
     try:
         await stop.wait()
         app[SHUTTING_DOWN].set()
@@ -458,4 +466,15 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         )
         await asyncio.sleep(config.server.shutdown_delay_s)
     finally:
+        if orphan_watch is not None:
+            orphan_watch.cancel()
         await runner.cleanup()
+
+
+async def _stop_when_orphaned(stop: asyncio.Event, parent: int) -> None:
+    """A worker whose supervisor died (kill -9: no signal reached the workers)
+    shuts down as on SIGTERM: nobody would stop or restart it any more."""
+    while os.getppid() == parent:
+        await asyncio.sleep(ORPHAN_CHECK_S)
+    log.warning("the supervisor (pid %d) is gone: shutting down", parent)
+    stop.set()

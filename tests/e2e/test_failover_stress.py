@@ -81,3 +81,49 @@ def test_every_stream_survives_a_kill_at_a_random_moment(
         "streaming": sum(1 for c in at_kill.values() if c > 0),
     }
     print(f"trial {trial}: all 20 streams exact; at the kill: {phases}")
+
+
+def test_every_stream_survives_a_graceful_restart(
+    ferry: Any, doomed: VLLMServer, vllm_pair: list[VLLMServer]
+) -> None:
+    """A rolling restart: SIGTERM to a real vLLM server with streams in flight.
+    vLLM ends each of its streams with finish_reason "abort" (or drops it) as it
+    shuts down; each must go on on the other server and end exactly as unmoved."""
+    survivor = vllm_pair[1]
+    proxy = ferry(
+        [doomed.url, survivor.url],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+        admin_token=TOKEN,
+    )
+    reference = {
+        p: stream_ids(api(survivor.url), False, MAX_TOKENS, lambda n: None, prompt=p)[0]
+        for p in PROMPTS
+    }
+    received: dict[int, int] = {}
+    results: dict[int, tuple[list[int], str | None]] = {}
+    errors: list[BaseException] = []
+
+    def one(n: int, prompt: str) -> None:
+        def seen(count: int) -> None:
+            received[n] = count
+
+        try:
+            ids, _, last = stream_ids(api(proxy.url), False, MAX_TOKENS, seen, prompt=prompt)
+            results[n] = (ids, last.choices[0].finish_reason if last else None)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    plan = [(n, PROMPTS[n % len(PROMPTS)]) for n in range(8)]
+    threads = [threading.Thread(target=one, args=args) for args in plan]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(received) < len(plan) and time.monotonic() < deadline:
+        time.sleep(0.02)  # every stream has its first tokens, half of them on doomed
+    doomed.stop()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    for n, prompt in plan:
+        assert results[n] == (reference[prompt], "length"), f"stream {n}"

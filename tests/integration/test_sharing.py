@@ -371,6 +371,27 @@ def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(
         client.close()
 
 
+def test_workers_whose_supervisor_is_killed_shut_down(ferries: Any) -> None:
+    [parent] = ferries(1, "--workers", "2")
+    pids: set[int] = set()
+    deadline = time.monotonic() + 10
+    while len(pids) < 2 and time.monotonic() < deadline:
+        pids.add(int(parent.sharing()["process"].split(":")[1]))  # host:pid:random
+    assert len(pids) == 2
+    parent.proc.kill()  # no signal reaches the workers
+    parent.proc.wait(10)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    # A check a second, then the graceful stop (no delay, 2 s grace here).
+    wait_until(lambda: not any(alive(p) for p in pids), timeout=10)
+
+
 def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:
     # 40 blocks of 16 tokens: three 300-token streams outgrow one instance.
     a, b = ferries(2, kv_blocks=40, migration="lite", scheduler={"rebalance_interval_s": 0.2})
