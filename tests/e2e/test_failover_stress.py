@@ -27,56 +27,77 @@ PROMPTS = (
 MAX_TOKENS = 150
 
 
-@pytest.mark.parametrize("trial", range(2))
-def test_every_stream_survives_a_kill_at_a_random_moment(
-    trial: int, ferry: Any, doomed: VLLMServer, vllm_pair: list[VLLMServer]
-) -> None:
-    rng = random.Random(f"kill-{trial}")
-    survivor = vllm_pair[1]
-    proxy = ferry(
+class Streams:
+    """Greedy streams through Ferry, each checked against the unmoved run on the
+    survivor: what each received so far, and how each ended."""
+
+    def __init__(self, proxy_url: str, survivor: VLLMServer) -> None:
+        self.proxy_url = proxy_url
+        self.reference = {
+            p: stream_ids(api(survivor.url), False, MAX_TOKENS, lambda n: None, prompt=p)[0]
+            for p in PROMPTS
+        }
+        self.received: dict[int, int] = {}  # stream -> tokens so far
+        self.results: dict[int, tuple[list[int], str | None]] = {}
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+        self.prompts: dict[int, str] = {}
+
+    def start(self, n: int, prompt: str, delay: float = 0.0) -> None:
+        self.prompts[n] = prompt
+        thread = threading.Thread(target=self._one, args=(n, prompt, delay))
+        self.threads.append(thread)
+        thread.start()
+
+    def _one(self, n: int, prompt: str, delay: float) -> None:
+        time.sleep(delay)
+        self.received[n] = 0
+
+        def seen(count: int) -> None:
+            self.received[n] = count
+
+        try:
+            ids, _, last = stream_ids(api(self.proxy_url), False, MAX_TOKENS, seen, prompt=prompt)
+            self.results[n] = (ids, last.choices[0].finish_reason if last else None)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+            self.errors.append(exc)
+
+    def check(self, at_cut: dict[int, int]) -> None:
+        """Every stream ended with all its tokens, exactly the unmoved run's."""
+        for t in self.threads:
+            t.join(300)
+        assert not self.errors, self.errors
+        for n, prompt in self.prompts.items():
+            expected = (self.reference[prompt], "length")
+            assert self.results.get(n) == expected, f"stream {n}, {at_cut.get(n)} at the cut"
+
+
+def ferry_over(ferry: Any, doomed: VLLMServer, survivor: VLLMServer) -> Any:
+    return ferry(
         [doomed.url, survivor.url],
         instances_migration="lite",
         scheduler={"policy": "round_robin"},
         admin_token=TOKEN,
     )
-    reference = {
-        p: stream_ids(api(survivor.url), False, MAX_TOKENS, lambda n: None, prompt=p)[0]
-        for p in PROMPTS
-    }
-    at_kill: dict[int, int] = {}  # stream -> tokens it had when the server died
-    received: dict[int, int] = {}
-    results: dict[int, tuple[list[int], str | None]] = {}
-    errors: list[BaseException] = []
 
-    def one(n: int, prompt: str, delay: float) -> None:
-        time.sleep(delay)
-        received[n] = 0
 
-        def seen(count: int) -> None:
-            received[n] = count
-
-        try:
-            ids, _, last = stream_ids(api(proxy.url), False, MAX_TOKENS, seen, prompt=prompt)
-            results[n] = (ids, last.choices[0].finish_reason if last else None)
-        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
-            errors.append(exc)
-
-    plan = [(n, rng.choice(PROMPTS), rng.uniform(0, 1.5)) for n in range(20)]
-    threads = [threading.Thread(target=one, args=args) for args in plan]
-    for t in threads:
-        t.start()
+@pytest.mark.parametrize("trial", range(2))
+def test_every_stream_survives_a_kill_at_a_random_moment(
+    trial: int, ferry: Any, doomed: VLLMServer, vllm_pair: list[VLLMServer]
+) -> None:
+    rng = random.Random(f"kill-{trial}")
+    proxy = ferry_over(ferry, doomed, vllm_pair[1])
+    streams = Streams(proxy.url, vllm_pair[1])
+    for n in range(20):
+        streams.start(n, rng.choice(PROMPTS), rng.uniform(0, 1.5))
     time.sleep(rng.uniform(0.3, 1.5))
     post(f"{proxy.url}/admin/instances/i0/drain?migrate=true")
     time.sleep(rng.uniform(0.0, 0.05))  # moves under way
     doomed.kill()
-    at_kill.update(received)
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    for n, prompt, _ in plan:
-        assert results[n] == (reference[prompt], "length"), f"stream {n}, {at_kill.get(n)} at kill"
+    at_kill = dict(streams.received)  # stream -> tokens it had when the server died
+    streams.check(at_kill)
     phases = {
-        "not started": sum(1 for n, _, _ in plan if n not in at_kill),
+        "not started": sum(1 for n in streams.prompts if n not in at_kill),
         "no token yet": sum(1 for c in at_kill.values() if c == 0),
         "streaming": sum(1 for c in at_kill.values() if c > 0),
     }
@@ -87,43 +108,16 @@ def test_every_stream_survives_a_graceful_restart(
     ferry: Any, doomed: VLLMServer, vllm_pair: list[VLLMServer]
 ) -> None:
     """A rolling restart: SIGTERM to a real vLLM server with streams in flight.
-    vLLM ends each of its streams with finish_reason "abort" (or drops it) as it
-    shuts down; each must go on on the other server and end exactly as unmoved."""
-    survivor = vllm_pair[1]
-    proxy = ferry(
-        [doomed.url, survivor.url],
-        instances_migration="lite",
-        scheduler={"policy": "round_robin"},
-        admin_token=TOKEN,
-    )
-    reference = {
-        p: stream_ids(api(survivor.url), False, MAX_TOKENS, lambda n: None, prompt=p)[0]
-        for p in PROMPTS
-    }
-    received: dict[int, int] = {}
-    results: dict[int, tuple[list[int], str | None]] = {}
-    errors: list[BaseException] = []
-
-    def one(n: int, prompt: str) -> None:
-        def seen(count: int) -> None:
-            received[n] = count
-
-        try:
-            ids, _, last = stream_ids(api(proxy.url), False, MAX_TOKENS, seen, prompt=prompt)
-            results[n] = (ids, last.choices[0].finish_reason if last else None)
-        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
-            errors.append(exc)
-
-    plan = [(n, PROMPTS[n % len(PROMPTS)]) for n in range(8)]
-    threads = [threading.Thread(target=one, args=args) for args in plan]
-    for t in threads:
-        t.start()
+    vLLM 0.32 closes them as it shuts down (an engine's "abort" would do as well:
+    tests/integration/test_migration_standin.py); each must go on on the other
+    server and end exactly as unmoved."""
+    proxy = ferry_over(ferry, doomed, vllm_pair[1])
+    streams = Streams(proxy.url, vllm_pair[1])
+    for n in range(8):
+        streams.start(n, PROMPTS[n % len(PROMPTS)])
     deadline = time.monotonic() + 60
-    while len(received) < len(plan) and time.monotonic() < deadline:
+    while sum(1 for c in streams.received.values() if c) < 8 and time.monotonic() < deadline:
         time.sleep(0.02)  # every stream has its first tokens, half of them on doomed
+    at_stop = dict(streams.received)
     doomed.stop()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    for n, prompt in plan:
-        assert results[n] == (reference[prompt], "length"), f"stream {n}"
+    streams.check(at_stop)
