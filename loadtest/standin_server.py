@@ -23,6 +23,12 @@ from typing import Any, NoReturn
 
 from aiohttp import web
 
+# vLLM 0.32's error event for every stream when its engine core has died.
+ENGINE_DEAD = (
+    b'data: {"error": {"message": "EngineCore encountered an issue. See stack trace (above)'
+    b' for the root cause.", "type": "InternalServerError", "param": null, "code": 500}}\n\n'
+)
+
 
 class StandIn:
     def __init__(
@@ -45,6 +51,9 @@ class StandIn:
         # tests: give the stream up after n tokens as vLLM does when it shuts down
         # or pauses: a chunk with finish_reason "abort" and no token, then [DONE]
         self.abort_after: int | None = None
+        # tests: after n tokens, send what vLLM's API server sends each stream when
+        # its engine core dies: a 500 error event, then [DONE]
+        self.error_after: int | None = None
         # tests: cut this many requests before reading them, as an engine closing
         # an idle keep-alive connection just as the proxy reuses it
         self.drop_next = 0
@@ -315,6 +324,10 @@ class StandIn:
             if self.break_after is not None and i == self.break_after:
                 assert request.transport is not None
                 request.transport.abort()  # an instance dying mid-stream
+                return resp
+            if self.error_after is not None and i == self.error_after:
+                await resp.write(ENGINE_DEAD + b"data: [DONE]\n\n")
+                await resp.write_eof()
                 return resp
             if self.abort_after is not None and i == self.abort_after:
                 # The engine gives the request up: no token, then the end.

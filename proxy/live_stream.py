@@ -215,11 +215,11 @@ class LiveStream:
                 for event in events:
                     fed = splicer.feed(event)
                     self._account(fed)
-                    if fed.stopped_by_source or fed.aborted:
+                    if fed.stopped_by_source or fed.broken:
                         self._pending = b""
                         await self._write(response, out)
-                        if fed.aborted:
-                            log.info("stream %s: %s aborted it", self.request.id, self.instance)
+                        if fed.broken:
+                            log.info("stream %s: %s gave it up", self.request.id, self.instance)
                             return "broken"
                         return "stopped"
                     out.append(fed.data)

@@ -43,10 +43,12 @@ class Fed:
     prompt_tokens: int | None = None  # the engine's count, when this event reports it
     finished: bool = False  # the stream is over ([DONE], an error, or a stop across the join)
     stopped_by_source: bool = False  # the abort a full-mode source sends when it stops
-    # Any other abort: the engine gave the request up (vLLM sends "abort" to every
-    # stream when it shuts down, pauses or loses its engine core). Nothing of the
-    # event reaches the client; the stream is broken and resumes elsewhere.
-    aborted: bool = False
+    # The engine gave the request up mid-way: any other abort, or a server error
+    # (vLLM's API server, its engine core dead, sends each stream a 500 error
+    # event and [DONE]). Nothing of the event reaches the client; the stream is
+    # broken and resumes elsewhere. A client error (4xx) would fail anywhere: it
+    # is relayed as the end.
+    broken: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,15 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
     return []
 
 
+def _server_fault(error: Any) -> bool:
+    """Whether a streamed error event is the server's fault (a 5xx code, or no
+    code at all), not the request's."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    return not isinstance(code, int) or code >= 500
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -155,11 +166,13 @@ class Splicer:
         if not isinstance(chunk, dict):
             return Fed(event + b"\n\n")
         if "error" in chunk:
+            if _server_fault(chunk["error"]):
+                return Fed(broken=True)
             self.finished = True
             return Fed(event + b"\n\n" + sse.DONE, finished=True)
         choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
         if any(c.get("finish_reason") == "abort" for c in choices):
-            return Fed(stopped_by_source=True) if self.expect_source_stop else Fed(aborted=True)
+            return Fed(stopped_by_source=True) if self.expect_source_stop else Fed(broken=True)
         if any(c.get("finish_reason") for c in choices):
             self.ended = True
         if self.segment == 0:

@@ -9,7 +9,10 @@ all its tokens, exactly the unmoved run's.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
 import threading
 import time
 from typing import Any
@@ -121,3 +124,34 @@ def test_every_stream_survives_a_graceful_restart(
     at_stop = dict(streams.received)
     doomed.stop()
     streams.check(at_stop)
+
+
+def test_every_stream_survives_its_engine_core_dying(
+    ferry: Any, doomed: VLLMServer, vllm_pair: list[VLLMServer]
+) -> None:
+    """A real vLLM server's engine core dies (kill -9, as a GPU fault ends it)
+    while its API server lives on and sends each stream a 500 error event: each
+    must go on on the other server and end exactly as unmoved."""
+    proxy = ferry_over(ferry, doomed, vllm_pair[1])
+    streams = Streams(proxy.url, vllm_pair[1])
+    for n in range(8):
+        streams.start(n, PROMPTS[n % len(PROMPTS)])
+    deadline = time.monotonic() + 60
+    while sum(1 for c in streams.received.values() if c) < 8 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    at_kill = dict(streams.received)
+    [core] = engine_cores(doomed)
+    os.kill(core, signal.SIGKILL)
+    streams.check(at_kill)
+    assert doomed.alive()  # the API server outlived its engine
+
+
+def engine_cores(server: VLLMServer) -> list[int]:
+    """The pids of the server's engine core processes (in its process group)."""
+    ps = subprocess.run(["ps", "-eo", "pid=,pgid=,args="], capture_output=True, text=True)
+    cores = []
+    for line in ps.stdout.splitlines():
+        pid, pgid, args = line.split(None, 2)
+        if int(pgid) == server.process.pid and "EngineCore" in args:
+            cores.append(int(pid))
+    return cores

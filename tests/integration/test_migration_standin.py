@@ -279,14 +279,16 @@ def test_a_move_bills_its_destination_for_the_uncached_tail_only(standins: Any, 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("after", [0, 7])
-def test_a_stream_its_engine_aborts_resumes_elsewhere(
-    after: int, endpoint: str, standins: Any, ferry: Any
+@pytest.mark.parametrize("how", ["abort", "error"])
+def test_a_stream_its_engine_gives_up_resumes_elsewhere(
+    how: str, after: int, endpoint: str, standins: Any, ferry: Any
 ) -> None:
-    """An engine that gives a stream up (vLLM, shutting down, sends finish_reason
-    "abort" to each of its streams) is a broken upstream: the stream goes on on
-    the other instance, before its first token too, and the client sees no abort."""
-    (aborting, a), (healthy, b) = standins(2, itl_s=0.001)
-    aborting.abort_after = after
+    """An engine that gives a stream up, with finish_reason "abort" or with the 500
+    error event vLLM sends when its engine core died, is a broken upstream: the
+    stream goes on on the other instance, before its first token too, and the
+    client sees neither."""
+    (giving_up, a), (healthy, b) = standins(2, itl_s=0.001)
+    setattr(giving_up, f"{how}_after", after)
     proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
     if endpoint == "chat":
         chunks = list(

@@ -311,9 +311,31 @@ def test_an_engine_abort_is_a_break_not_the_end() -> None:
     splicer.feed(token + b'"prompt_token_ids":[1,2]}]}')
     abort = b'data: {"id":"c","choices":[{"index":0,"text":"","finish_reason":"abort"}]}'
     fed = splicer.feed(abort)
-    assert fed.aborted and not fed.stopped_by_source and fed.data == b""
+    assert fed.broken and not fed.stopped_by_source and fed.data == b""
     assert not splicer.ended and not splicer.finished
     assert (splicer.prompt_ids, splicer.generated) == ([1, 2], [5])
+
+
+# What vLLM 0.32's API server sends each stream when its engine core dies.
+ENGINE_DEAD = (
+    b'data: {"error": {"message": "EngineCore encountered an issue. See stack trace'
+    b' (above) for the root cause.", "type": "InternalServerError", "param": null,'
+    b' "code": 500}}'
+)
+
+
+@pytest.mark.parametrize("code", [b"500", b'"503"', b"null"])
+def test_a_server_error_mid_stream_is_a_break(code: bytes) -> None:
+    splicer = Splicer({}, "completions", wants_ids=True)
+    fed = splicer.feed(ENGINE_DEAD.replace(b'"code": 500', b'"code": ' + code))
+    assert fed.broken and fed.data == b"" and not splicer.finished
+
+
+def test_a_client_error_mid_stream_is_the_end() -> None:
+    splicer = Splicer({}, "completions", wants_ids=True)
+    bad = b'data: {"error": {"message": "too long", "type": "BadRequestError", "code": 400}}'
+    fed = splicer.feed(bad)
+    assert fed.finished and not fed.broken and fed.data == bad + b"\n\n" + b"data: [DONE]\n\n"
 
 
 @pytest.mark.parametrize("cut", range(1, 7))
