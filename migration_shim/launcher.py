@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import sys
 
@@ -44,7 +45,7 @@ def shim_flags(kv_port: int, host: str = "127.0.0.1") -> list[str]:
 def command(vllm_args: list[str], kv_port: int | None = None, host: str = "127.0.0.1") -> list[str]:
     if any(a.startswith("--kv-transfer-config") for a in vllm_args):
         raise SystemExit("ferry vllm: --kv-transfer-config is set by the shim; drop it")
-    port = kv_port or _free_port(host)
+    port = kv_port or free_port(host)
     return [
         sys.executable,
         "-m",
@@ -60,7 +61,22 @@ def run(vllm_args: list[str], kv_port: int | None, host: str) -> int:
     return 0  # not reached
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+# Ports handed out below the kernel's ephemeral range (32768 and up on Linux):
+# a port the kernel picks is one it may give the next outgoing connection too,
+# and vLLM binds its KV port only once it has loaded the model, tens of seconds
+# later. Seen: "Address already in use" on a busy test machine.
+FREE_PORTS = range(20000, 32000)
+_PICK = random.Random()  # its own: a test's seeded `random` must not pick ports
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, outside the ephemeral range."""
+    for _ in range(1000):
+        port = _PICK.choice(FREE_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port on {host} in {FREE_PORTS}")

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 import pytest
 from aiohttp import web
 
+from migration_shim import launcher
 from proxy.config import FerryConfig, parse_config
 from proxy.server import CLUSTER, build_app
 
@@ -174,9 +174,8 @@ def status(url: str) -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port outside the ephemeral range (see `launcher.free_port`)."""
+    return launcher.free_port()
 
 
 def ferry_config(
