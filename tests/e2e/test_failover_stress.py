@@ -142,8 +142,10 @@ def test_every_stream_survives_its_engine_core_dying(
     at_kill = dict(streams.received)
     [core] = engine_cores(doomed)
     os.kill(core, signal.SIGKILL)
+    # The API server outlives its engine long enough to send each stream the
+    # error event (without the error handling this test fails with the engine's
+    # APIError), then may exit by itself: whether it is still up says nothing.
     streams.check(at_kill)
-    assert doomed.alive()  # the API server outlived its engine
 
 
 def engine_cores(server: VLLMServer) -> list[int]:
