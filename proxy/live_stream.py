@@ -35,6 +35,13 @@ from proxy.upstream import Call, Upstreams
 log = logging.getLogger("ferry.migration")
 
 STOPPED_WAIT_S = 30.0  # full mode: how long a stopped source waits for its cut-over
+# A move ordered between two tokens of a stream cuts right after the next one:
+# the client's downtime is then the destination's first token alone, not also the
+# part of the gap already waited out at the source. It waits at most what is left
+# of CUT_WAIT_GAPS of the stream's usual gap (and CUT_WAIT_MAX_S); a stream that
+# has stopped, or whose source stopped it (full mode), is cut at once.
+CUT_WAIT_GAPS = 1.5
+CUT_WAIT_MAX_S = 0.5
 
 
 @dataclass
@@ -125,8 +132,25 @@ class LiveStream:
         self._order = order
         self._ordered.set()
         if self._reading and self._pump is not None:
-            self._pump.cancel()  # it waits for bytes only: nothing is lost
+            wait_s = 0.0 if source_stopped else self._cut_wait_s()
+            if wait_s > 0:  # the pump returns "move" once it has relayed the next token
+                asyncio.get_running_loop().call_later(wait_s, self._interrupt, order)
+            else:
+                self._pump.cancel()  # it waits for bytes only: nothing is lost
         return order.done
+
+    def _cut_wait_s(self) -> float:
+        """How long a move ordered now waits for the stream's next token before it
+        interrupts the wait: what is left of CUT_WAIT_GAPS of its usual gap (none
+        if it has stopped or has no pace yet)."""
+        timing = self.timing
+        if timing.gap_s is None or timing.stopped():
+            return 0.0
+        return min(CUT_WAIT_MAX_S, CUT_WAIT_GAPS * timing.gap_s - timing.silent_s())
+
+    def _interrupt(self, order: MoveOrder) -> None:
+        if self._order is order and self._reading and self._pump is not None:
+            self._pump.cancel()
 
     def expect_source_stop(self, expected: bool) -> None:
         self.splicer.expect_source_stop = expected

@@ -130,7 +130,9 @@ class Migrator:
                 s.request.id,
                 s.splicer.continuation_tokens() or s.call.entry.prompt_tokens,
                 s.request.priority,
-                running=bool(s.splicer.generated),
+                # A continuation not yet under way waits in its engine's queue: were
+                # it counted as running, its silence would pass for a preemption.
+                running=bool(s.splicer.generated) and not s.timing.resuming,
                 cached=self._cached(s),
                 silent_s=s.timing.silent_s(),
             )

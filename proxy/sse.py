@@ -171,6 +171,12 @@ class TokenTiming:
     def uncut(self) -> None:
         self.cut_at = None
 
+    @property
+    def resuming(self) -> bool:
+        """A move's continuation has not sent its first token yet: the engine it
+        went to queues it (or prefills it) like any new request."""
+        return self.cut_at is not None
+
     def read(self) -> None:
         """Upstream bytes were read (only the first token's matter)."""
         if self.stages is not None:

@@ -216,7 +216,19 @@ def plan_migrations(
         if dest is None:
             continue
         dests.remove(dest)  # one move per destination per round, as pairs
-        move = _pick(src, dest, candidates, stalled, block_size.get(src_name, 16), settings)
+        size = block_size.get(src_name, 16)
+        move = _pick(src, dest, candidates, stalled, size, settings)
+        # A preempted stream waits for nothing but a destination: when the one paired
+        # with its source refuses it (queue, room), the next ones are asked for it alone.
+        others = list(dests) if stalled else []
+        while move is None and others:
+            dest = _pair(src_name, others, stalled)
+            if dest is None:
+                break
+            others.remove(dest)
+            move = _pick(src, dest, stalled, stalled, size, settings)
+            if move is not None:
+                dests.remove(dest)
         if move is not None:
             plan.append(move)
     return plan

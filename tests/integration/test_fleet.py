@@ -4,6 +4,7 @@ reload (the admin API, SIGHUP and the CLI), in front of stand-in servers (not vL
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -330,3 +331,30 @@ def test_a_move_stops_waiting_for_its_prewarm_once_its_stream_stops(
     join(threads)
     assert texts == [" tok" * 60] * 2
     assert any(body.get("max_tokens") == 1 for body in b.seen_bodies)  # a pre-warm began
+
+
+def test_a_move_cuts_right_after_a_token_not_in_the_middle_of_a_gap(
+    standins: Any, ferry: Any
+) -> None:
+    """Ordered between two tokens 0.6 s apart, a move waits for the next one and
+    cuts there: its downtime is the destination's first token alone (here almost
+    nothing), not also the 0.25 s of the gap that had passed."""
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.6)
+    proxy: Ferry = ferry(
+        [site_a.url, site_b.url],
+        admin_token=TOKEN,
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    chunks = client.completions.create(model="standin", prompt="x", max_tokens=6, stream=True)
+    seen = [next(chunks).choices[0].text, next(chunks).choices[0].text]  # its pace is known
+    time.sleep(0.25)
+    code, _ = send(proxy.url + "/admin/instances/i0/drain?migrate=true", "POST")
+    assert code == 200
+    seen += [c.choices[0].text for c in chunks]
+    assert "".join(seen) == " tok" * 6
+    text = get(proxy.url + "/metrics")[1]["raw"]
+    assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in text
+    [downtime] = re.findall(r"^ferry_migration_downtime_seconds_sum (\S+)$", text, re.M)
+    assert float(downtime) < 0.15

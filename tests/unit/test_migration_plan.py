@@ -256,3 +256,17 @@ def test_a_rescue_still_respects_the_destination_s_queue_and_room() -> None:
     # 7 blocks do not fit in the 6 left (after the 2 reserved).
     full = inst("full", 64, 56, 4)
     assert plan(ClusterView((src, full)), {"src": stalled}) == []
+
+
+def test_a_rescue_refused_by_the_freest_destination_goes_to_the_next() -> None:
+    src = inst("src", 64, 64, 4, engine_waiting=1)
+    stalled = [RequestLoad(3, 100, Priority.NORMAL, running=True, silent_s=0.5)]
+    # The freest queues requests the ledger cannot size: no recompute goes there.
+    unknown = inst("unknown", 64, 4, 1, engine_waiting=2)
+    roomy = inst("roomy", 64, 30, 4)
+    [move] = plan(ClusterView((src, unknown, roomy)), {"src": stalled})
+    assert (move.request_id, move.destination, move.preempted) == (3, "roomy", True)
+    # A plain move is not retried elsewhere: the pair's destination was the one to ask.
+    hot = inst("hot", 64, 80, 4)
+    running = [RequestLoad(5, 40, Priority.NORMAL, running=True)]
+    assert plan(ClusterView((hot, unknown, roomy)), {"hot": running}) == []

@@ -1,8 +1,13 @@
-"""A stream's timing: when it has stopped producing (`TokenTiming.stopped`)."""
+"""A stream's timing: when it has stopped producing (`TokenTiming.stopped`), and
+when a moved one is under way again (`TokenTiming.resuming`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from proxy.metrics import FerryMetrics
+from proxy.migrator import Migrator
+from proxy.policy import Priority
 from proxy.sse import STOPPED_FLOOR_S, STOPPED_GAPS, TokenTiming
 
 
@@ -51,3 +56,30 @@ def test_no_stop_before_the_first_token() -> None:
     timing = TokenTiming(FerryMetrics(), clock, arrived=clock.now, model="m")
     clock.now += 60
     assert not timing.stopped()
+
+
+def test_a_continuation_not_yet_under_way_is_a_queued_candidate() -> None:
+    """After a cut-over, until the destination sends the continuation's first token,
+    its engine queues it: the rescheduler must not see a running stream gone silent
+    (a preemption) there and move it on again."""
+    clock = Clock()
+    timing = timing_with_gaps(clock, [0.05] * 4)
+    stream = SimpleNamespace(
+        instance="b",
+        movable=True,
+        request=SimpleNamespace(id=7, priority=Priority.NORMAL),
+        splicer=SimpleNamespace(
+            continuation_tokens=lambda: 40, generated=[1, 2, 3, 4, 5], prompt_ids=None
+        ),
+        call=SimpleNamespace(entry=SimpleNamespace(prompt_tokens=35)),
+        timing=timing,
+    )
+    migrator = Migrator(None, None, None, None, max_concurrent=2, prewarm=True)  # type: ignore[arg-type]
+    migrator.streams[7] = stream  # type: ignore[assignment]
+    assert migrator.candidates("b")[0].running
+    timing.cut()
+    clock.now += 0.5
+    [waiting] = migrator.candidates("b")
+    assert not waiting.running and waiting.tokens == 40
+    timing.token("b")  # the continuation is under way
+    assert migrator.candidates("b")[0].running
