@@ -38,7 +38,6 @@ log = logging.getLogger("ferry.migration")
 # work; waiting for it would hold the move (a drain, too) hostage to that queue,
 # and the cut-over's recompute joins the same queue anyway. So the move goes on.
 PREWARM_WAIT_S = 1.0
-PREWARM_CHECK_S = 0.02  # how often a waiting move checks that its stream still streams
 
 # Which waiting moves take a free slot first (lower first): rebalancing is
 # opportunistic, and a stream it waits behind may end before its turn.
@@ -277,6 +276,8 @@ class Migrator:
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     break
-                await asyncio.wait({warm}, timeout=min(left, PREWARM_CHECK_S))
+                # Wake when the stream would count as stopped; a token in between
+                # only moves that later, so look again then.
+                await asyncio.wait({warm}, timeout=min(left, stream.timing.stops_in()))
         finally:
             warm.cancel()  # a no-op when it is done; post_json raises nothing else

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -159,10 +160,15 @@ class TokenTiming:
     def stopped(self) -> bool:
         """Whether the stream has stopped producing: silent for several of its own
         recent gaps (at least STOPPED_FLOOR_S), as when its engine preempted it."""
+        return self.stops_in() <= 0
+
+    def stops_in(self) -> float:
+        """Seconds until the stream counts as stopped if no token comes (0: it has;
+        infinite before its first token)."""
         if self.last is None:
-            return False
+            return math.inf
         usual = STOPPED_GAPS * self.gap_s if self.gap_s is not None else 0.0
-        return self.silent_s() >= max(STOPPED_FLOOR_S, usual)
+        return max(0.0, max(STOPPED_FLOOR_S, usual) - self.silent_s())
 
     def cut(self) -> None:
         """A move starts: the next token's gap is downtime."""

@@ -83,3 +83,13 @@ def test_a_continuation_not_yet_under_way_is_a_queued_candidate() -> None:
     assert not waiting.running and waiting.tokens == 40
     timing.token("b")  # the continuation is under way
     assert migrator.candidates("b")[0].running
+
+
+def test_stops_in_counts_down_to_the_stop() -> None:
+    clock = Clock()
+    timing = timing_with_gaps(clock, [0.2] * 10)
+    assert abs(timing.stops_in() - STOPPED_GAPS * 0.2) < 1e-9
+    clock.now += 0.3
+    assert abs(timing.stops_in() - (STOPPED_GAPS * 0.2 - 0.3)) < 1e-9
+    clock.now += STOPPED_GAPS * 0.2
+    assert timing.stops_in() == 0 and timing.stopped()
