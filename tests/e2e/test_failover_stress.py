@@ -52,6 +52,16 @@ class Streams:
         self.threads.append(thread)
         thread.start()
 
+    def under_way(self, n: int) -> dict[int, int]:
+        """Start `n` streams at once (round robin: half of them on each server) and
+        wait until each has its first tokens; what each has received by then."""
+        for i in range(n):
+            self.start(i, PROMPTS[i % len(PROMPTS)])
+        deadline = time.monotonic() + 60
+        while sum(1 for c in self.received.values() if c) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return dict(self.received)
+
     def _one(self, n: int, prompt: str, delay: float) -> None:
         time.sleep(delay)
         self.received[n] = 0
@@ -116,12 +126,7 @@ def test_every_stream_survives_a_graceful_restart(
     server and end exactly as unmoved."""
     proxy = ferry_over(ferry, doomed, vllm_pair[1])
     streams = Streams(proxy.url, vllm_pair[1])
-    for n in range(8):
-        streams.start(n, PROMPTS[n % len(PROMPTS)])
-    deadline = time.monotonic() + 60
-    while sum(1 for c in streams.received.values() if c) < 8 and time.monotonic() < deadline:
-        time.sleep(0.02)  # every stream has its first tokens, half of them on doomed
-    at_stop = dict(streams.received)
+    at_stop = streams.under_way(8)
     doomed.stop()
     streams.check(at_stop)
 
@@ -134,12 +139,7 @@ def test_every_stream_survives_its_engine_core_dying(
     must go on on the other server and end exactly as unmoved."""
     proxy = ferry_over(ferry, doomed, vllm_pair[1])
     streams = Streams(proxy.url, vllm_pair[1])
-    for n in range(8):
-        streams.start(n, PROMPTS[n % len(PROMPTS)])
-    deadline = time.monotonic() + 60
-    while sum(1 for c in streams.received.values() if c) < 8 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    at_kill = dict(streams.received)
+    at_kill = streams.under_way(8)
     [core] = engine_cores(doomed)
     os.kill(core, signal.SIGKILL)
     # The API server outlives its engine long enough to send each stream the
