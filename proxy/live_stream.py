@@ -142,9 +142,10 @@ class LiveStream:
     def _cut_wait_s(self) -> float:
         """How long a move ordered now waits for the stream's next token before it
         interrupts the wait: what is left of CUT_WAIT_GAPS of its usual gap (none
-        if it has stopped or has no pace yet)."""
+        if it has no pace yet; 0 or less once it is that silent, as a stopped
+        stream, silent for STOPPED_GAPS of them, always is)."""
         timing = self.timing
-        if timing.gap_s is None or timing.stopped():
+        if timing.gap_s is None:
             return 0.0
         return min(CUT_WAIT_MAX_S, CUT_WAIT_GAPS * timing.gap_s - timing.silent_s())
 

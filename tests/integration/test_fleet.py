@@ -52,6 +52,16 @@ def streams(url: str, n: int, max_tokens: int) -> tuple[list[threading.Thread], 
     return threads, texts
 
 
+def lite_pair(ferry: Any, *urls: str) -> Ferry:
+    """Ferry over `urls` with lite migration, placing round robin (one stream each)."""
+    return ferry(  # type: ignore[no-any-return]
+        list(urls),
+        admin_token=TOKEN,
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+
+
 def join(threads: list[threading.Thread]) -> None:
     for t in threads:
         t.join(30)
@@ -108,12 +118,7 @@ def test_remove_with_migrate_moves_streams_and_undrain_calls_it_off(
     standins: Any, ferry: Any
 ) -> None:
     (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
-    proxy: Ferry = ferry(
-        [site_a.url, site_b.url],
-        admin_token=TOKEN,
-        instances_migration="lite",
-        scheduler={"policy": "round_robin"},
-    )
+    proxy = lite_pair(ferry, site_a.url, site_b.url)
     threads, texts = streams(proxy.url, 4, 80)
     wait_until(lambda: a.running == 2 and b.running == 2)
     # Undrain before the removal is done (streams still run there) keeps the instance.
@@ -261,12 +266,7 @@ def test_a_drain_moves_streams_whose_instance_answers_after_it(standins: Any, fe
     but not yet movable when the drain comes; it moves as soon as it is."""
     (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
     a.headers_delay_s = 0.5
-    proxy: Ferry = ferry(
-        [site_a.url, site_b.url],
-        admin_token=TOKEN,
-        instances_migration="lite",
-        scheduler={"policy": "round_robin"},
-    )
+    proxy = lite_pair(ferry, site_a.url, site_b.url)
     threads, texts = streams(proxy.url, 4, 60)
     wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 2)
     code, row = send(proxy.url + "/admin/instances/i0/drain?migrate=true", "POST")
@@ -284,12 +284,7 @@ def test_a_drain_does_not_wait_for_a_slow_prewarm(standins: Any, ferry: Any) -> 
     `PREWARM_WAIT_S` and the source is empty at once."""
     (a, site_a), (b, site_b) = standins(2, itl_s=0.05)
     b.ttft_s = 4.0
-    proxy: Ferry = ferry(
-        [site_a.url, site_b.url],
-        admin_token=TOKEN,
-        instances_migration="lite",
-        scheduler={"policy": "round_robin"},
-    )
+    proxy = lite_pair(ferry, site_a.url, site_b.url)
     threads, texts = streams(proxy.url, 2, 60)  # one on each: 3 s of tokens on i0
     wait_until(lambda: a.running == 1 and b.running == 1)
     time.sleep(0.3)  # a few tokens out
@@ -313,12 +308,7 @@ def test_a_move_stops_waiting_for_its_prewarm_once_its_stream_stops(
     (a, site_a), (b, site_b) = standins(2, itl_s=0.05)
     a.stall_after, a.stall_s = 12, 5.0  # silent from about 0.6 s on
     b.ttft_s = 2.0  # a pre-warm there would wait 2 s for its token
-    proxy: Ferry = ferry(
-        [site_a.url, site_b.url],
-        admin_token=TOKEN,
-        instances_migration="lite",
-        scheduler={"policy": "round_robin"},
-    )
+    proxy = lite_pair(ferry, site_a.url, site_b.url)
     threads, texts = streams(proxy.url, 2, 60)
     wait_until(lambda: a.running == 1 and b.running == 1)
     time.sleep(0.3)
@@ -340,12 +330,7 @@ def test_a_move_cuts_right_after_a_token_not_in_the_middle_of_a_gap(
     cuts there: its downtime is the destination's first token alone (here almost
     nothing), not also the 0.25 s of the gap that had passed."""
     (a, site_a), (b, site_b) = standins(2, itl_s=0.6)
-    proxy: Ferry = ferry(
-        [site_a.url, site_b.url],
-        admin_token=TOKEN,
-        instances_migration="lite",
-        scheduler={"policy": "round_robin"},
-    )
+    proxy = lite_pair(ferry, site_a.url, site_b.url)
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
     chunks = client.completions.create(model="standin", prompt="x", max_tokens=6, stream=True)
     seen = [next(chunks).choices[0].text, next(chunks).choices[0].text]  # its pace is known
