@@ -221,7 +221,10 @@ class Sharing:
 
     # -- the rounds -----------------------------------------------------------------
     async def _run(self) -> None:
-        while True:
+        # redis-py can swallow a cancel that lands inside a call (seen: stop()
+        # waited forever on a round loop that went on), so the loops end on the
+        # cancel request itself, not on the CancelledError.
+        while not _cancelled():
             await asyncio.sleep(self.settings.publish_interval_s)
             try:
                 await self.round()
@@ -343,11 +346,11 @@ class Sharing:
 
     async def _listen(self) -> None:
         """Take the peers' announced changes as they come; resubscribe after an outage."""
-        while True:
+        while not _cancelled():
             try:
                 async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self._changes_key)
-                    while True:
+                    while not _cancelled():
                         message = await pubsub.get_message(
                             ignore_subscribe_messages=True, timeout=self.settings.ttl_s
                         )
@@ -521,3 +524,10 @@ def _history(raw: Any) -> list[dict[str, Any]]:
         isinstance(e, dict) and isinstance(e.get("op"), dict) for e in entries
     )
     return entries if ok else []
+
+
+def _cancelled() -> bool:
+    """Whether the running task has been asked to stop (even if the CancelledError
+    that carried the request was swallowed on the way)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -12,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.vllm import parse_metrics
 from loadtest.vllm_servers import VLLMServer
@@ -28,8 +29,22 @@ def api(url: str) -> openai.OpenAI:
 
 
 def running(server: VLLMServer) -> int:
+    return parse_metrics(_metrics(server)).running
+
+
+def generated(server: VLLMServer) -> float:
+    """How many tokens the engine has generated, by its own counter."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(_metrics(server))
+        for s in family.samples
+        if s.name == "vllm:generation_tokens_total"
+    )
+
+
+def _metrics(server: VLLMServer) -> str:
     with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
-        return parse_metrics(resp.read().decode()).running
+        return str(resp.read().decode())
 
 
 @pytest.fixture
@@ -98,13 +113,17 @@ def test_new_requests_go_to_the_freer_instance(proxy: Any, vllm_pair: list[VLLMS
 
 
 def test_client_disconnect_leaves_nothing_running(proxy: Any, vllm_pair: list[VLLMServer]) -> None:
+    before = sum(generated(s) for s in vllm_pair)
     stream = api(proxy.url).completions.create(model="tiny", prompt=PROMPT, stream=True, **LONG)
     chunks = iter(stream)
     for _ in range(5):
         next(chunks)
     assert sum(running(s) for s in vllm_pair) == 1
     stream.close()
-    wait_until(lambda: sum(running(s) for s in vllm_pair) == 0, timeout=10)
+    # Waiting as long as a slow machine takes to generate all 900 tokens is fine:
+    # the engine's own count says whether it stopped early (aborted) or not.
+    wait_until(lambda: sum(running(s) for s in vllm_pair) == 0, timeout=60)
+    assert sum(generated(s) for s in vllm_pair) - before < LONG["max_tokens"]
     wait_until(lambda: proxy.view("i0").inflight + proxy.view("i1").inflight == 0)
 
 

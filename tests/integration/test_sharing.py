@@ -360,7 +360,7 @@ def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(
     wait_until(replaced, timeout=20)
 
     parent.proc.send_signal(signal.SIGTERM)
-    assert parent.proc.wait(15) == 0
+    assert parent.proc.wait(15) == 0, parent.log.read_text()
     # A graceful stop withdraws at once: nothing waits for the TTL.
     client = redis.Redis.from_url(redis_server)
     try:
