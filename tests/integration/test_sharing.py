@@ -6,6 +6,7 @@ serves one port from several processes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -460,3 +461,33 @@ def test_an_unreachable_redis_fails_the_start(redis_server: str) -> None:
     result = run_serve("--redis", url, "--port", str(free_port()))
     assert result.returncode == 1
     assert "cannot share the cluster view through Redis" in result.stderr
+
+
+def test_a_round_that_swallows_its_cancel_still_lets_the_process_stop(
+    ferry: Any, standins: Any, redis_server: str, redis_prefix: str, monkeypatch: Any
+) -> None:
+    """redis-py can swallow a CancelledError that lands inside a call (a worker
+    stopped right after it started hung until killed); the rounds then go on,
+    and the stop must not wait for them forever."""
+    from proxy.sharing import Sharing
+
+    swallowed = threading.Event()
+    plain_round = Sharing.round
+
+    async def round_swallowing_its_cancel(self: Sharing) -> None:
+        await plain_round(self)
+        try:
+            await asyncio.sleep(0.2)  # long enough for the stop's cancel to land here
+        except asyncio.CancelledError:
+            swallowed.set()  # as redis-py may: not raised again
+
+    monkeypatch.setattr(Sharing, "round", round_swallowing_its_cancel)
+    sites = [site for _, site in standins(1)]
+    proxy = ferry(
+        [s.url for s in sites],
+        redis_url=redis_server,
+        sharing={"key_prefix": redis_prefix, "publish_interval_s": 0.01},
+    )
+    time.sleep(0.5)  # a few rounds
+    proxy.loop.run(asyncio.wait_for(proxy.site.runner.cleanup(), 5))
+    assert swallowed.is_set()
