@@ -53,7 +53,7 @@ unit: setup
 	$(BIN)/python -m pytest -q tests/unit tests/integration
 
 test: lint
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs --durations=25 tests
 
 bench-overhead: setup
 	$(BIN)/python -m loadtest.bench_overhead
