@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "demo.yaml"
 WORK = ROOT / ".ferry"
 KV_CACHE_BYTES = 4_000_000  # ~2,000 tokens of the tiny model per server: KV pressure is real
+MAX_MODEL_LEN = 1024  # the servers' context: a longer prompt leaves fewer tokens to generate
 WORDS = ["load", "balance", "cache", "token", "quick", "brown", "fox", "scheduler"]
 
 
@@ -66,9 +67,15 @@ SHORT = Workload(requests=16, rate_per_s=3.0, drain_at=0.5, min_tokens=300)
 class Stream:
     sent_at: float  # seconds since the run started
     max_tokens: int
+    prompt_tokens: int = 0  # as the engine counted them, in the first chunk
     ttft: float | None = None
     worst_stall: float = 0.0  # the longest gap between two tokens
     tokens: int = 0
+
+    @property
+    def expected(self) -> int:
+        """max_tokens, or fewer when the prompt leaves less of the context."""
+        return min(self.max_tokens, MAX_MODEL_LEN - self.prompt_tokens)
 
 
 @dataclass
@@ -85,7 +92,7 @@ class Run:
 
     @property
     def complete(self) -> int:
-        return sum(1 for s in self.streams if s.tokens == s.max_tokens)
+        return sum(1 for s in self.streams if s.tokens == s.expected)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -106,9 +113,12 @@ def request_specs(workload: Workload) -> list[tuple[float, int, int]]:
     return specs
 
 
-async def one(client: openai.AsyncOpenAI, words: int, max_tokens: int, stream: Stream) -> None:
+async def one(
+    client: openai.AsyncOpenAI, words: int, max_tokens: int, stream: Stream, salt: str
+) -> None:
     rng = random.Random(words * 1000 + max_tokens)
-    prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+    # The salt keeps one run's prompts out of the prefix cache the other left.
+    prompt = salt + " " + " ".join(rng.choice(WORDS) for _ in range(words))
     started = last = time.perf_counter()
     chunks = await client.completions.create(
         model="tiny",
@@ -120,6 +130,9 @@ async def one(client: openai.AsyncOpenAI, words: int, max_tokens: int, stream: S
     async for chunk in chunks:
         if not chunk.choices:
             continue
+        prompt_ids = getattr(chunk.choices[0], "prompt_token_ids", None)
+        if prompt_ids and not stream.prompt_tokens:  # the first chunk's, not a later one's
+            stream.prompt_tokens = len(prompt_ids)
         ids = getattr(chunk.choices[0], "token_ids", None) or []
         if not ids:
             continue
@@ -132,8 +145,11 @@ async def one(client: openai.AsyncOpenAI, words: int, max_tokens: int, stream: S
         stream.tokens += len(ids)
 
 
-async def workload_run(url: str, workload: Workload, run: Run, drain: Any | None = None) -> None:
-    """Send the workload; call `drain(run)` in a thread once `drain_at` of it is sent."""
+async def workload_run(
+    url: str, workload: Workload, run: Run, salt: str, drain: Any | None = None
+) -> None:
+    """Send the workload, its prompts led by `salt`; call `drain(run)` in a thread
+    once `drain_at` of it is sent."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=0, timeout=600)
     started = time.perf_counter()
     tasks, drainer = [], None
@@ -144,7 +160,7 @@ async def workload_run(url: str, workload: Workload, run: Run, drain: Any | None
             drainer = asyncio.create_task(asyncio.to_thread(drain, run))
         stream = Stream(time.perf_counter() - started, max_tokens)
         run.streams.append(stream)
-        tasks.append(asyncio.create_task(one(client, words, max_tokens, stream)))
+        tasks.append(asyncio.create_task(one(client, words, max_tokens, stream, salt)))
     await asyncio.gather(*tasks)
     if drainer is not None:
         await drainer
@@ -182,7 +198,9 @@ def write_config(path: Path, urls: list[str], policy: str, port: int, token: str
     path.write_text(json.dumps(config, indent=2))
 
 
-def run_once(urls: list[str], policy: str, workload: Workload, work: Path, port: int) -> Run:
+def run_once(
+    urls: list[str], policy: str, workload: Workload, work: Path, port: int, salt: str
+) -> Run:
     """One run of the workload through a fresh `ferry serve` with `policy`, with a
     drain of the busiest instance once `workload.drain_at` of it is sent."""
     token = "demo-token"
@@ -215,7 +233,7 @@ def run_once(urls: list[str], policy: str, workload: Workload, work: Path, port:
             run.drain["output"] = done.stdout.strip()
             subprocess.run(ferry_command("undrain", busiest["name"], *admin), capture_output=True)
 
-        asyncio.run(workload_run(url, workload, run, drain_busiest))
+        asyncio.run(workload_run(url, workload, run, salt, drain_busiest))
         run.preemptions = preemptions(urls) - before
         run.drain.update(migration_figures(get(url + "/metrics")))
         return run
@@ -317,9 +335,9 @@ def demo(urls: list[str], workload: Workload, work: Path, port: int) -> tuple[li
     """Run both policies on servers at `urls`; print the comparison; return runs and the PNG."""
     work.mkdir(parents=True, exist_ok=True)
     runs = []
-    for policy in ("round_robin", "llumnix"):
+    for index, policy in enumerate(("round_robin", "llumnix")):
         print(f"running {workload.requests} streams through ferry ({policy})...", flush=True)
-        runs.append(run_once(urls, policy, workload, work, port))
+        runs.append(run_once(urls, policy, workload, work, port, f"run {index + 1}:"))
     png = work / "demo-ttft.png"
     plot(runs, png)
     print()
@@ -341,7 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting {len(config.instances)} vLLM CPU servers (about a minute)...", flush=True)
         for inst in config.instances:
             port = urlsplit(inst.url).port or 80
-            servers.append(start_vllm(model, port, WORK / "logs", kv_cache_bytes=KV_CACHE_BYTES))
+            servers.append(
+                start_vllm(
+                    model,
+                    port,
+                    WORK / "logs",
+                    kv_cache_bytes=KV_CACHE_BYTES,
+                    max_model_len=MAX_MODEL_LEN,
+                )
+            )
         wait_ready(servers)
         demo(
             [s.url for s in servers],
