@@ -528,6 +528,6 @@ def _history(raw: Any) -> list[dict[str, Any]]:
 
 def _cancelled() -> bool:
     """Whether the running task has been asked to stop (even if the CancelledError
-    that carried the request was swallowed on the way)."""
+    that carried the request was swallowed on the way; Python 3.11+ can tell)."""
     task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
