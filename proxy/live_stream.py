@@ -26,6 +26,7 @@ from aiohttp import web
 
 from migration_shim import wire
 from proxy import continuation, sse
+from proxy.cancellation import cancelling
 from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
 from proxy.policy import Priority
@@ -203,7 +204,7 @@ class LiveStream:
         try:
             result = await self._pump
         except asyncio.CancelledError:
-            if self._pump.cancelled() and self._order is not None and not _cancelling():
+            if self._pump.cancelled() and self._order is not None and not cancelling():
                 result = "move"  # interrupted while waiting for bytes
             else:
                 self._pump.cancel()
@@ -433,12 +434,6 @@ class LiveStream:
     async def _fail(self, response: web.StreamResponse, why: str) -> None:
         message = f"stream from {self.instance} broke and could not resume: {why}"
         await sse.finish(response, sse.error_event(502, message))
-
-
-def _cancelling() -> bool:
-    """Whether the running task itself is being cancelled (Python 3.11+)."""
-    task = asyncio.current_task()
-    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
 
 
 def _why(exc: BaseException) -> str:

@@ -62,6 +62,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, WatchError
 
+from proxy.cancellation import cancelling
 from proxy.cluster import Cluster
 from proxy.config import SharingConfig
 from proxy.fleet import Fleet, FleetError, compact, op_instance
@@ -224,7 +225,7 @@ class Sharing:
         # redis-py can swallow a cancel that lands inside a call (seen: stop()
         # waited forever on a round loop that went on), so the loops end on the
         # cancel request itself, not on the CancelledError.
-        while not _cancelled():
+        while not cancelling():
             await asyncio.sleep(self.settings.publish_interval_s)
             try:
                 await self.round()
@@ -346,11 +347,11 @@ class Sharing:
 
     async def _listen(self) -> None:
         """Take the peers' announced changes as they come; resubscribe after an outage."""
-        while not _cancelled():
+        while not cancelling():
             try:
                 async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self._changes_key)
-                    while not _cancelled():
+                    while not cancelling():
                         message = await pubsub.get_message(
                             ignore_subscribe_messages=True, timeout=self.settings.ttl_s
                         )
@@ -524,10 +525,3 @@ def _history(raw: Any) -> list[dict[str, Any]]:
         isinstance(e, dict) and isinstance(e.get("op"), dict) for e in entries
     )
     return entries if ok else []
-
-
-def _cancelled() -> bool:
-    """Whether the running task has been asked to stop (even if the CancelledError
-    that carried the request was swallowed on the way; Python 3.11+ can tell)."""
-    task = asyncio.current_task()
-    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())

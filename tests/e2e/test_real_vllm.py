@@ -12,10 +12,9 @@ from typing import Any
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.vllm import parse_metrics
-from loadtest.vllm_servers import VLLMServer
+from loadtest.vllm_servers import VLLMServer, metric
 from tests.helpers import free_port, wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the scheduler"
@@ -29,22 +28,13 @@ def api(url: str) -> openai.OpenAI:
 
 
 def running(server: VLLMServer) -> int:
-    return parse_metrics(_metrics(server)).running
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+        return parse_metrics(resp.read().decode()).running
 
 
 def generated(server: VLLMServer) -> float:
     """How many tokens the engine has generated, by its own counter."""
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(_metrics(server))
-        for s in family.samples
-        if s.name == "vllm:generation_tokens_total"
-    )
-
-
-def _metrics(server: VLLMServer) -> str:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
-        return str(resp.read().decode())
+    return metric(server.url, "vllm:generation_tokens_total")
 
 
 @pytest.fixture
