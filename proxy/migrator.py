@@ -26,8 +26,8 @@ from proxy.cluster import Cluster
 from proxy.kv_migration import KVMigrator
 from proxy.live_stream import LiveStream
 from proxy.placement import Placement
-from proxy.policy import InstanceView
-from proxy.policy.migration import RequestLoad
+from proxy.policy import ClusterView, InstanceView
+from proxy.policy.migration import RequestLoad, plan_drain
 from proxy.policy.priority import make_room_victim
 from proxy.upstream import Upstreams
 
@@ -38,6 +38,9 @@ log = logging.getLogger("ferry.migration")
 # work; waiting for it would hold the move (a drain, too) hostage to that queue,
 # and the cut-over's recompute joins the same queue anyway. So the move goes on.
 PREWARM_WAIT_S = 1.0
+
+# How often a drain asks again for room for the streams it could not move yet.
+DRAIN_RETRY_S = 0.1
 
 # Which waiting moves take a free slot first (lower first): rebalancing is
 # opportunistic, and a stream it waits behind may end before its turn.
@@ -92,9 +95,16 @@ class Migrator:
         self.kv = kv
         self.prewarm = prewarm
         self.streams: dict[int, LiveStream] = {}
-        # Instances drained with their streams moving off: a stream that registers
-        # there later (its instance was slow to answer) moves off as it arrives.
+        # Instances drained with their streams moving off, as room for them appears
+        # elsewhere (`plan_drain`); a stream that registers there later (its
+        # instance was slow to answer) moves off with the rest.
         self.evacuating: set[str] = set()
+        self._evacuation: asyncio.Task[None] | None = None
+        self._drain_moves: dict[asyncio.Task[bool], int] = {}  # -> the request moved
+        # Streams a drain move was refused for (a destination's shim out of blocks, a
+        # move that broke): they finish where they are; asking again would repeat
+        # the refusal every round.
+        self._drain_refused: set[int] = set()
         self._ids = itertools.count(1)
         self._slots = MoveSlots(max(1, max_concurrent))
         self._max = max(1, max_concurrent)
@@ -113,11 +123,10 @@ class Migrator:
 
     def register(self, stream: LiveStream) -> None:
         self.streams[stream.request.id] = stream
-        if stream.instance in self.evacuating:
-            self.submit(stream, None, "drain")
 
     def unregister(self, stream: LiveStream) -> None:
         self.streams.pop(stream.request.id, None)
+        self._drain_refused.discard(stream.request.id)
 
     def streams_on(self, instance: str) -> list[LiveStream]:
         return [s for s in self.streams.values() if s.instance == instance]
@@ -134,6 +143,7 @@ class Migrator:
                 running=bool(s.splicer.generated) and not s.timing.resuming,
                 cached=self._cached(s),
                 silent_s=s.timing.silent_s(),
+                model=s.request.model,
             )
             for s in self.streams_on(instance)
             if s.movable
@@ -154,25 +164,69 @@ class Migrator:
 
     def submit(
         self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool = True
-    ) -> None:
+    ) -> asyncio.Task[bool]:
         """Move `stream` (to `destination`, or wherever placement says) in the
         background. `prewarm=False`: the source has stopped it already (preempted),
         so warming the destination first would only add to its stall."""
         task = asyncio.create_task(self._bounded(stream, destination, reason, prewarm))
         self._moves.add(task)
         task.add_done_callback(self._moves.discard)
+        return task
 
     def drain(self, instance: str) -> int:
-        """Move every live stream off `instance`, and those that arrive there until
-        `stop_draining`; returns how many there are now."""
+        """Move the live streams off `instance`, and those that arrive there, until
+        `stop_draining`: each as soon as another instance has room for it (a
+        first round now, then every DRAIN_RETRY_S); returns how many there are now."""
         self.evacuating.add(instance)
-        streams = self.streams_on(instance)
-        for stream in streams:
-            self.submit(stream, None, "drain")
-        return len(streams)
+        self._drain_round()
+        if self._evacuation is None or self._evacuation.done():
+            self._evacuation = asyncio.create_task(self._evacuate(), name="drain")
+        return len(self.streams_on(instance))
 
     def stop_draining(self, instance: str) -> None:
         self.evacuating.discard(instance)
+        self._drain_refused -= {s.request.id for s in self.streams_on(instance)}
+
+    async def _evacuate(self) -> None:
+        while self.evacuating:
+            await asyncio.sleep(DRAIN_RETRY_S)
+            self._drain_round()
+
+    def _drain_round(self) -> None:
+        """Plan and submit the moves off the draining instances that fit now. A round
+        waits for the last one's moves to land: until they do, the ledger does not
+        count them on their destinations, so their room would be given twice."""
+        if self._drain_moves:
+            return
+        requests = {
+            n: [r for r in self.candidates(n) if r.id not in self._drain_refused]
+            for n in self.evacuating
+            if n in self.cluster.instances
+        }
+        if not any(requests.values()):
+            return
+        usable = self.placement.migration_instances() | self.evacuating
+        full = self.cluster.view()
+        view = ClusterView(tuple(v for v in full.instances if v.name in usable))
+        block_size = {n: self.cluster.block_size(n) for n in requests}
+        for move in plan_drain(view, requests, block_size):
+            log.info(
+                "drain: request %s %s -> %s: %s",
+                move.request_id,
+                move.source,
+                move.destination,
+                move.reason,
+            )
+            stream = self.streams[move.request_id]
+            task = self.submit(stream, move.destination, "drain", move.prewarm)
+            self._drain_moves[task] = move.request_id
+            task.add_done_callback(self._drain_moved)
+
+    def _drain_moved(self, task: asyncio.Task[bool]) -> None:
+        request_id = self._drain_moves.pop(task)
+        refused = task.cancelled() or task.exception() is not None or not task.result()
+        if refused and request_id in self.streams:
+            self._drain_refused.add(request_id)
 
     def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
         """A high-priority request goes to `chosen`: move a lower one off if it
@@ -186,6 +240,10 @@ class Migrator:
         return True
 
     async def stop(self) -> None:
+        self.evacuating.clear()
+        if self._evacuation is not None:
+            self._evacuation.cancel()
+            await asyncio.gather(self._evacuation, return_exceptions=True)
         for task in self._moves:
             task.cancel()
         await asyncio.gather(*self._moves, return_exceptions=True)

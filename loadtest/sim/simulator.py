@@ -54,7 +54,13 @@ from proxy.policy import (
     dispatch,
     make_policy,
 )
-from proxy.policy.migration import MigrationSettings, RequestLoad, plan_migrations, sources
+from proxy.policy.migration import (
+    MigrationSettings,
+    RequestLoad,
+    plan_drain,
+    plan_migrations,
+    sources,
+)
 from proxy.policy.priority import make_room_victim
 from proxy.policy.scaling import ScalingSettings, scaling_signal
 from proxy.policy.virtual_usage import instance_view, request_blocks
@@ -284,6 +290,7 @@ class Simulator:
 
     def _reschedule(self, _: None) -> None:
         self.push(self.now + self.settings.reschedule_interval_s, Kind.RESCHEDULE, None)
+        self._drain_round()
         view = self.view()
         ms = self.migration_settings
         names = sources(view, ms)
@@ -395,19 +402,27 @@ class Simulator:
             inst.healthy = True
 
     def _drain(self, inst: Instance) -> None:
-        """Scale-in: no new dispatch; with migration on, every request moves off now
-        (the proxy's drain), else they finish here. Retired once empty."""
+        """Scale-in: no new dispatch; with migration on, requests move off as other
+        instances have room for them (the proxy's drain: `plan_drain`, now and every
+        rescheduling round), the rest finish here. Retired once empty."""
         inst.draining = True
         self._log_fleet()
         if self.settings.migration != "off":
-            for r in self._movable(inst):
-                others = DispatchRequest(MODEL, r.tokens, r.priority, frozenset({inst.name}))
-                try:  # a fresh view per move, as the proxy's placement sees its ledger
-                    dest = dispatch(self.policy, others, self.view(), self.rng)
-                except NoCandidate:
-                    break
-                self._start_migration(r.id, inst.name, dest.name)
+            self._drain_round()
         self._retire_if_drained(inst)
+
+    def _drain_round(self) -> None:
+        draining = [i for i in self.instances if i.draining]
+        # As the proxy's: a round waits for the last one's moves to land.
+        if any(r.cut_to is not None for i in draining for r in i.running):
+            return
+        candidates = {i.name: [_load(r, self.now) for r in self._movable(i)] for i in draining}
+        if not any(candidates.values()):
+            return
+        block_size = {n: self.profile.block_size for n in candidates}
+        reserve = self.migration_settings.dest_reserve_blocks
+        for move in plan_drain(self.view(), candidates, block_size, reserve):
+            self._start_migration(move.request_id, move.source, move.destination)
 
     def _retire_if_drained(self, inst: Instance) -> None:
         if inst.draining and inst.empty and inst.name not in self.retired:

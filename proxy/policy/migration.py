@@ -109,6 +109,10 @@ class RequestLoad:
     # Its tokens probably cached on other instances (name -> tokens; absent: 0).
     cached: Mapping[str, int] = field(default_factory=lambda: _NOTHING_CACHED)
     silent_s: float = 0.0  # running: seconds since its last token came through
+    model: str | None = None  # the model it asked for (None: any instance serves it)
+
+    def served_by(self, dest: InstanceView) -> bool:
+        return self.model is None or self.model in dest.models
 
     def tail(self, instance: str) -> int:
         """Tokens a lite move to `instance` recomputes: those not cached there."""
@@ -273,6 +277,8 @@ def _pick(
     if not _over(src, settings) or dest.freeness <= settings.dest_above:
         queued, running = [], []  # only its preempted streams may move, or go there
     for r in [*stalled, *queued, *running]:
+        if not r.served_by(dest):
+            continue
         blocks = request_blocks(r.tokens + 1, block_size)
         room = dest.capacity_blocks - dest.virtual_blocks - settings.dest_reserve_blocks
         if blocks > room:
@@ -313,6 +319,54 @@ def _pick(
                 reason += ", pre-warmed"
         return Migration(r.id, src.name, dest.name, reason, preempted=r in stalled, prewarm=prewarm)
     return None
+
+
+def plan_drain(
+    view: ClusterView,
+    requests: Mapping[str, Sequence[RequestLoad]],
+    block_size: Mapping[str, int],
+    reserve_blocks: int = 2,
+) -> list[Migration]:
+    """Moves off draining instances (`requests` holds each one's movable
+    requests), as Llumnix drains: a running request moves only to an instance
+    with room for its blocks, `reserve_blocks` to spare, counting the moves
+    planned before it; among those, to the freest counting its prefix credit
+    there. One that no instance has room for goes on decoding where it is and is
+    asked again next round: moved onto a full instance it would queue there, and
+    stall, instead. A queued request holds no KV and waits either way: it goes
+    to the freest instance serving its model. Higher priority first, then
+    shorter (more of them fit)."""
+    dests = [v for v in view.instances if v.dispatchable]
+    used = {d.name: d.virtual_blocks for d in dests}
+    batch = {d.name: d.batch for d in dests}
+    plan: list[Migration] = []
+    for src_name, loads in requests.items():
+        size = block_size.get(src_name, 16)
+        movable = sorted(
+            (r for r in loads if r.migratable), key=lambda r: (-r.priority, r.tokens, r.id)
+        )
+        for r in movable:
+            blocks = request_blocks(r.tokens + 1, size)
+            best: InstanceView | None = None
+            best_score = -math.inf
+            for dest in dests:
+                if dest.name == src_name or not r.served_by(dest):
+                    continue
+                room = dest.capacity_blocks - used[dest.name] - reserve_blocks
+                if r.running and dest.capacity_blocks > 0 and blocks > room:
+                    continue
+                score = instance_freeness(dest.capacity_blocks, used[dest.name], batch[dest.name])
+                score += prefix_credit(r.cached.get(dest.name, 0), dest)
+                if score > best_score:
+                    best, best_score = dest, score
+            if best is None:
+                continue
+            used[best.name] += blocks
+            batch[best.name] += 1
+            what = f"running request of {r.tokens} tokens" if r.running else "queued request"
+            reason = f"{src_name} draining; {what}; {best.name} freeness {best_score:.1f}"
+            plan.append(Migration(r.id, src_name, best.name, reason, prewarm=r.running))
+    return plan
 
 
 def preemption_due(src: InstanceView, running: Sequence[RequestLoad], block_size: int) -> bool:

@@ -153,6 +153,49 @@ def test_ferry_moves_a_stream_between_paged_engines_token_exactly(
     assert dest.engine.cached_tokens > 0
 
 
+def test_a_drain_moves_a_stream_only_once_another_engine_has_room_for_it(
+    paged_standins: Any, ferry: Any
+) -> None:
+    # 40 blocks of 4 tokens each. While i1 runs the filler (80 + 40 tokens), it has
+    # too little room for the stream on i0 (80 + 70): the drain of i0 leaves that
+    # stream decoding there, and moves it once the filler is done.
+    engine = {"kv_blocks": 40, "block_size": 4, "step_base_s": 0.02, "step_per_seq_s": 0.0}
+    (source, a), (dest, b) = paged_standins(2, **engine)
+    prompt, filler_prompt = [7] * 80, [9] * 80
+    unmoved = stream_ids(a.url, prompt, 70)[1]
+    proxy = ferry(  # no pre-warm: it too would wait for room on i1
+        [a.url, b.url],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"migration_prewarm": False},
+    )
+    admin(proxy.url, "/admin/instances/i1/drain")  # the stream starts on i0
+    got: list[list[int]] = []
+    moved = threading.Thread(target=lambda: got.append(stream_ids(proxy.url, prompt, 70)[1]))
+    moved.start()
+    wait_for(lambda: source.engine.running)
+    admin(proxy.url, "/admin/instances/i1/undrain")
+    filler = threading.Thread(target=lambda: stream_ids(proxy.url, filler_prompt, 40))
+    filler.start()
+    wait_for(lambda: dest.engine.running)
+    time.sleep(0.1)  # a few tokens in: i1 holds 21+ blocks, the stream 23+
+    admin(proxy.url, "/admin/instances/i0/drain?migrate=true")
+    time.sleep(0.3)
+    assert (proxy.view("i0").inflight, proxy.view("i1").inflight) == (1, 1)
+    filler.join(20)
+    wait_for(lambda: proxy.view("i0").inflight == 0)  # room on i1 now: it moved
+    moved.join(20)
+    assert got == [unmoved]
+    assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in scrape(proxy.url)
+
+
+def wait_for(done: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
 def test_ferry_rescues_a_stream_its_engine_preempted(paged_standins: Any, ferry: Any) -> None:
     # 16 blocks of 4 tokens; three 8 + 24 token streams want 24 blocks on one engine,
     # so it preempts the newest. Ferry sees that engine queue a request the ledger

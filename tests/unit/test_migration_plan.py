@@ -1,7 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
+
 from proxy.policy import ClusterView, InstanceView, Priority, instance_freeness
-from proxy.policy.migration import MigrationSettings, RequestLoad, plan_migrations, sources
+from proxy.policy.migration import (
+    MigrationSettings,
+    RequestLoad,
+    plan_drain,
+    plan_migrations,
+    sources,
+)
 
 BS = 16
 
@@ -270,3 +278,66 @@ def test_a_rescue_refused_by_the_freest_destination_goes_to_the_next() -> None:
     hot = inst("hot", 64, 80, 4)
     running = [RequestLoad(5, 40, Priority.NORMAL, running=True)]
     assert plan(ClusterView((hot, unknown, roomy)), {"hot": running}) == []
+
+
+# -- draining -------------------------------------------------------------------------
+
+
+def drained(name: str = "d") -> InstanceView:
+    return inst(name, 100, 60, 3, draining=True)
+
+
+def test_a_drain_moves_only_what_fits_and_leaves_the_rest_decoding() -> None:
+    # 10 blocks free on "a", 2 of them kept in reserve: 8 for the drain.
+    view = ClusterView((drained(), inst("a", 100, 90, 2)))
+    reqs = [running(1, 16 * 5 - 1), running(2, 16 * 3 - 1), running(3, 16 * 2 - 1)]
+    moves = plan_drain(view, {"d": reqs}, {"d": BS})
+    # Shortest first: 2 + 3 blocks fit, the 5-block one would overfill "a".
+    assert [(m.request_id, m.destination) for m in moves] == [(3, "a"), (2, "a")]
+    assert all(m.prewarm and "draining" in m.reason for m in moves)
+    full = ClusterView((drained(), inst("a", 100, 99, 2)))
+    assert plan_drain(full, {"d": reqs}, {"d": BS}) == []
+
+
+def test_a_drain_spreads_by_freeness_counting_its_own_moves() -> None:
+    view = ClusterView((drained(), inst("a", 100, 40, 2), inst("b", 100, 50, 2)))
+    reqs = [running(i, 16 * 10 - 1) for i in range(1, 5)]
+    moves = plan_drain(view, {"d": reqs}, {"d": BS})
+    # a (F 30) takes the first; then a (F 16.7) and b (F 25): b; then a and b alternate.
+    assert [m.destination for m in moves] == ["a", "b", "a", "b"]
+
+
+def test_a_queued_request_leaves_a_drain_even_for_a_full_instance() -> None:
+    view = ClusterView((drained(), inst("a", 100, 130, 5)))
+    queued = RequestLoad(1, 500, Priority.NORMAL, running=False)
+    [move] = plan_drain(view, {"d": [queued, running(2, 40)]}, {"d": BS})
+    assert (move.request_id, move.destination, move.prewarm) == (1, "a", False)
+
+
+def test_a_drain_goes_first_for_high_priority_and_only_where_the_model_is() -> None:
+    view = ClusterView(
+        (
+            drained(),
+            inst("a", 100, 92, 1, models=frozenset({"m"})),
+            inst("b", 100, 0, 0, models=frozenset({"other"})),
+        )
+    )
+    low = RequestLoad(1, 40, Priority.LOW, running=True, model="m")
+    high = RequestLoad(2, 16 * 4 - 1, Priority.HIGH, running=True, model="m")
+    # Room for 6 blocks on "a": the high-priority one (4) first, then the low (3) does not fit.
+    [move] = plan_drain(view, {"d": [low, high]}, {"d": BS})
+    assert (move.request_id, move.destination) == (2, "a")
+    anywhere = RequestLoad(3, 40, Priority.NORMAL, running=True)  # no model: any instance
+    assert plan_drain(view, {"d": [anywhere]}, {"d": BS})[0].destination == "b"
+
+
+def test_a_rebalance_never_sends_a_request_where_its_model_is_not_served() -> None:
+    view = ClusterView(
+        (
+            inst("hot", 100, 130, 6, models=frozenset({"m"})),
+            inst("cold", 100, 10, 1, models=frozenset({"other"})),
+        )
+    )
+    queued = RequestLoad(1, 300, Priority.NORMAL, running=False, model="m")
+    assert plan(view, {"hot": [queued]}) == []
+    assert plan(view, {"hot": [dataclasses.replace(queued, model="other")]}) != []

@@ -67,7 +67,7 @@ def test_a_continuation_not_yet_under_way_is_a_queued_candidate() -> None:
     stream = SimpleNamespace(
         instance="b",
         movable=True,
-        request=SimpleNamespace(id=7, priority=Priority.NORMAL),
+        request=SimpleNamespace(id=7, priority=Priority.NORMAL, model="m"),
         splicer=SimpleNamespace(
             continuation_tokens=lambda: 40, generated=[1, 2, 3, 4, 5], prompt_ids=None
         ),
