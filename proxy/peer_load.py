@@ -99,7 +99,15 @@ def encode(record: ProcessRecord) -> str:
     }
     candidates = {
         name: [
-            [r.id, r.tokens, int(r.priority), r.running, dict(r.cached), round(r.silent_s, 3)]
+            [
+                r.id,
+                r.tokens,
+                int(r.priority),
+                r.running,
+                dict(r.cached),
+                round(r.silent_s, 3),
+                r.model,
+            ]
             for r in loads_
         ]
         for name, loads_ in record.candidates.items()
@@ -219,19 +227,30 @@ def _request(raw: Any) -> RequestLoad:
     values = _list(raw)
     if len(values) == 5:  # from a peer that predates silent_s
         values = [*values, 0.0]
-    if len(values) != 6:
+    if len(values) == 6:  # from a peer that predates model (any instance serves it)
+        values = [*values, None]
+    if len(values) != 7:
         raise ValueError(
-            f"a candidate must be [id, tokens, priority, running, cached, silent_s] ({raw!r})"
+            "a candidate must be [id, tokens, priority, running, cached, silent_s, model]"
+            f" ({raw!r})"
         )
-    ident, tokens, priority, running, cached, silent_s = values
+    ident, tokens, priority, running, cached, silent_s, model = values
     if not (_count(ident) and _count(tokens) and isinstance(running, bool)):
         raise ValueError(f"a candidate's id and tokens must be counts ({raw!r})")
     if not (isinstance(silent_s, int | float) and not isinstance(silent_s, bool) and silent_s >= 0):
         raise ValueError(f"a candidate's silent_s must be seconds, 0 or more ({raw!r})")
     if not all(isinstance(k, str) and _count(v) for k, v in _dict(cached).items()):
         raise ValueError(f"a candidate's cached tokens must map names to counts ({raw!r})")
+    if not (model is None or isinstance(model, str)):
+        raise ValueError(f"a candidate's model must be a name or null ({raw!r})")
     return RequestLoad(
-        ident, tokens, Priority(priority), running, cached=dict(cached), silent_s=float(silent_s)
+        ident,
+        tokens,
+        Priority(priority),
+        running,
+        cached=dict(cached),
+        silent_s=float(silent_s),
+        model=model,
     )
 
 

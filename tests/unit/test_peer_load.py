@@ -29,7 +29,9 @@ def record(process: str, seq: int = 0, **loads: InstanceLoad) -> ProcessRecord:
 
 
 def test_a_record_reads_back_as_written_without_its_idle_instances() -> None:
-    moving = RequestLoad(7, 130, Priority.LOW, running=True, cached={"b": 64}, silent_s=0.75)
+    moving = RequestLoad(
+        7, 130, Priority.LOW, running=True, cached={"b": 64}, silent_s=0.75, model="m"
+    )
     written = ProcessRecord(
         "host:1:ab",
         {"a": InstanceLoad(12, 3, 1, 40), "b": InstanceLoad()},
@@ -114,6 +116,10 @@ def test_a_change_reads_back_as_written() -> None:
         (
             json.dumps({"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, True, {}, "1"]]}}),
             "silent_s must be seconds",
+        ),
+        (
+            json.dumps({"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, True, {}, 0, 3]]}}),
+            "model must be a name or null",
         ),
     ],
 )
