@@ -6,8 +6,9 @@ with `round_robin` (what nginx and vllm-router do by default), once with
 preempted it, or that is about to be, moves to the other). At the same point of each run the busiest
 instance is drained with `ferry drain` while streams run on it, as an operator
 taking it out for maintenance would: with round_robin (no migration, like nginx
-or vllm-router) the drain waits until its streams end; with llumnix they move
-to the other instance and finish with every token. The demo prints both runs
+or vllm-router) the drain waits until its streams end; with llumnix each moves
+to the other instance as soon as that has room for it, and every stream finishes
+with every token. The demo prints both runs
 side by side (TTFT, worst stall, the engines' own preemption counters, how long
 the drain took), what the drain moved, and draws TTFT over time for both runs
 with the drains marked.
