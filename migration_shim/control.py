@@ -29,11 +29,27 @@ from starlette.responses import JSONResponse, Response
 from migration_shim import wire
 
 
-async def middleware(request: Request, call_next: Any) -> Response:
+class middleware:  # noqa: N801 - the name `--middleware` has always been given
+    """A plain ASGI middleware: the shim's routes are answered here, every other
+    request goes to vLLM untouched. Not Starlette's `BaseHTTPMiddleware` (what a
+    function given to `--middleware` becomes): that one relays each streamed
+    chunk through a memory stream, and hands its `receive` to two listeners,
+    one hop and one race more on every token of every stream the server sends."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(wire.PREFIX):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        response = await route(request, request.app.state.engine_client)
+        await response(scope, receive, send)
+
+
+async def route(request: Request, engine: Any) -> Response:
     path = request.url.path
-    if not path.startswith(wire.PREFIX):
-        return await call_next(request)
-    engine = request.app.state.engine_client
     try:
         if path == wire.INFO and request.method == "GET":
             return JSONResponse(await _info(engine))
