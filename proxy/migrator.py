@@ -109,6 +109,7 @@ class Migrator:
         self._slots = MoveSlots(max(1, max_concurrent))
         self._max = max(1, max_concurrent)
         self._moves: set[asyncio.Task[bool]] = set()
+        self._slotted: set[asyncio.Task[bool]] = set()  # the moves that take a slot
 
     def retune(self, *, max_concurrent: int, prewarm: bool) -> None:
         """New limits for moves submitted from now on (moves in flight finish as they are)."""
@@ -159,8 +160,9 @@ class Migrator:
     # -- starting moves -----------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        """Moves that would start at once (the rescheduler plans no more)."""
-        return max(0, self._max - len(self._moves))
+        """Moves that would start at once (the rescheduler plans no more); a
+        rescue takes no slot, so one in flight leaves them all free."""
+        return max(0, self._max - len(self._slotted))
 
     def submit(
         self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool = True
@@ -171,6 +173,9 @@ class Migrator:
         task = asyncio.create_task(self._bounded(stream, destination, reason, prewarm))
         self._moves.add(task)
         task.add_done_callback(self._moves.discard)
+        if reason != "rescue":  # see _bounded
+            self._slotted.add(task)
+            task.add_done_callback(self._slotted.discard)
         return task
 
     def drain(self, instance: str) -> int:

@@ -49,3 +49,30 @@ def test_a_cancelled_waiter_passes_its_turn_on() -> None:
         assert slots.held == 0
 
     asyncio.run(scenario())
+
+
+def test_a_rescue_in_flight_leaves_the_slots_free() -> None:
+    from typing import Any
+
+    from proxy.migrator import Migrator
+
+    async def scenario() -> list[int]:
+        migrator = Migrator(None, None, None, None, max_concurrent=2, prewarm=False)  # type: ignore[arg-type]
+        release = asyncio.Event()
+
+        async def move(*_: Any) -> bool:
+            await release.wait()
+            return True
+
+        migrator.move = move  # type: ignore[method-assign]
+        seen = [migrator.free_slots]
+        migrator.submit(None, "b", "rescue", prewarm=False)  # type: ignore[arg-type]
+        seen.append(migrator.free_slots)
+        migrator.submit(None, "b", "rebalance")  # type: ignore[arg-type]
+        seen.append(migrator.free_slots)
+        release.set()
+        await asyncio.sleep(0.01)
+        seen.append(migrator.free_slots)
+        return seen
+
+    assert asyncio.run(scenario()) == [2, 2, 1, 2]
