@@ -18,6 +18,10 @@ destination must be free (freeness above `dest_above`) and hold the request
 with `dest_reserve_blocks` to spare, and after the move the destination must
 still be freer than the source (no ping-pong).
 
+Drain. `plan_drain` moves requests off draining instances as Llumnix does: a
+running one only where its blocks fit, the rest staying where they decode until
+room appears (see its docstring).
+
 Rescue. vLLM puts a preempted request back in its queue, where it produces
 nothing until memory frees. The proxy cannot see preemption per request, but it
 sees its signs: the engine's scraped queue holds more requests than the ledger
