@@ -26,7 +26,7 @@ from proxy.cluster import Cluster
 from proxy.kv_migration import KVMigrator
 from proxy.live_stream import LiveStream
 from proxy.placement import Placement
-from proxy.policy import ClusterView, InstanceView
+from proxy.policy import InstanceView
 from proxy.policy.migration import RequestLoad, plan_drain
 from proxy.policy.priority import make_room_victim
 from proxy.upstream import Upstreams
@@ -210,9 +210,7 @@ class Migrator:
         }
         if not any(requests.values()):
             return
-        usable = self.placement.migration_instances() | self.evacuating
-        full = self.cluster.view()
-        view = ClusterView(tuple(v for v in full.instances if v.name in usable))
+        view = self.placement.view_of(self.placement.migration_instances() | self.evacuating)
         block_size = {n: self.cluster.block_size(n) for n in requests}
         for move in plan_drain(view, requests, block_size):
             log.info(

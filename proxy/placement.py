@@ -14,7 +14,7 @@ from typing import Any
 
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
-from proxy.policy import DispatchRequest, InstanceView, NoCandidate, Priority, dispatch
+from proxy.policy import ClusterView, DispatchRequest, InstanceView, NoCandidate, Priority, dispatch
 from proxy.policy.policies import DispatchPolicy
 from proxy.prefix_index import PrefixKey, session_of
 
@@ -77,6 +77,12 @@ class Placement:
             for name, state in self.cluster.instances.items()
             if state.config.migration != "off" and state.healthy and not state.draining
         }
+
+    def view_of(self, names: set[str]) -> ClusterView:
+        """The live view over the instances in `names` (a move's possible sources
+        and destinations)."""
+        full = self.cluster.view()
+        return ClusterView(tuple(v for v in full.instances if v.name in names), full.dispatch_seq)
 
     def destination(
         self,

@@ -98,9 +98,8 @@ class Rescheduler:
 
     def _view(self) -> ClusterView:
         """The view over the migration-enabled instances."""
-        usable = self.migrator.placement.migration_instances()
-        full = self.cluster.view()
-        return ClusterView(tuple(v for v in full.instances if v.name in usable), full.dispatch_seq)
+        placement = self.migrator.placement
+        return placement.view_of(placement.migration_instances())
 
     def tick(self) -> int:
         """Plan and submit moves; returns how many were planned."""

@@ -95,6 +95,7 @@ from proxy.policy.virtual_usage import (
     instance_freeness,
     prefix_credit,
     request_blocks,
+    room_blocks,
     uncached_tokens,
 )
 
@@ -284,8 +285,9 @@ def _pick(
         if not r.served_by(dest):
             continue
         blocks = request_blocks(r.tokens + 1, block_size)
-        room = dest.capacity_blocks - dest.virtual_blocks - settings.dest_reserve_blocks
-        if blocks > room:
+        if blocks > room_blocks(
+            dest.capacity_blocks, dest.virtual_blocks, settings.dest_reserve_blocks
+        ):
             continue
         src_after = instance_freeness(
             src.capacity_blocks, src.virtual_blocks - blocks, src.batch - 1
@@ -356,7 +358,7 @@ def plan_drain(
             for dest in dests:
                 if dest.name == src_name or not r.served_by(dest):
                     continue
-                room = dest.capacity_blocks - used[dest.name] - reserve_blocks
+                room = room_blocks(dest.capacity_blocks, used[dest.name], reserve_blocks)
                 if r.running and dest.capacity_blocks > 0 and blocks > room:
                     continue
                 score = instance_freeness(dest.capacity_blocks, used[dest.name], batch[dest.name])

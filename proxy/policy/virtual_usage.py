@@ -107,6 +107,12 @@ def instance_freeness(
     return free if free < 0 else free / max(batch, 1)
 
 
+def room_blocks(capacity_blocks: int, used_blocks: float, reserve_blocks: int) -> float:
+    """Blocks a move may still put on an instance using `used_blocks` of
+    `capacity_blocks` while keeping `reserve_blocks` free (negative: none)."""
+    return capacity_blocks - used_blocks - reserve_blocks
+
+
 def prefix_credit(cached_tokens: int, view: InstanceView) -> float:
     """Freeness a request gains on `view` from `cached_tokens` of its prompt
     already cached there: its full cached blocks per request (blocks/request)."""

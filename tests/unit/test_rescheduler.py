@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from proxy import placement
+from proxy.cluster import Cluster
 from proxy.peer_load import InstanceLoad
 from proxy.policy import Priority
 from proxy.policy.migration import MigrationSettings, RequestLoad
@@ -14,15 +16,22 @@ from tests.unit.test_cluster import make_cluster, snapshot
 
 
 class Placement:
-    def migration_instances(self) -> frozenset[str]:
-        return frozenset({"a", "b"})
+    """Both instances take moves; the view is the real one, over the real cluster."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def migration_instances(self) -> set[str]:
+        return {"a", "b"}
+
+    view_of = placement.Placement.view_of
 
 
 class Migrator:
     """The parts of proxy/migrator.py the rescheduler uses: streams here, by instance."""
 
-    def __init__(self, candidates: dict[str, list[RequestLoad]]) -> None:
-        self.placement = Placement()
+    def __init__(self, cluster: Cluster, candidates: dict[str, list[RequestLoad]]) -> None:
+        self.placement = Placement(cluster)
         self.free_slots = 2
         self._candidates = candidates
         self.streams = {r.id: f"stream {r.id}" for loads in candidates.values() for r in loads}
@@ -62,7 +71,7 @@ def rescheduler(
     cluster = make_cluster("a", "b")
     # a is over its 100 blocks by what a peer placed there; b is idle.
     cluster.set_peer_load({"a": InstanceLoad(150, 5, 0, 0)})
-    migrator = Migrator(local)
+    migrator = Migrator(cluster, local)
     planner = Rescheduler(cluster, migrator, MigrationSettings(), interval_s=1)  # type: ignore[arg-type]
     planner.coordinator = coordinator
     return planner, migrator
