@@ -292,11 +292,18 @@ def report(runs: list[Run]) -> str:
 def drain_report(run: Run) -> str:
     d = run.drain
     count = d.get("downtime_count", 0.0)
-    mean_ms = 1000 * d.get("downtime_sum", 0.0) / count if count else 0.0
+    # Downtime is a pause inside a stream: moves of requests still waiting for
+    # their first token have none (their wait is TTFT).
+    pause = (
+        f"{count:.0f} of them streaming, mean downtime "
+        f"{1000 * d.get('downtime_sum', 0.0) / count:.0f} ms"
+        if count
+        else "none of them streaming yet"
+    )
     return (
         f"drain of {d.get('instance')} at t={run.drained_at:.1f}s with {d.get('inflight')} in "
         f"flight: {d.get('moved', 0):.0f} streams moved; rebalancing moved "
-        f"{d.get('rebalanced', 0):.0f} more (mean downtime of all moves {mean_ms:.0f} ms); "
+        f"{d.get('rebalanced', 0):.0f} more ({pause}); "
         f"{run.complete}/{len(run.streams)} streams of this run finished with all their tokens"
     )
 

@@ -201,12 +201,15 @@ class TokenTiming:
 
     def token(self, instance: str) -> float | None:
         """A token chunk from `instance` reached the client; the downtime it ended
-        (seconds), if it is the first after a move."""
+        (seconds), if it is the first after a move of a stream that had streamed.
+        A move before the first token pauses nothing inside the stream: its wait
+        is the stream's TTFT, counted there."""
         now = self.clock()
         downtime = None
         if self.cut_at is not None:
-            downtime = now - self.cut_at
-            self.metrics.migration_downtime.observe(downtime)
+            if self.last is not None:
+                downtime = now - self.cut_at
+                self.metrics.migration_downtime.observe(downtime)
             self.cut_at = None
         if self.last is None:
             self.ttft = now - self.arrived

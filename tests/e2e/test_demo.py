@@ -29,6 +29,6 @@ def test_the_demo_compares_both_policies_and_its_drain_loses_nothing(
     # round_robin runs without migration: its drain waited, nothing rebalanced.
     assert runs[0].drain["moved"] == 0 and runs[0].drain["rebalanced"] == 0
     drain = runs[1].drain
-    assert drain["inflight"] >= 1 and drain["moved"] >= 1 and drain["downtime_count"] >= 1
+    assert drain["inflight"] >= 1 and drain["moved"] >= 1
     assert f"{SHORT.requests}/{SHORT.requests} streams of this run finished" in out
     assert png.exists() and png.stat().st_size > 10_000

@@ -9,6 +9,7 @@ With FERRY_DASHBOARD_DUMP=PATH the panels' range queries are saved for
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -92,6 +93,23 @@ def load(proxy: str, stop: threading.Event, worker: int) -> None:
         n += 1
 
 
+def stream_on(proxy: str, instance: str, tries: int = 20) -> http.client.HTTPResponse:
+    """A long stream that Ferry placed on `instance`, once its first token is in
+    (so that moving it is downtime, not a wait for a first token). Streams that
+    land elsewhere are closed; the others' round robin soon lands one there."""
+    host, port = proxy.removeprefix("http://").split(":")
+    body = json.dumps({"model": "standin", "prompt": "hi", "max_tokens": 400, "stream": True})
+    for _ in range(tries):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status == 200 and resp.headers["x-ferry-instance"] == instance:
+            assert b'"text"' in resp.read1(65536)
+            return resp
+        conn.close()
+    raise AssertionError(f"no stream landed on {instance} in {tries} tries")
+
+
 def test_every_dashboard_query_returns_data(standins: Any, ferry: Any, tmp_path: Path) -> None:
     debian_tool("prometheus", "prometheus")
     # A first token after 0.2 s, so that TTFT and end-to-end latency differ.
@@ -118,9 +136,11 @@ def test_every_dashboard_query_returns_data(standins: Any, ferry: Any, tmp_path:
         for w in workers:
             w.start()
         time.sleep(3)
+        streaming = stream_on(proxy.url, "i0")
         post(proxy.url + "/admin/instances/i0/drain?migrate=true")  # moves its streams
         time.sleep(2)
         post(proxy.url + "/admin/instances/i0/undrain")
+        streaming.close()
         time.sleep(3)
         stop.set()
         for w in workers:

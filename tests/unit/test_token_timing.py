@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
 from proxy.policy import Priority
@@ -49,6 +51,24 @@ def test_a_fast_stream_is_judged_by_the_floor_and_a_move_s_downtime_is_not_its_p
     clock.now += 2.0
     fast.token("b")
     assert fast.gap_s == usual
+
+
+def test_a_move_before_the_first_token_is_no_downtime_but_a_later_one_is() -> None:
+    clock = Clock()
+    metrics = FerryMetrics()
+    timing = TokenTiming(metrics, clock, arrived=clock.now, model="m")
+    timing.cut()  # a queued request moved: it waits on, for its first token
+    assert timing.resuming
+    clock.now += 3.0
+    assert timing.token("b") is None and timing.ttft == 3.0
+    assert not timing.resuming
+    clock.now += 0.1
+    timing.token("b")
+    timing.cut()  # a streaming one moved
+    clock.now += 0.4
+    assert timing.token("c") == pytest.approx(0.4)
+    samples = {s.name: s.value for s in metrics.migration_downtime.collect()[0].samples}
+    assert samples["ferry_migration_downtime_seconds_count"] == 1  # the second move only
 
 
 def test_no_stop_before_the_first_token() -> None:
