@@ -244,8 +244,8 @@ def run_once(
 
 
 def migration_figures(metrics_text: str) -> dict[str, float]:
-    """Moves the drain and the rebalancing made, and the downtime of all moves,
-    from Ferry's own metrics."""
+    """Moves the drain and the rebalancing made, and the downtime of those that
+    paused a stream (one that had streamed), from Ferry's own metrics."""
     figures = {"moved": 0.0, "rebalanced": 0.0, "downtime_sum": 0.0, "downtime_count": 0.0}
     for line in metrics_text.splitlines():
         if line.startswith('ferry_migrations_total{outcome="ok",reason="drain"}'):
