@@ -186,6 +186,9 @@ def test_without_a_replay_endpoint_it_follows_what_comes(
 ) -> None:
     pub = publisher(replay=False)
     pub.publish(batch(stored(PROMPTS[0])))  # before Ferry listens: never seen
+    # publish() only queues it for the publisher's thread: wait until it is sent
+    # (to no subscriber, so dropped), or a thread slow to start sends it to Ferry.
+    wait_until(lambda: pub._event_queue.unfinished_tasks == 0, 10)
     f = follower(ports[0], None)
     wait_until(lambda: f.state()["synced"], 10)
     # A subscription takes a moment to reach the publisher: publish until one lands.
