@@ -128,7 +128,10 @@ def test_moved_streams_are_exact_at_random_cuts(
     inside = 0
     move_s: list[float] = []  # drain call to cut-over done
     try:
-        for trial in range(TRIALS):
+        trial = tries = 0
+        while trial < TRIALS:
+            tries += 1
+            assert tries <= 2 * TRIALS, f"only {trial} of {tries - 1} drains cut a stream over"
             prompt, chat = rng.choice(PROMPTS), trial % 2 == 1
             at = rng.randint(1, MAX_TOKENS - 8)
             fired: list[float] = []
@@ -144,13 +147,18 @@ def test_moved_streams_are_exact_at_random_cuts(
             ids, text = stream(proxy.url, prompt, chat, on_tokens=drain_at)
             for name in ("i0", "i1"):
                 post(f"{proxy.url}/admin/instances/{name}/undrain")
-            assert len(cuts.seen) == before + 1, f"trial {trial}: no move"
+            want_ids, want_text = reference[(prompt, chat)]
+            assert (ids, text) == (want_ids, want_text), f"trial {trial}: not the unmoved run"
+            if len(cuts.seen) == before:
+                # The stream ended before its move could cut over (a pre-warm
+                # takes a while; late cuts leave a few tokens): nothing to
+                # compare at a join, so another cut is drawn.
+                continue
+            assert len(cuts.seen) == before + 1, f"trial {trial}: moved twice"
             cut = cuts.seen[-1]
             move_s.append(cuts.at[-1] - fired[0])
-            want_ids, want_text = reference[(prompt, chat)]
-            assert ids == want_ids, f"trial {trial}: ids differ after a cut at {cut}"
-            assert text == want_text, f"trial {trial}: text differs after a cut at {cut}"
             inside += detokenize(cjk_pair[0], want_ids[:cut]).endswith("\ufffd")
+            trial += 1
     finally:
         logging.getLogger("ferry.migration").removeHandler(cuts)
     print(
