@@ -176,10 +176,13 @@ async def echo_request_id(request: web.Request, response: web.StreamResponse) ->
 
 
 def install_handler(stream: Any = None) -> None:
-    """Write access lines to `stream` (stdout), message only, apart from other logs."""
+    """Write access lines to `stream` (stdout), message only, apart from other logs.
+    They were asked for by name: the process's log level (`--log-level WARNING`)
+    does not silence them."""
     handler = logging.StreamHandler(sys.stdout if stream is None else stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
+    log.setLevel(logging.INFO)
     log.propagate = False
 
 
