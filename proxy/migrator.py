@@ -312,22 +312,28 @@ class Migrator:
     async def _prewarm(self, stream: LiveStream, destination: str) -> None:
         """Lite pre-copy: P + G0 as a one-token request, so the destination's prefix
         cache holds those blocks while the source keeps decoding."""
-        splicer = stream.splicer
+        splicer, request = stream.splicer, stream.request
         if splicer.prompt_ids is None:
             return
-        body = {
-            "model": stream.request.model,
-            "prompt": splicer.prompt_ids + splicer.generated,
-            "max_tokens": 1,
-        }
-        if "cache_salt" in stream.request.body:
-            body["cache_salt"] = stream.request.body["cache_salt"]
+        ids = splicer.prompt_ids + splicer.generated
+        body = {"model": request.model, "prompt": ids, "max_tokens": 1}
+        if "cache_salt" in request.body:
+            body["cache_salt"] = request.body["cache_salt"]
         # An optimisation only: if it fails or is slow, the cut-over recomputes instead.
         # A slow one is expected under load: give up on it quietly (cancelling the
         # call closes its connection, and the engine aborts the request). Give up
         # too when the stream stops while it waits: a pre-warm pays by overlapping
         # the source's decoding, and a source short of memory may preempt the very
         # stream being moved; waiting on would only lengthen its stall.
+        # The pre-warm is billed to the destination while it runs: it queues a
+        # prefill of P + G there, and the destination is the freest instance by
+        # choice, where the next arrivals go too. Unbilled, a burst would pile onto
+        # it behind this prefill (and its engine's queue would outgrow what the
+        # ledger has waiting there, which reads as preempted streams).
+        cached = self.placement.cached_for(ids, stream.instance).get(destination, 0)
+        bill = self.upstreams.begin(
+            destination, request.model, request.priority, len(ids), stream.clock(), cached
+        )
         warm = asyncio.ensure_future(
             self.upstreams.post_json(destination, "/v1/completions", body, timeout_s=30)
         )
@@ -342,3 +348,4 @@ class Migrator:
                 await asyncio.wait({warm}, timeout=min(left, stream.timing.stops_in()))
         finally:
             warm.cancel()  # a no-op when it is done; post_json raises nothing else
+            bill.close()

@@ -131,7 +131,10 @@ def test_moved_streams_are_exact_at_random_cuts(
         trial = tries = 0
         while trial < TRIALS:
             tries += 1
-            assert tries <= 2 * TRIALS, f"only {trial} of {tries - 1} drains cut a stream over"
+            # A pre-warm takes an engine step or more, and the stream goes on
+            # meanwhile: a late cut is often overtaken by the stream's end (more
+            # often on a busy machine), hence the room for redraws.
+            assert tries <= 4 * TRIALS, f"only {trial} of {tries - 1} drains cut a stream over"
             prompt, chat = rng.choice(PROMPTS), trial % 2 == 1
             at = rng.randint(1, MAX_TOKENS - 8)
             fired: list[float] = []

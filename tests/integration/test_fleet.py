@@ -300,6 +300,28 @@ def test_a_drain_does_not_wait_for_a_slow_prewarm(standins: Any, ferry: Any) -> 
     assert any(body.get("max_tokens") == 1 for body in b.seen_bodies)  # it was pre-warmed
 
 
+def test_a_prewarm_is_billed_to_its_destination_while_it_runs(standins: Any, ferry: Any) -> None:
+    """A pre-warm queues a prefill on the destination, the freest instance, where the
+    next arrivals would go too: the ledger bills it there until it ends, so a burst
+    sees it, and drops it after."""
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.05)
+    b.ttft_s = 4.0  # the pre-warm waits there until the move gives up on it
+    proxy = lite_pair(ferry, site_a.url, site_b.url)
+    threads, texts = streams(proxy.url, 2, 60)  # one on each
+    wait_until(lambda: a.running == 1 and b.running == 1)
+    time.sleep(0.3)
+    code, _ = send(proxy.url + "/admin/instances/i0/drain?migrate=true", "POST")
+    assert code == 200
+    wait_until(lambda: any(body.get("max_tokens") == 1 for body in b.seen_bodies))
+    during = rows(proxy.url)
+    assert (during["i0"]["inflight"], during["i1"]["inflight"]) == (1, 2)  # stream + pre-warm
+    wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 0, timeout=2.5)
+    assert rows(proxy.url)["i1"]["inflight"] == 2  # its own stream and the moved one
+    join(threads)
+    assert texts == [" tok" * 60] * 2
+    wait_until(lambda: rows(proxy.url)["i1"]["inflight"] == 0)
+
+
 def test_a_move_stops_waiting_for_its_prewarm_once_its_stream_stops(
     standins: Any, ferry: Any
 ) -> None:
