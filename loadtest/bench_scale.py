@@ -160,7 +160,7 @@ def run_one(
 def pooled(runs: list[Run]) -> dict[str, Any]:
     """One path's summary over all its rounds: percentiles over every stream of
     every round (a P99 over 3 x 600 streams is their 18th worst, not the 7th, so
-    one unlucky stream moves it less), counts summed."""
+    one unlucky stream moves it less), counts summed, the client lag of its worst round."""
     summary = summarize([r for run in runs for r in run.done], {})
     summary["preemptions"] = sum(run.preemptions for run in runs)
     moves = [run.migrations for run in runs]

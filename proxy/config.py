@@ -137,8 +137,9 @@ class SchedulerConfig:
     migration_preemption_stall_s: float = 1.0  # the stall one preemption costs a stream
     migration_dest_ttft_slack_s: float = 0.2  # how much a move may delay the destination's queue
     # A stream silent this long, where the engine queues more than Ferry has
-    # waiting, is taken for preempted and moved at once (0: never).
-    migration_stalled_after_s: float = 0.3
+    # waiting, is taken for preempted and moved at once (0: never). See
+    # MigrationSettings.stalled_after_s for why 0.2.
+    migration_stalled_after_s: float = 0.2
     # Full mode (instances running migration_shim): the paper's staged pre-copy.
     migration_full_max_stages: int = 3  # pre-copy stages before the stop-and-copy
     migration_full_last_stage_blocks: int = 1  # stop once at most this many blocks wait
