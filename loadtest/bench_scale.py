@@ -21,18 +21,18 @@ stall is at least 5x lower, and Ferry's P99 TTFT is at least 10x lower than
 vllm-router's best. `client lag` is how late the load generator sent its
 requests (P99): well under a step (30 ms) means it kept up. A P99 over 600
 streams is their 7th worst: one run's ratios move by 10-15% from run to run.
-`--repeat N` replays the trace N rounds per path, the paths interleaved in each
-round, prints each round's ratios and pools every round's streams for the
-verdict (a P99 over 1,800 streams is their 18th worst).
+So the trace is replayed `--repeat` rounds per path (3), the paths interleaved
+in each round; each round's ratios are printed, and the verdict pools every
+round's streams (a P99 over 1,800 streams is their 18th worst).
 
 `--sim` first prints what the cluster simulator (`loadtest.sim`: the same policy
 core, the engines' own profile, the same trace; the router baselines as Ferry's
 `round_robin` and `power_of_two` policies; no pre-warm or prefix cache) predicts
 for the same four paths.
 
-    python -m loadtest.bench_scale [--requests 600] [--rate 18] [--seed 1] [--repeat 1] [--sim]
+    python -m loadtest.bench_scale [--requests 600] [--rate 18] [--seed 1] [--repeat 3] [--sim]
 
-The default run takes 3-4 minutes a round. It is a report, not a test.
+A round takes 3-4 minutes; the default run, 10. It is a report, not a test.
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def main() -> int:
     parser.add_argument(
         "--repeat",
         type=int,
-        default=1,
+        default=3,
         help="replay the trace this many rounds per path and pool the streams",
     )
     parser.add_argument("--sim", action="store_true", help="also print the simulator's view")
