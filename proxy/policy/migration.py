@@ -158,11 +158,12 @@ class MigrationSettings:
     dest_ttft_slack_s: float = 0.2
     # A running request this silent, on a source whose engine queues more requests
     # than the ledger has waiting for a first token, is taken for preempted (0: never).
-    # Every moment of it is the rescued stream's stall: on bench_scale's cluster 0.2
-    # rather than 0.3 cut the P99 worst stall with rebalancing from 4.6-8.4x to
-    # 8-11x below that without (live, pooled rounds; the simulator agrees), at no
-    # cost in TTFT. Shorter risks taking a stream of a slow engine for preempted
-    # whenever a stale scrape still counts a started request as waiting.
+    # Every moment of it is the rescued stream's stall. On bench_scale's trace the
+    # simulator puts the P99 worst stall with rebalancing 10x below that without at
+    # 0.2, 5x at 0.3, for the same TTFT; live runs (three pooled rounds each) gave
+    # 5.3x and 11.4x at 0.2, 4.6x to 8.4x at 0.3: within their noise. Shorter
+    # risks taking a stream of a slow engine for preempted whenever a stale scrape
+    # still counts a started request as waiting.
     stalled_after_s: float = 0.2
     # A lite move pre-warms its destination when the recompute it saves at the
     # cut-over would take at least this long (seconds at prefill_tokens_per_s).
