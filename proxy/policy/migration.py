@@ -161,7 +161,7 @@ class MigrationSettings:
     # Every moment of it is the rescued stream's stall. On bench_scale's trace the
     # simulator puts the P99 worst stall with rebalancing 10x below that without at
     # 0.2, 5x at 0.3, for the same TTFT; live runs (three pooled rounds each) gave
-    # 5.3x and 11.4x at 0.2, 4.6x to 8.4x at 0.3: within their noise. Shorter
+    # 5.3x, 11.4x and 11.8x at 0.2, 4.6x to 8.4x at 0.3: close to their noise. Shorter
     # risks taking a stream of a slow engine for preempted whenever a stale scrape
     # still counts a started request as waiting.
     stalled_after_s: float = 0.2
