@@ -163,8 +163,8 @@ def pooled(runs: list[Run]) -> dict[str, Any]:
     one unlucky stream moves it less), counts summed, the client lag of its worst round."""
     summary = summarize([r for run in runs for r in run.done], {})
     summary["preemptions"] = sum(run.preemptions for run in runs)
-    moves = [run.migrations for run in runs]
-    summary["migrations"] = None if None in moves else sum(m or 0 for m in moves)
+    moves = [run.migrations for run in runs if run.migrations is not None]
+    summary["migrations"] = sum(moves) if moves else None  # None: a router's path
     summary["client_lag_p99"] = max(run.client_lag_p99 for run in runs)
     return summary
 
@@ -297,18 +297,18 @@ def main() -> int:
         # Rounds interleave the paths, so that a slow spell of the machine does not
         # land on one path only.
         for round_ in range(1, args.repeat + 1):
+            this_round: dict[str, dict[str, Any]] = {}
             for kind in args.kinds:
                 started = time.monotonic()
                 runs[kind].append(run_one(kind, trace, profile_path, args))
-                s = pooled(runs[kind][-1:])
+                s = this_round[kind] = pooled(runs[kind][-1:])
                 print(
                     f"  round {round_} {kind}: P99 TTFT {s['ttft_p99']:.3f}s, P99 worst stall"
                     f" {s['stall_p99']:.3f}s ({time.monotonic() - started:.0f}s)",
                     file=sys.stderr,
                 )
             if args.repeat > 1:
-                rows = {k: pooled(runs[k][-1:]) for k in args.kinds}
-                print("\n".join(ratios(rows, f"round {round_}: ")), file=sys.stderr)
+                print("\n".join(ratios(this_round, f"round {round_}: ")), file=sys.stderr)
     results = {kind: pooled(runs[kind]) for kind in args.kinds}
     where = f"on core {ENGINE_CORE}, router and client on core {ROUTER_CORE}"
     rounds = f", {args.repeat} rounds pooled" if args.repeat > 1 else ""

@@ -330,7 +330,7 @@ class Migrator:
         # choice, where the next arrivals go too. Unbilled, a burst would pile onto
         # it behind this prefill (and its engine's queue would outgrow what the
         # ledger has waiting there, which reads as preempted streams).
-        cached = self.placement.cached_for(ids, stream.instance).get(destination, 0)
+        cached = self._cached(stream).get(destination, 0)
         bill = self.upstreams.begin(
             destination, request.model, request.priority, len(ids), stream.clock(), cached
         )
