@@ -10,7 +10,10 @@ fits it by least squares:
   per token in the middle of the streams is the step time at b tokens;
 - prefill: single requests with `max_tokens=1`: TTFT minus the fixed request
   overhead (TTFT of an 8-token prompt minus one decode step) is the step time
-  at P tokens.
+  at P tokens;
+- cached prefill (when the server caches prefixes): a prompt of C tokens is sent
+  once, then again with CACHED_NEW fresh tokens after it; what the second
+  request's step takes beyond computing those is the cost of C cached tokens.
 
 Every prompt is a fresh random list of token ids so that prefix caching never
 turns a prefill into a cache hit. KV capacity and block size come from the
@@ -31,6 +34,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +44,16 @@ from adapters.vllm import parse_metrics
 from loadtest.replay import chunk_tokens
 from loadtest.sim import profile as profiles
 from loadtest.sim.profile import Profile
+from loadtest.vllm_servers import metric
+
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
 
 DECODE_BATCHES = (1, 2, 4, 8)
 DECODE_PROMPT = 32
 DECODE_TOKENS = 90  # prompt + output fit one 128-token CPU block: no KV pressure
 PREFILL_LENGTHS = (64, 256, 512, 900)
+CACHED_BLOCKS = (3, 6)  # cached prefixes, in KV blocks (whole blocks are what vLLM caches)
+CACHED_NEW = 64  # fresh tokens after a cached prefix
 OVERHEAD_PROMPT = 8
 REPEATS = 3
 # vLLM 0.32 defaults on CPU for the OpenAI server (engine/arg_utils.py,
@@ -57,8 +66,8 @@ TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 4
 
 @dataclass(frozen=True, slots=True)
 class Point:
-    kind: str  # "decode" | "prefill"
-    tokens: int  # tokens the step processed
+    kind: str  # "decode" | "prefill" | "cached"
+    tokens: int  # tokens the step processed (cached: found in the prefix cache)
     seconds: float  # its duration
 
 
@@ -164,6 +173,53 @@ async def measure_prefill(
     return overhead, points
 
 
+async def measure_cached(
+    client: openai.AsyncOpenAI,
+    url: str,
+    model: str,
+    prefixes: tuple[int, ...],
+    compute: Callable[[int], float],
+    overhead: float,
+    rng: random.Random,
+) -> list[Point]:
+    """Cached-prefill points: (C, the step time of C cached tokens beyond
+    `compute(CACHED_NEW)`); none when the server does not cache prefixes (its
+    hit counter did not move)."""
+    hits = await asyncio.to_thread(metric, url.rstrip("/"), PREFIX_HITS)
+    points = []
+    for cached in prefixes:
+        runs = []
+        for _ in range(REPEATS):
+            prefix = random_prompt(rng, cached)
+            await stream(client, model, prefix + random_prompt(rng, OVERHEAD_PROMPT), 1)
+            s = await stream(client, model, prefix + random_prompt(rng, CACHED_NEW), 1)
+            runs.append(s.ttft - overhead - compute(CACHED_NEW))
+        points.append(Point("cached", cached, statistics.median(runs)))
+    if await asyncio.to_thread(metric, url.rstrip("/"), PREFIX_HITS) == hits:
+        return []
+    return points
+
+
+async def hop_overhead(direct: str, via: str, model: str, seed: int = 0) -> float:
+    """What a proxy at `via` adds to a short request's TTFT against `direct`, one
+    of the servers behind it (medians of interleaved requests; at least 0)."""
+    rng = random.Random(seed)
+    clients = [
+        openai.AsyncOpenAI(base_url=u.rstrip("/") + "/v1", api_key="hop", max_retries=0, timeout=60)
+        for u in (direct, via)
+    ]
+    ttfts: list[list[float]] = [[], []]
+    try:
+        for _ in range(3 * REPEATS):
+            for client, out in zip(clients, ttfts, strict=True):
+                s = await stream(client, model, random_prompt(rng, OVERHEAD_PROMPT), 1)
+                out.append(s.ttft)
+    finally:
+        for client in clients:
+            await client.close()
+    return max(0.0, statistics.median(ttfts[1]) - statistics.median(ttfts[0]))
+
+
 def fit(points: list[Point]) -> tuple[float, float]:
     """Least-squares (base, per_token) of seconds = base + per_token * tokens."""
     n = len(points)
@@ -178,11 +234,11 @@ def fit(points: list[Point]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def fit_slope(points: list[Point], base: float) -> float:
+def fit_slope(points: list[Point], base: float = 0.0) -> float:
     """Least-squares slope of seconds - base = slope * tokens (line through base)."""
     sxx = sum(p.tokens * p.tokens for p in points)
     if sxx == 0:
-        raise ValueError("need prefill points")
+        raise ValueError("need points at a nonzero token count")
     return sum(p.tokens * (p.seconds - base) for p in points) / sxx
 
 
@@ -238,18 +294,24 @@ async def measure(
         decode = await measure_decode(client, model, batches, rng)
         step_at_1 = next(p.seconds for p in decode if p.tokens == 1)
         overhead, prefill = await measure_prefill(client, model, lengths, step_at_1, rng)
+        # Two lines with one base: decoding requests and prefill tokens cost differently here.
+        base, per_seq = fit(decode)
+        per_token = max(0.0, fit_slope(prefill, base))
+        prefixes = tuple(k * block_size for k in CACHED_BLOCKS if k + 1 < blocks)
+        cached = await measure_cached(
+            client, url, model, prefixes, lambda n: base + per_token * n, overhead, rng
+        )
     finally:
         await client.close()
-    points = decode + prefill
-    # Two lines with one base: decoding requests and prefill tokens cost differently here.
-    base, per_seq = fit(decode)
-    per_token = max(0.0, fit_slope(prefill, base))
+    points = decode + prefill + cached
+    per_cached = max(0.0, fit_slope(cached)) if cached else 0.0
     profile = Profile(
         name=name,
         step_base_s=base,
         step_per_token_s=per_token,
         step_per_seq_s=per_seq,
         request_overhead_s=overhead,
+        step_per_cached_token_s=per_cached,
         kv_blocks=blocks,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -269,7 +331,8 @@ def format_report(profile: Profile, points: list[Point], overhead: float) -> str
     lines.append(
         f"profile {profile.name}: step = {1e3 * profile.step_base_s:.3f} ms"
         f" + {1e6 * (profile.step_per_seq_s or 0):.2f} us x decoding requests"
-        f" + {1e6 * profile.step_per_token_s:.2f} us x prefill tokens; "
+        f" + {1e6 * profile.step_per_token_s:.2f} us x prefill tokens"
+        f" + {1e6 * profile.step_per_cached_token_s:.2f} us x cached prompt tokens; "
         f"{profile.kv_blocks} blocks x {profile.block_size} tokens, "
         f"max_num_seqs {profile.max_num_seqs}, max_batched_tokens {profile.max_batched_tokens}"
     )
@@ -279,6 +342,8 @@ def format_report(profile: Profile, points: list[Point], overhead: float) -> str
 def _fitted(profile: Profile, p: Point) -> float:
     if p.kind == "decode":
         return profile.step_time(0, p.tokens)
+    if p.kind == "cached":  # the step beyond computing CACHED_NEW tokens
+        return profile.step_time(CACHED_NEW, 0, p.tokens) - profile.step_time(CACHED_NEW, 0)
     return profile.step_time(p.tokens, 0)
 
 

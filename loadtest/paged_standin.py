@@ -225,7 +225,7 @@ class PagedEngine:
                     seq.blocks += need
                 i += 1
         # 2. Admit queued requests, first come first served.
-        decoding, prefill = len(self.running), 0
+        decoding, prefill, cached = len(self.running), 0, 0
         budget = self.profile.max_batched_tokens
         while self.waiting and len(self.running) < self.profile.max_num_seqs:
             seq = self.waiting[0]
@@ -244,10 +244,11 @@ class PagedEngine:
             self.running.append(seq)
             prefill += tokens
             self.prefilled_tokens += tokens
-            self.cached_tokens += len(reuse) * self.bs
+            cached += len(reuse) * self.bs
+        self.cached_tokens += cached
         if not self.running:
             return None
-        return self.profile.step_time(prefill, decoding)
+        return self.profile.step_time(prefill, decoding, cached)
 
     def _finish_step(self) -> None:
         self.steps += 1

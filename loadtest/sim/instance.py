@@ -226,7 +226,7 @@ class Instance:
                 i += 1
         # 2. Admit queued requests, first come first served.
         decoding = sum(1 for r in self.running if r.stall_until <= now)
-        prefill = 0
+        prefill = cached = 0
         budget = self.profile.max_batched_tokens
         admitted: list[SimRequest] = []
         while self.waiting and len(self.running) < self.profile.max_num_seqs:
@@ -240,6 +240,7 @@ class Instance:
             free -= need
             r.cached_tokens = self.cache.admit(r, r.tokens) if self.cache is not None else 0
             prefill += r.tokens - r.cached_tokens
+            cached += r.cached_tokens
             if r.preempted_at is not None:
                 r.preempt_loss += now - r.preempted_at
                 r.preempted_at = None
@@ -249,7 +250,7 @@ class Instance:
         if not self.batch:
             return None
         self.busy = True
-        return self.profile.step_time(prefill, decoding)
+        return self.profile.step_time(prefill, decoding, cached)
 
     def finish_step(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Credit one token to each request of the batch.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from loadtest.sim.instance import SimRequest
 from loadtest.sim.prefix_cache import EngineCache, block_keys
 from loadtest.sim.profile import LLAMA7B_A10
@@ -90,3 +92,22 @@ def test_prefix_credit_and_cache_aware_raise_the_hit_rate() -> None:
     ttft = [r.first_token - r.arrival for r in credit.requests if r.first_token is not None]
     slow = [r.first_token - r.arrival for r in uncached.requests if r.first_token is not None]
     assert sum(ttft) < sum(slow)
+
+
+def test_a_cached_prompt_token_costs_what_the_profile_says() -> None:
+    """A hit saves the compute of its tokens, not all of their cost: the step
+    that admits it pays `step_per_cached_token_s` per cached token."""
+    # Two requests under one system prompt, far apart: the second finds it cached.
+    trace = [
+        TraceRequest(i, 10.0 * i, 200, 1, prefix_group=0, prefix_tokens=128) for i in range(2)
+    ]
+
+    def ttfts(per_cached: float) -> list[float]:
+        profile = dataclasses.replace(LLAMA7B_A10, step_per_cached_token_s=per_cached)
+        done = Simulator(trace, profile, SimSettings(1, prefix_caching=True)).run()
+        return [r.first_token - r.arrival for r in done]  # type: ignore[operator]
+
+    free, paid = ttfts(0.0), ttfts(1e-3)
+    assert paid[0] == free[0]  # nothing cached yet
+    assert paid[1] - free[1] == pytest.approx(128 * 1e-3)
+    assert free[1] < free[0]  # the hit still saves its prefill
