@@ -354,23 +354,28 @@ def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def start_servers(args: argparse.Namespace) -> list[VLLMServer]:
+def start_servers(
+    args: argparse.Namespace, cores: tuple[str, ...] = (ENGINE_CORE, ENGINE_CORE)
+) -> list[VLLMServer]:
+    """One server per entry of `cores`, pinned there with its OpenMP threads."""
     model = build(MODEL_DIR, hidden=HIDDEN, layers=LAYERS, max_positions=MAX_MODEL_LEN)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ENGINE_CORE  # their threads stay on core 0
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # serves POST /reset_prefix_cache
-    return [
-        start_vllm(
-            model,
-            free_port(),
-            ROOT / ".ferry" / "logs",
-            kv_cache_bytes=args.kv_bytes,
-            max_model_len=MAX_MODEL_LEN,
-            cpus=ENGINE_CORE,
-            extra_args=("--enable-prefix-caching",),
-            kv_events_ports=(free_port(), free_port()),
+    servers = []
+    for core in cores:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = core  # its threads stay on its core
+        servers.append(
+            start_vllm(
+                model,
+                free_port(),
+                ROOT / ".ferry" / "logs",
+                kv_cache_bytes=args.kv_bytes,
+                max_model_len=MAX_MODEL_LEN,
+                cpus=core,
+                extra_args=("--enable-prefix-caching",),
+                kv_events_ports=(free_port(), free_port()),
+            )
         )
-        for _ in range(2)
-    ]
+    return servers
 
 
 def warm_up(servers: list[VLLMServer], seed: int) -> None:

@@ -1,0 +1,247 @@
+"""Ferry against vllm-router on a small REAL cluster, three workloads (issue 12 A).
+
+Two real vLLM CPU servers share core 0 (their OpenMP threads bound there too;
+prefix caching on, 64 KV blocks of 128 tokens each, the 8-layer test model of
+`loadtest.bench_prefix_real`, so prefill costs something); every router and the
+load generator (`loadtest.replay`'s lean client) run on core 1. Three seeded
+workloads at moderate load, each through every path, one after another:
+
+- `heavy`: heavy-tailed lengths (lognormal around 128/128 tokens), Poisson
+  arrivals at 1.5/s;
+- `priority`: the same with 20% of requests `x-ferry-priority: high`; its row
+  is those requests' TTFT (vllm-router ignores the header);
+- `prefix`: 16 shared system prompts of 768 tokens at 1.2/s (the 16 x 6 blocks
+  do not all fit one server's cache).
+
+Paths: vllm-router `round_robin`, `power_of_two` and `cache_aware`, and Ferry
+with its defaults (`llumnix`); on `prefix` also Ferry with `prefix_credit`.
+Each path starts cold (prefix caches reset, a fresh router). Ferry writes its
+access log, and for the requests at or above its P90 TTFT the table gives the
+mean of each TTFT stage (proxy/ttft_stages.py): the tail is Ferry's own
+(parse, dispatch, connect, relay) or the engine's (upstream_first_byte).
+
+    python -m loadtest.bench_workloads [--requests 100] [--workloads heavy,priority,prefix]
+
+About 4 minutes per workload plus 2 to start the servers. A report, not a test:
+a P99 over 100 requests is their worst but one, over 20 high-priority ones
+their worst, so expect tens of percent between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest import bench_prefix_real as real
+from loadtest.bench_cluster import start as start_router
+from loadtest.ferry_process import wait_healthy
+from loadtest.replay import replay
+from loadtest.sim.stats import percentile
+from loadtest.trace import TraceRequest, TraceSpec, generate
+from loadtest.vllm_servers import VLLMServer, wait_ready
+from proxy.policy import Priority
+from proxy.ttft_stages import STAGES
+from tests.helpers import free_port
+
+ROUTERS = ("vllm-router:round_robin", "vllm-router:power_of_two", "vllm-router:cache_aware")
+FERRY, CREDIT = "ferry", "ferry+credit"
+WORKLOADS = {
+    "heavy": TraceSpec(requests=0, rate=1.5, seed=0, input_mean=128, output_mean=128, max_len=480),
+    "priority": TraceSpec(
+        requests=0,
+        rate=1.5,
+        seed=0,
+        input_mean=128,
+        output_mean=128,
+        max_len=480,
+        high_priority=0.2,
+    ),
+    "prefix": TraceSpec(
+        requests=0,
+        rate=1.2,
+        seed=0,
+        input_mean=128,
+        output_mean=128,
+        max_len=480,
+        prefix_groups=16,
+        prefix_len=768,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    path: str
+    ttft_p50: float
+    ttft_p99: float
+    finished: int
+    requests: int
+    hit_rate: float
+    tail_stages: dict[str, float] | None  # Ferry's: mean of each stage at or above P90
+
+
+def paths(workload: str) -> tuple[str, ...]:
+    return (*ROUTERS, FERRY, CREDIT) if workload == "prefix" else (*ROUTERS, FERRY)
+
+
+def start_ferry(
+    servers: list[VLLMServer], port: int, credit: bool, log: Path
+) -> subprocess.Popen[bytes]:
+    config = json.loads(real.ferry_config(servers, port, credit))
+    config["server"]["access_log"] = True
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        json.dump(config, f)  # JSON is YAML
+    cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", f.name]
+    with open(log, "wb") as out:
+        return subprocess.Popen([*cmd, "--log-level", "WARNING"], stdout=out)
+
+
+def tail_stages(log: Path, ttfts: list[float]) -> dict[str, float] | None:
+    """Mean of each TTFT stage over the requests at or above the P90 TTFT."""
+    stages = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if record.get("ttft_stages_s"):
+                stages.append(record["ttft_stages_s"])
+    if not stages or not ttfts:
+        return None
+    by_total = sorted(stages, key=lambda s: sum(s.values()))
+    tail = by_total[int(0.9 * len(by_total)) :]
+    return {k: statistics.mean(s.get(k, 0.0) for s in tail) for k in STAGES}
+
+
+def run_path(
+    path: str,
+    servers: list[VLLMServer],
+    trace: list[TraceRequest],
+    workload: str,
+    seed: int,
+) -> Result:
+    real.reset_caches(servers)
+    hits, queries = real.counters(servers)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp()) / "access.jsonl"
+    if path.startswith("ferry"):
+        proc = start_ferry(servers, port, path == CREDIT, log)
+    else:
+        proc = start_router(path, [s.url for s in servers], port)
+    try:
+        wait_healthy(url, proc)
+        time.sleep(1.5)  # the routers' first health checks and scrapes
+        prompts = real.Conversations(trace, seed)
+        done = asyncio.run(
+            replay(url, trace, real.MODEL, client="lean", prompts=prompts, timeout_s=120)
+        )
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    hits_after, queries_after = real.counters(servers)
+    if workload == "priority":  # the row is the high-priority requests'
+        done = [r for r in done if r.klass is Priority.HIGH]
+    ttfts = [r.first_token - r.arrival for r in done if r.first_token is not None]
+    queried = queries_after - queries
+    return Result(
+        path,
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        sum(1 for r in done if r.finish is not None),
+        len(done),
+        (hits_after - hits) / queried if queried else 0.0,
+        tail_stages(log, ttfts) if path.startswith("ferry") else None,
+    )
+
+
+def table(workload: str, results: list[Result]) -> str:
+    best = min((r for r in results if r.path in ROUTERS), key=lambda r: r.ttft_p99)
+    who = "high-priority requests" if workload == "priority" else "all requests"
+    lines = [
+        f"{workload} ({who}):",
+        f"  {'path':<26}{'TTFT p50':>9}{'p99':>9}{'hit rate':>9}{'finished':>10}"
+        f"{'best router p99 / p99':>23}",
+    ]
+    for r in results:
+        lines.append(
+            f"  {r.path:<26}{r.ttft_p50:>8.3f}s{r.ttft_p99:>8.3f}s{r.hit_rate:>9.3f}"
+            f"{r.finished:>6}/{r.requests:<3}{best.ttft_p99 / r.ttft_p99:>23.2f}"
+        )
+    for r in results:
+        if r.tail_stages:
+            stages = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r.tail_stages.items())
+            lines.append(f"  {r.path} TTFT >= its P90, mean ms by stage: {stages}")
+    for r in results:
+        if r.path.startswith("ferry"):
+            ratio = best.ttft_p99 / r.ttft_p99
+            verdict = "met" if ratio >= 1.0 else "NOT met"
+            lines.append(
+                f"  {r.path}: P99 TTFT {ratio:.2f}x better than vllm-router's best "
+                f"({best.path.split(':')[1]}), target >= 1.0: {verdict}"
+            )
+    return "\n".join(lines)
+
+
+def make_trace(workload: str, requests: int, seed: int) -> list[TraceRequest]:
+    spec = WORKLOADS[workload]
+    fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+    return generate(TraceSpec(**{**fields, "requests": requests, "seed": seed}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100, help="per workload")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--kv-bytes", type=int, default=128 << 20, help="KV cache per server")
+    parser.add_argument("--paths", default="", help="comma-separated subset (default: all)")
+    parser.add_argument(
+        "--apart", action="store_true", help="server i on core i; routers and client unpinned"
+    )
+    args = parser.parse_args(argv)
+    chosen = args.workloads.split(",")
+    if unknown := sorted(set(chosen) - set(WORKLOADS)):
+        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    only = set(args.paths.split(",")) - {""}
+    if args.apart:  # each server its own core, as GPUs are; routers and client float
+        servers = real.start_servers(args, ("0", "1"))
+    else:  # first: start_vllm pins only from an unpinned process
+        servers = real.start_servers(args)
+        if len(os.sched_getaffinity(0)) >= 2:
+            os.sched_setaffinity(0, {int(real.ROUTER_CORE)})  # the client; routers inherit it
+        else:
+            print("warning: fewer than 2 cores: nothing is pinned", file=sys.stderr)
+    tables = []
+    try:
+        wait_ready(servers)
+        real.warm_up(servers, args.seed)
+        for workload in chosen:
+            trace = make_trace(workload, args.requests, args.seed)
+            results = []
+            for path in paths(workload):
+                if only and path not in only:
+                    continue
+                print(f"{workload}: {path}...", flush=True)
+                results.append(run_path(path, servers, trace, workload, args.seed))
+            if any(r.path in ROUTERS for r in results):
+                tables.append(table(workload, results))
+                print(tables[-1], flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    where = "on cores 0 and 1" if args.apart else "sharing core 0"
+    print(f"\n{args.requests} requests per workload, seed {args.seed}; 2 vLLM servers {where}")
+    print("\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
