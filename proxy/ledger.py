@@ -49,6 +49,7 @@ class Ledger:
         # Uncached prompt tokens of the requests that have no token yet: the
         # prefill still ahead.
         self._queued_tokens: dict[str, int] = {}
+        self._waiting: dict[str, int] = {}  # requests that have no token yet
 
     def set_block_size(self, instance: str, block_size: int) -> None:
         if block_size > 0 and self._block_size.get(instance) != block_size:
@@ -74,6 +75,7 @@ class Ledger:
         if priority is Priority.HIGH:
             self._high[instance] = self._high.get(instance, 0) + 1
         self._add_queued(entry, _prefill(entry))
+        self._waiting[instance] = self._waiting.get(instance, 0) + 1
         self._on_change(instance)
         if self.on_count is not None:
             self.on_count(instance)
@@ -96,13 +98,16 @@ class Ledger:
         if first:
             self._add_queued(entry, -_prefill(entry))
             if self._live(entry):
+                self._waiting[entry.instance] -= 1
                 self._on_change(entry.instance)
         self._rebill(entry)
 
     def release(self, entry: LedgerEntry) -> None:
         requests = self._by_instance.get(entry.instance)
         if requests is not None and entry.id in requests:
-            self._add_queued(entry, 0 if entry.generated_tokens else -_prefill(entry))
+            if not entry.generated_tokens:
+                self._add_queued(entry, -_prefill(entry))
+                self._waiting[entry.instance] -= 1
             del requests[entry.id]
             self._blocks_total[entry.instance] -= entry.blocks
             if entry.priority is Priority.HIGH:
@@ -114,7 +119,13 @@ class Ledger:
     def forget(self, instance: str) -> None:
         """Drop a removed instance's totals (it has nothing in flight)."""
         self._by_instance.pop(instance, None)
-        for totals in (self._block_size, self._blocks_total, self._high, self._queued_tokens):
+        for totals in (
+            self._block_size,
+            self._blocks_total,
+            self._high,
+            self._queued_tokens,
+            self._waiting,
+        ):
             totals.pop(instance, None)
 
     def entries(self, instance: str) -> Iterator[LedgerEntry]:
@@ -134,6 +145,10 @@ class Ledger:
         """Tokens the instance prefills before its queued requests' first tokens:
         their prompts less what was cached there at dispatch."""
         return self._queued_tokens.get(instance, 0)
+
+    def waiting(self, instance: str) -> int:
+        """Requests here that have no token yet (queued or prefilling in the engine)."""
+        return self._waiting.get(instance, 0)
 
     def _live(self, entry: LedgerEntry) -> bool:
         return entry.id in self._by_instance.get(entry.instance, {})

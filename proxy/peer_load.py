@@ -48,6 +48,7 @@ class InstanceLoad:
     inflight: int = 0  # requests in flight
     high: int = 0  # high-priority requests among them
     queued_tokens: int = 0  # prompt tokens of those still waiting for their first token
+    waiting: int = 0  # requests still waiting for their first token
 
     def __add__(self, other: InstanceLoad) -> InstanceLoad:
         return InstanceLoad(
@@ -55,6 +56,7 @@ class InstanceLoad:
             self.inflight + other.inflight,
             self.high + other.high,
             self.queued_tokens + other.queued_tokens,
+            self.waiting + other.waiting,
         )
 
     @property
@@ -93,7 +95,7 @@ class BadRecord(ValueError):
 def encode(record: ProcessRecord) -> str:
     """The record as compact JSON; instances with nothing in flight are left out."""
     loads = {
-        name: [load.blocks, load.inflight, load.high, load.queued_tokens]
+        name: [load.blocks, load.inflight, load.high, load.queued_tokens, load.waiting]
         for name, load in record.instances.items()
         if not load.empty
     }
@@ -147,7 +149,8 @@ def decode(text: str | bytes) -> ProcessRecord:
 
 def encode_change(change: LoadChange) -> str:
     loads = {
-        n: [x.blocks, x.inflight, x.high, x.queued_tokens] for n, x in change.instances.items()
+        n: [x.blocks, x.inflight, x.high, x.queued_tokens, x.waiting]
+        for n, x in change.instances.items()
     }
     return json.dumps({"p": change.process, "s": change.seq, "l": loads}, separators=(",", ":"))
 
@@ -218,8 +221,10 @@ class PeerLoads:
 
 def _load(raw: Any) -> InstanceLoad:
     values = _list(raw)
-    if len(values) != 4 or not all(_count(v) for v in values):
-        raise ValueError(f"an instance's totals must be 4 counts, 0 or more (got {raw!r})")
+    # 4 from a peer that predates `waiting` (its waiting requests then count as
+    # preempted ones on the engine's queue until it is upgraded).
+    if len(values) not in (4, 5) or not all(_count(v) for v in values):
+        raise ValueError(f"an instance's totals must be 5 counts, 0 or more (got {raw!r})")
     return InstanceLoad(*values)
 
 

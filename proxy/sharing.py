@@ -496,6 +496,7 @@ class Sharing:
                         "inflight": load.inflight,
                         "high_priority": load.high,
                         "queued_tokens": load.queued_tokens,
+                        "waiting": load.waiting,
                     }
                     for n, load in self.peers.of(name).items()
                     if not load.empty

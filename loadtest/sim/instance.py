@@ -47,6 +47,7 @@ class SimRequest:
         "migrations",
         "demand",
         "queued",
+        "awaiting_token",
         "klass",
         "last_token",
         "worst_gap",
@@ -87,6 +88,7 @@ class SimRequest:
         self.migrations = 0
         self.demand = 0  # blocks counted in its instance's ledger total
         self.queued = 0  # tokens counted in its instance's queued total (no token there yet)
+        self.awaiting_token = False  # assigned, and no token from that instance yet
         self.last_token: float | None = None  # when the previous token was produced
         self.worst_gap = 0.0  # longest wait between two of its tokens, seconds
         # Shared structure (loadtest/sim/prefix_cache.py): system prompt and session.
@@ -145,6 +147,7 @@ class Instance:
         self.demand += r.demand
         r.queued = max(0, r.tokens - cached_tokens)
         self.queued_tokens += r.queued
+        r.awaiting_token = True
         if r.priority is Priority.HIGH:
             self.high += 1
 
@@ -153,6 +156,7 @@ class Instance:
         self.demand -= r.demand
         self.queued_tokens -= r.queued
         r.queued = 0
+        r.awaiting_token = False
         if r.priority is Priority.HIGH:
             self.high -= 1
         r.instance = None
@@ -266,6 +270,7 @@ class Instance:
             elif r.last_token is not None:
                 r.worst_gap = max(r.worst_gap, now - r.last_token)
             r.last_token = now
+            r.awaiting_token = False
             if r.queued:
                 self.queued_tokens -= r.queued
                 r.queued = 0

@@ -24,14 +24,14 @@ room appears (see its docstring).
 
 Rescue. vLLM puts a preempted request back in its queue, where it produces
 nothing until memory frees. The proxy cannot see preemption per request, but it
-sees its signs: the engine's scraped queue holds more requests than the ledger
-has waiting for a first token, and some of its streams have been silent for
-`stalled_after_s`. The most silent of them, as many as the excess, are moved at
-once (`stalled_requests`), from any instance, to any destination with room that
-ends up no less free than the source is now; the recompute test (1) below does
-not apply (the source would recompute them too), (2) and (3) do, and the move
-skips the pre-warm (the source is not decoding them, so there is nothing to
-overlap).
+sees its signs: the engine's scraped queue holds more requests than the ledgers
+had waiting for a first token when it was scraped (`InstanceView.engine_preempted`),
+and some of its streams have been silent for `stalled_after_s`. The most silent
+of them, as many as the excess, are moved at once (`stalled_requests`), from any
+instance, to any destination with room that ends up no less free than the source
+is now; the recompute test (1) below does not apply (the source would recompute
+them too), (2) and (3) do, and the move skips the pre-warm (the source is not
+decoding them, so there is nothing to overlap).
 
 In lite mode a moved running request is not free: the destination prefills its
 prompt + generated tokens again (with pre-warm nearly all of that prefill still
@@ -195,7 +195,7 @@ def sources(view: ClusterView, settings: MigrationSettings) -> list[str]:
     shedding = [
         v
         for v in view.instances
-        if v.healthy and (_over(v, settings) or (rescue and v.engine_waiting > 0))
+        if v.healthy and (_over(v, settings) or (rescue and v.engine_preempted > 0))
     ]
     return [v.name for v in sorted(shedding, key=lambda v: v.freeness)]
 
@@ -311,7 +311,7 @@ def _pick(
             if refusal is not None:
                 continue
         if r in stalled:
-            why = f"{src.name} engine queues {src.engine_waiting}, silent streams among them"
+            why = f"{src.name} engine queues {src.engine_preempted} more than Ferry has waiting"
             what = f"running, silent {r.silent_s:.2f}s (preempted)"
         else:
             why = f"{src.name} freeness {src.freeness:.1f} < {settings.source_below:g}"
@@ -395,13 +395,14 @@ def stalled_requests(
 ) -> list[RequestLoad]:
     """The source's running requests that its engine has most likely preempted,
     most silent first. vLLM puts a preempted request back in its queue, so the
-    engine's waiting count exceeds the requests the ledger has seen no token of by
-    about the number preempted; those are the ones silent the longest. Moving
+    engine's waiting count exceeds the requests the ledger had seen no token of
+    (all of them, movable or not, counted at the scrape) by about the number
+    preempted; those are the ones silent the longest. Moving
     one costs no extra recompute (the source would recompute it too, once it has
     memory again) and ends its stall at once."""
     if settings.stalled_after_s <= 0 or not settings.move_running:
         return []
-    preempted = src.engine_waiting - sum(1 for r in candidates if not r.running)
+    preempted = src.engine_preempted
     if preempted <= 0:
         return []
     silent = [

@@ -227,11 +227,12 @@ def test_a_move_pre_warms_only_where_the_recompute_it_saves_is_long() -> None:
 
 
 def test_a_preempted_stream_is_rescued_at_once_most_silent_first() -> None:
-    # "src" is full but not over (F >= 0): no load is shed. Its engine queues 2
-    # requests while the ledger has 1 waiting for a first token: one stream was
-    # preempted, the one silent longest; it moves even to a destination that is
-    # not free enough for a plain move, and without the recompute test.
-    src = inst("src", 64, 64, 4, engine_waiting=2)
+    # "src" is full but not over (F >= 0): no load is shed. Its engine queued 2
+    # requests at the last scrape while the ledger had 1 waiting for a first
+    # token: one stream was preempted, the one silent longest; it moves even to a
+    # destination that is not free enough for a plain move, and without the
+    # recompute test.
+    src = inst("src", 64, 64, 4, engine_waiting=2, engine_preempted=1)
     tight = inst("tight", 64, 40, 8)  # F = 3.0: below dest_above (4)
     reqs = [
         RequestLoad(1, 30, Priority.NORMAL, running=False),
@@ -249,14 +250,14 @@ def test_a_preempted_stream_is_rescued_at_once_most_silent_first() -> None:
     # Nothing silent enough, or no sign of preemption in the engine's queue: no move.
     assert plan(view, {"src": reqs}, stalled_after_s=1.0) == []
     assert plan(view, {"src": reqs}, stalled_after_s=0) == []
-    quiet = ClusterView((inst("src", 64, 64, 4, engine_waiting=1), tight))
+    quiet = ClusterView((inst("src", 64, 64, 4, engine_waiting=1, engine_preempted=0), tight))
     assert plan(quiet, {"src": reqs}) == []
     # Without moves of running requests (migration off), no rescue either.
     assert plan(view, {"src": reqs}, move_running=False) == []
 
 
 def test_a_rescue_still_respects_the_destination_s_queue_and_room() -> None:
-    src = inst("src", 64, 64, 4, engine_waiting=1)
+    src = inst("src", 64, 64, 4, engine_waiting=1, engine_preempted=1)
     stalled = [RequestLoad(3, 100, Priority.NORMAL, running=True, silent_s=2.0)]
     # The destination's queue would wait 1.2 s for its prefill plus the recompute.
     busy = inst("busy", 64, 20, 4, queued_tokens=11_900)
@@ -267,7 +268,7 @@ def test_a_rescue_still_respects_the_destination_s_queue_and_room() -> None:
 
 
 def test_a_rescue_refused_by_the_freest_destination_goes_to_the_next() -> None:
-    src = inst("src", 64, 64, 4, engine_waiting=1)
+    src = inst("src", 64, 64, 4, engine_waiting=1, engine_preempted=1)
     stalled = [RequestLoad(3, 100, Priority.NORMAL, running=True, silent_s=0.5)]
     # The freest queues requests the ledger cannot size: no recompute goes there.
     unknown = inst("unknown", 64, 4, 1, engine_waiting=2)

@@ -34,13 +34,13 @@ def test_a_record_reads_back_as_written_without_its_idle_instances() -> None:
     )
     written = ProcessRecord(
         "host:1:ab",
-        {"a": InstanceLoad(12, 3, 1, 40), "b": InstanceLoad()},
+        {"a": InstanceLoad(12, 3, 1, 40, 2), "b": InstanceLoad()},
         {"a": (moving, RequestLoad(9, 20, Priority.NORMAL, running=False))},
         seq=31,
     )
     read = decode(encode(written))
     assert read.process == "host:1:ab" and read.seq == 31
-    assert dict(read.instances) == {"a": InstanceLoad(12, 3, 1, 40)}  # b: nothing in flight
+    assert dict(read.instances) == {"a": InstanceLoad(12, 3, 1, 40, 2)}  # b: nothing in flight
     assert read.candidates["a"][0] == moving
     assert (
         read.candidates["a"][1].priority is Priority.NORMAL and not read.candidates["a"][1].running
@@ -96,9 +96,9 @@ def test_a_change_reads_back_as_written() -> None:
         ("{", "not JSON"),
         (json.dumps({"v": 2, "process": "p", "instances": {}}), "not a version 1 record"),
         (json.dumps({"v": 1, "instances": {}}), "process: must be a non-empty string"),
-        (json.dumps({"v": 1, "process": "p", "instances": {"a": [1, 2, 3]}}), "4 counts"),
-        (json.dumps({"v": 1, "process": "p", "instances": {"a": [1, -2, 0, 0]}}), "4 counts"),
-        (json.dumps({"v": 1, "process": "p", "instances": {"a": [True, 1, 0, 0]}}), "4 counts"),
+        (json.dumps({"v": 1, "process": "p", "instances": {"a": [1, 2, 3]}}), "5 counts"),
+        (json.dumps({"v": 1, "process": "p", "instances": {"a": [1, -2, 0, 0]}}), "5 counts"),
+        (json.dumps({"v": 1, "process": "p", "instances": {"a": [True, 1, 0, 0]}}), "5 counts"),
         (json.dumps({"v": 1, "process": "p", "instances": []}), "must be an object"),
         (json.dumps({"v": 1, "process": "p", "seq": -1}), "seq: must be a count"),
         (
@@ -135,7 +135,7 @@ def test_the_view_counts_the_peers_load_between_scrapes() -> None:
     view = cluster.instance_view("a")
     assert (view.inflight, view.batch, view.virtual_blocks) == (5, 5, 22)
     assert view.freeness == (100 - 22) / 5
-    assert cluster.local_load("a") == InstanceLoad(2, 1, 0, 32)  # what this process publishes
+    assert cluster.local_load("a") == InstanceLoad(2, 1, 0, 32, 1)  # what this process publishes
     # So this process places its next request on b, which it has never used.
     chosen = dispatch(
         make_policy("llumnix"), DispatchRequest("m"), cluster.view(), random.Random(0)
@@ -155,6 +155,16 @@ def test_a_scrape_does_not_count_the_peers_requests_as_outside_traffic() -> None
     assert (view.virtual_blocks, view.batch, view.inflight) == (40, 4, 3)
 
 
+def test_a_peer_s_waiting_requests_do_not_pass_for_preempted_ones() -> None:
+    cluster = make_cluster("a")
+    cluster.ledger.add("a", "m", Priority.NORMAL, 16, now=0.0)
+    cluster.set_peer_load({"a": InstanceLoad(2, 2, 0, 32, 2)})  # a peer's 2, not started
+    cluster.record_scrape("a", snapshot(running=0, waiting=3), now=1.0)
+    assert cluster.instance_view("a").engine_preempted == 0
+    cluster.record_scrape("a", snapshot(running=0, waiting=4), now=1.25)
+    assert cluster.instance_view("a").engine_preempted == 1
+
+
 def test_priority_headroom_is_reserved_once_however_many_processes_run_high() -> None:
     cluster = make_cluster("a", headroom=20)
     cluster.ledger.add("a", "m", Priority.HIGH, 16, now=0.0)
@@ -162,3 +172,8 @@ def test_priority_headroom_is_reserved_once_however_many_processes_run_high() ->
     view = cluster.instance_view("a")
     assert view.virtual_blocks == 1 + 1 + 20
     assert view.freeness_high == (100 - 2) / 2
+
+
+def test_a_record_from_a_peer_without_waiting_counts_reads_as_none_waiting() -> None:
+    text = json.dumps({"v": 1, "process": "old", "instances": {"a": [4, 2, 0, 16]}})
+    assert dict(decode(text).instances) == {"a": InstanceLoad(4, 2, 0, 16, 0)}
