@@ -47,11 +47,6 @@ class InstanceState:
     # engine's load counts as from outside only if two scrapes in a row show it).
     gap_blocks: float = 0.0
     gap_requests: int = 0
-    # Requests the engine queued at the last scrape beyond those the ledger had
-    # waiting for a first token at that moment: most likely streams it preempted
-    # (the rescue's sign). Compared then, not at a later decision: a request
-    # that started since would otherwise pass for a preempted one.
-    engine_preempted: int = 0
     # What migration_shim says of itself (GET /ferry/shim/info); None: no shim seen.
     shim: dict[str, Any] | None = None
     shim_error: str | None = None
@@ -206,8 +201,6 @@ class Cluster:
         else:
             state.external_blocks, state.external_requests = gap_blocks, gap_requests
         state.gap_blocks, state.gap_requests = gap_blocks, gap_requests
-        waiting = self.ledger.waiting(name) + peers.waiting
-        state.engine_preempted = max(0, snapshot.waiting - waiting)
         self._invalidate(name)
 
     def record_alive(self, name: str, now: float) -> None:
@@ -291,7 +284,9 @@ class Cluster:
             kv_usage=snap.kv_usage if snap else 0.0,
             engine_running=snap.running if snap else 0,
             engine_waiting=snap.waiting if snap else 0,
-            engine_preempted=state.engine_preempted if snap else 0,
+            # The engine's queue beyond the requests the ledgers have waiting for a
+            # first token, movable or not: streams it preempted, most likely.
+            engine_preempted=max(0, snap.waiting - load.waiting) if snap else 0,
             queued_tokens=load.queued_tokens,
             block_size=snap.block_size if snap and snap.block_size else 16,
             healthy=state.healthy and name not in self._ejected,

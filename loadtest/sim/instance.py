@@ -123,6 +123,7 @@ class Instance:
         self.demand = 0
         self.high = 0
         self.queued_tokens = 0
+        self.awaiting = 0  # requests here with no token yet
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.bs)
@@ -148,6 +149,7 @@ class Instance:
         r.queued = max(0, r.tokens - cached_tokens)
         self.queued_tokens += r.queued
         r.awaiting_token = True
+        self.awaiting += 1
         if r.priority is Priority.HIGH:
             self.high += 1
 
@@ -156,7 +158,9 @@ class Instance:
         self.demand -= r.demand
         self.queued_tokens -= r.queued
         r.queued = 0
-        r.awaiting_token = False
+        if r.awaiting_token:
+            r.awaiting_token = False
+            self.awaiting -= 1
         if r.priority is Priority.HIGH:
             self.high -= 1
         r.instance = None
@@ -270,7 +274,9 @@ class Instance:
             elif r.last_token is not None:
                 r.worst_gap = max(r.worst_gap, now - r.last_token)
             r.last_token = now
-            r.awaiting_token = False
+            if r.awaiting_token:
+                r.awaiting_token = False
+                self.awaiting -= 1
             if r.queued:
                 self.queued_tokens -= r.queued
                 r.queued = 0

@@ -156,8 +156,7 @@ class Simulator:
         self.seq = 0
         self.dispatches = 0
         self.migrations: dict[str, int] = {"started": 0, "done": 0, "aborted": 0, "for_priority": 0}
-        # kv_usage, running, waiting, preempted (proxy/cluster.py's engine_preempted)
-        self.scraped = {i.name: (0.0, 0, 0, 0) for i in self.instances}
+        self.scraped = {i.name: (0.0, 0, 0) for i in self.instances}  # kv_usage, running, waiting
         self.done = 0
         self.now = 0.0
         # Autoscaling: when each instance was asked for and retired; the fleet over time.
@@ -204,7 +203,7 @@ class Simulator:
         return ClusterView(tuple(self._instance_view(i) for i in self.instances), self.dispatches)
 
     def _instance_view(self, inst: Instance) -> InstanceView:
-        kv, running, waiting, preempted = self.scraped[inst.name]
+        kv, running, waiting = self.scraped[inst.name]
         return instance_view(
             inst.name,
             capacity_blocks=inst.capacity,
@@ -216,7 +215,9 @@ class Simulator:
             kv_usage=kv,
             engine_running=running,
             engine_waiting=waiting,
-            engine_preempted=preempted,
+            # As the proxy counts them: the engine's queue beyond the requests
+            # here with no token yet is most likely preempted.
+            engine_preempted=max(0, waiting - inst.awaiting),
             queued_tokens=inst.queued_tokens,
             healthy=inst.healthy,
             draining=inst.draining,
@@ -283,14 +284,10 @@ class Simulator:
 
     def _scrape(self, _: None) -> None:
         for inst in self.instances:
-            # As the proxy's ledger counts them at the scrape: requests here with
-            # no token yet; the engine's queue beyond them is most likely preempted.
-            fresh = sum(1 for r in (*inst.waiting, *inst.running) if r.awaiting_token)
             self.scraped[inst.name] = (
                 inst.used / inst.capacity,
                 len(inst.running),
                 len(inst.waiting),
-                max(0, len(inst.waiting) - fresh),
             )
         self.push(self.now + self.settings.scrape_interval_s, Kind.SCRAPE, None)
 
@@ -398,7 +395,7 @@ class Simulator:
         inst.healthy = False
         self.instances.append(inst)
         self.by_name[inst.name] = inst
-        self.scraped[inst.name] = (0.0, 0, 0, 0)
+        self.scraped[inst.name] = (0.0, 0, 0)
         self.born[inst.name] = self.now
         self.push(self.now + self.settings.startup_s, Kind.READY, inst)
         self._log_fleet()

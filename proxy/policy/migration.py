@@ -25,7 +25,7 @@ room appears (see its docstring).
 Rescue. vLLM puts a preempted request back in its queue, where it produces
 nothing until memory frees. The proxy cannot see preemption per request, but it
 sees its signs: the engine's scraped queue holds more requests than the ledgers
-had waiting for a first token when it was scraped (`InstanceView.engine_preempted`),
+have waiting for a first token (`InstanceView.engine_preempted`),
 and some of its streams have been silent for `stalled_after_s`. The most silent
 of them, as many as the excess, are moved at once (`stalled_requests`), from any
 instance, to any destination with room that ends up no less free than the source
@@ -395,9 +395,9 @@ def stalled_requests(
 ) -> list[RequestLoad]:
     """The source's running requests that its engine has most likely preempted,
     most silent first. vLLM puts a preempted request back in its queue, so the
-    engine's waiting count exceeds the requests the ledger had seen no token of
-    (all of them, movable or not, counted at the scrape) by about the number
-    preempted; those are the ones silent the longest. Moving
+    engine's waiting count exceeds the requests the ledgers have seen no token
+    of (all of them, movable or not) by about the number preempted; those are
+    the ones silent the longest. Moving
     one costs no extra recompute (the source would recompute it too, once it has
     memory again) and ends its stall at once."""
     if settings.stalled_after_s <= 0 or not settings.move_running:

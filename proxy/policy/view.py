@@ -65,8 +65,9 @@ class InstanceView:
     kv_usage: float = 0.0  # scraped, 0..1
     engine_running: int = 0
     engine_waiting: int = 0
-    # Of those, the ones beyond the requests the ledger had waiting for a first
-    # token when the engine was scraped: most likely streams it preempted.
+    # Of those, the ones beyond the requests the ledgers have waiting for a first
+    # token (movable or not, this process's and its peers'): most likely streams
+    # the engine preempted.
     engine_preempted: int = 0
     # Tokens of the requests here still waiting for their first token (ledger): the
     # prefill ahead of the engine. A lite move's continuation counts its P + G here.

@@ -98,9 +98,7 @@ def test_a_cached_prompt_token_costs_what_the_profile_says() -> None:
     """A hit saves the compute of its tokens, not all of their cost: the step
     that admits it pays `step_per_cached_token_s` per cached token."""
     # Two requests under one system prompt, far apart: the second finds it cached.
-    trace = [
-        TraceRequest(i, 10.0 * i, 200, 1, prefix_group=0, prefix_tokens=128) for i in range(2)
-    ]
+    trace = [TraceRequest(i, 10.0 * i, 200, 1, prefix_group=0, prefix_tokens=128) for i in range(2)]
 
     def ttfts(per_cached: float) -> list[float]:
         profile = dataclasses.replace(LLAMA7B_A10, step_per_cached_token_s=per_cached)
