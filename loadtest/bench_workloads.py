@@ -16,15 +16,18 @@ workloads at moderate load, each through every path, one after another:
 Paths: vllm-router `round_robin`, `power_of_two` and `cache_aware`, and Ferry
 with its defaults (`llumnix`); on `prefix` also Ferry with `prefix_credit`.
 Each path starts cold (prefix caches reset, a fresh router). Ferry writes its
-access log, and for the requests at or above its P90 TTFT the table gives the
-mean of each TTFT stage (proxy/ttft_stages.py): the tail is Ferry's own
-(parse, dispatch, connect, relay) or the engine's (upstream_first_byte).
+access log, and for the slowest tenth of its requests (all of them, on
+`priority` too) the table gives the mean of each TTFT stage
+(proxy/ttft_stages.py): the tail is Ferry's own (parse, dispatch, connect,
+relay) or the engine's (upstream_first_byte).
 
-    python -m loadtest.bench_workloads [--requests 100] [--workloads heavy,priority,prefix]
+    python -m loadtest.bench_workloads [--requests 100] [--repeat 1] [--workloads heavy,prefix]
 
-About 4 minutes per workload plus 2 to start the servers. A report, not a test:
-a P99 over 100 requests is their worst but one, over 20 high-priority ones
-their worst, so expect tens of percent between runs.
+About 4 minutes per workload and round, plus 2 to start the servers. A report,
+not a test: a P99 over 100 requests is their worst but one, over the 15 or so
+high-priority ones their worst, so expect tens of percent between runs.
+`--repeat N` runs N rounds, the paths interleaved, and pools each path's
+requests: the verdict is a P99 over all of them.
 """
 
 from __future__ import annotations
@@ -79,14 +82,49 @@ WORKLOADS = {
 
 
 @dataclass(frozen=True, slots=True)
-class Result:
+class Run:
+    """What one path gave: one round, or several pooled (`pool`)."""
+
     path: str
-    ttft_p50: float
-    ttft_p99: float
+    ttfts: list[float]  # of the requests the row is about
     finished: int
     requests: int
-    hit_rate: float
-    tail_stages: dict[str, float] | None  # Ferry's: mean of each stage at or above P90
+    hits: float  # the engines' prefix cache counters' deltas
+    queries: float
+    stages: list[dict[str, float]]  # Ferry's TTFT stages, from its access log
+
+    @property
+    def p50(self) -> float:
+        return percentile(self.ttfts, 50)
+
+    @property
+    def p99(self) -> float:
+        return percentile(self.ttfts, 99)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def tail_stages(self) -> dict[str, float] | None:
+        """Mean of each TTFT stage over the slowest tenth of Ferry's requests."""
+        if not self.stages:
+            return None
+        by_total = sorted(self.stages, key=lambda s: sum(s.values()))
+        tail = by_total[int(0.9 * len(by_total)) :]
+        return {k: statistics.mean(s.get(k, 0.0) for s in tail) for k in STAGES}
+
+
+def pool(runs: list[Run]) -> Run:
+    """One path's rounds as one run: a P99 over all their requests."""
+    return Run(
+        runs[0].path,
+        [t for r in runs for t in r.ttfts],
+        sum(r.finished for r in runs),
+        sum(r.requests for r in runs),
+        sum(r.hits for r in runs),
+        sum(r.queries for r in runs),
+        [s for r in runs for s in r.stages],
+    )
 
 
 def paths(workload: str) -> tuple[str, ...]:
@@ -105,19 +143,14 @@ def start_ferry(
         return subprocess.Popen([*cmd, "--log-level", "WARNING"], stdout=out)
 
 
-def tail_stages(log: Path, ttfts: list[float]) -> dict[str, float] | None:
-    """Mean of each TTFT stage over the requests at or above the P90 TTFT."""
+def read_stages(log: Path) -> list[dict[str, float]]:
     stages = []
     for line in log.read_text().splitlines():
         if line.startswith("{"):
             record = json.loads(line)
             if record.get("ttft_stages_s"):
                 stages.append(record["ttft_stages_s"])
-    if not stages or not ttfts:
-        return None
-    by_total = sorted(stages, key=lambda s: sum(s.values()))
-    tail = by_total[int(0.9 * len(by_total)) :]
-    return {k: statistics.mean(s.get(k, 0.0) for s in tail) for k in STAGES}
+    return stages
 
 
 def run_path(
@@ -126,7 +159,7 @@ def run_path(
     trace: list[TraceRequest],
     workload: str,
     seed: int,
-) -> Result:
+) -> Run:
     real.reset_caches(servers)
     hits, queries = real.counters(servers)
     port = free_port()
@@ -149,39 +182,37 @@ def run_path(
     hits_after, queries_after = real.counters(servers)
     if workload == "priority":  # the row is the high-priority requests'
         done = [r for r in done if r.klass is Priority.HIGH]
-    ttfts = [r.first_token - r.arrival for r in done if r.first_token is not None]
-    queried = queries_after - queries
-    return Result(
+    return Run(
         path,
-        percentile(ttfts, 50),
-        percentile(ttfts, 99),
+        [r.first_token - r.arrival for r in done if r.first_token is not None],
         sum(1 for r in done if r.finish is not None),
         len(done),
-        (hits_after - hits) / queried if queried else 0.0,
-        tail_stages(log, ttfts) if path.startswith("ferry") else None,
+        hits_after - hits,
+        queries_after - queries,
+        read_stages(log) if path.startswith("ferry") else [],
     )
 
 
-def table(workload: str, results: list[Result]) -> str:
-    best = min((r for r in results if r.path in ROUTERS), key=lambda r: r.ttft_p99)
+def table(workload: str, runs: list[Run], title: str) -> str:
+    best = min((r for r in runs if r.path in ROUTERS), key=lambda r: r.p99)
     who = "high-priority requests" if workload == "priority" else "all requests"
     lines = [
-        f"{workload} ({who}):",
+        f"{workload} ({who}), {title}:",
         f"  {'path':<26}{'TTFT p50':>9}{'p99':>9}{'hit rate':>9}{'finished':>10}"
         f"{'best router p99 / p99':>23}",
     ]
-    for r in results:
+    for r in runs:
         lines.append(
-            f"  {r.path:<26}{r.ttft_p50:>8.3f}s{r.ttft_p99:>8.3f}s{r.hit_rate:>9.3f}"
-            f"{r.finished:>6}/{r.requests:<3}{best.ttft_p99 / r.ttft_p99:>23.2f}"
+            f"  {r.path:<26}{r.p50:>8.3f}s{r.p99:>8.3f}s{r.hit_rate:>9.3f}"
+            f"{r.finished:>6}/{r.requests:<3}{best.p99 / r.p99:>23.2f}"
         )
-    for r in results:
-        if r.tail_stages:
-            stages = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r.tail_stages.items())
-            lines.append(f"  {r.path} TTFT >= its P90, mean ms by stage: {stages}")
-    for r in results:
+    for r in runs:
+        if stages := r.tail_stages():
+            means = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in stages.items())
+            lines.append(f"  {r.path}: its slowest tenth (all requests), mean ms by stage: {means}")
+    for r in runs:
         if r.path.startswith("ferry"):
-            ratio = best.ttft_p99 / r.ttft_p99
+            ratio = best.p99 / r.p99
             verdict = "met" if ratio >= 1.0 else "NOT met"
             lines.append(
                 f"  {r.path}: P99 TTFT {ratio:.2f}x better than vllm-router's best "
@@ -199,6 +230,9 @@ def make_trace(workload: str, requests: int, seed: int) -> list[TraceRequest]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100, help="per workload")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds per path, pooled (a P99 over all)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--kv-bytes", type=int, default=128 << 20, help="KV cache per server")
@@ -225,15 +259,19 @@ def main(argv: list[str] | None = None) -> int:
         real.warm_up(servers, args.seed)
         for workload in chosen:
             trace = make_trace(workload, args.requests, args.seed)
-            results = []
-            for path in paths(workload):
-                if only and path not in only:
-                    continue
-                print(f"{workload}: {path}...", flush=True)
-                results.append(run_path(path, servers, trace, workload, args.seed))
-            if any(r.path in ROUTERS for r in results):
-                tables.append(table(workload, results))
-                print(tables[-1], flush=True)
+            chosen_paths = [p for p in paths(workload) if not only or p in only]
+            rounds: dict[str, list[Run]] = {p: [] for p in chosen_paths}
+            for n in range(1, args.repeat + 1):
+                for path in chosen_paths:  # the paths interleave, round by round
+                    print(f"{workload}, round {n}: {path}...", flush=True)
+                    run = run_path(path, servers, trace, workload, args.seed)
+                    rounds[path].append(run)
+                    print(f"  P99 TTFT {run.p99:.3f}s", flush=True)
+            if not any(p in ROUTERS for p in chosen_paths):
+                continue
+            title = f"{args.repeat} rounds pooled" if args.repeat > 1 else "1 round"
+            tables.append(table(workload, [pool(rounds[p]) for p in chosen_paths], title))
+            print(tables[-1], flush=True)
     finally:
         for server in servers:
             server.stop()
