@@ -57,6 +57,9 @@ from tests.helpers import free_port
 
 ROUTERS = ("vllm-router:round_robin", "vllm-router:power_of_two", "vllm-router:cache_aware")
 FERRY, CREDIT = "ferry", "ferry+credit"
+# Ferry scraping every 2 s instead of 0.25 s: what its /metrics scrapes cost the
+# engines (`--paths ...,ferry+scrape2s`; not run by default).
+SLOW_SCRAPE = "ferry+scrape2s"
 WORKLOADS = {
     "heavy": TraceSpec(requests=0, rate=1.5, seed=0, input_mean=128, output_mean=128, max_len=480),
     "priority": TraceSpec(
@@ -132,10 +135,12 @@ def paths(workload: str) -> tuple[str, ...]:
 
 
 def start_ferry(
-    servers: list[VLLMServer], port: int, credit: bool, log: Path
+    servers: list[VLLMServer], port: int, path: str, log: Path
 ) -> subprocess.Popen[bytes]:
-    config = json.loads(real.ferry_config(servers, port, credit))
+    config = json.loads(real.ferry_config(servers, port, path == CREDIT))
     config["server"]["access_log"] = True
+    if path == SLOW_SCRAPE:
+        config["scheduler"]["scrape_interval_s"] = 2.0
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump(config, f)  # JSON is YAML
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", f.name]
@@ -166,7 +171,7 @@ def run_path(
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp()) / "access.jsonl"
     if path.startswith("ferry"):
-        proc = start_ferry(servers, port, path == CREDIT, log)
+        proc = start_ferry(servers, port, path, log)
     else:
         proc = start_router(path, [s.url for s in servers], port)
     try:
@@ -259,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         real.warm_up(servers, args.seed)
         for workload in chosen:
             trace = make_trace(workload, args.requests, args.seed)
-            chosen_paths = [p for p in paths(workload) if not only or p in only]
+            every = (*paths(workload), SLOW_SCRAPE)
+            chosen_paths = [p for p in every if p in only or (not only and p != SLOW_SCRAPE)]
             rounds: dict[str, list[Run]] = {p: [] for p in chosen_paths}
             for n in range(1, args.repeat + 1):
                 for path in chosen_paths:  # the paths interleave, round by round

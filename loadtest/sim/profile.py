@@ -13,7 +13,7 @@ per_token = 13 ms / 960 tokens, base = 8 ms - 64 * per_token. Its KV capacity
 A prompt token found in the prefix cache is not computed, but it is not free
 either: the server reads, hashes and looks up every prompt block, and the new
 tokens attend to the cached ones. On the CPU build with the tiny test model it
-measured about 10 us against 40 us for a computed token (0 in the shipped profile:
+measured 10-15 us against 38-40 us for a computed token (0 in the shipped profile:
 the paper gives no figure).
 `python -m loadtest.measure_profile --url URL` measures a real server's profile.
 """
