@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest import bench_prefix_real as real
@@ -50,6 +50,7 @@ from loadtest.ferry_process import wait_healthy
 from loadtest.replay import replay
 from loadtest.sim.stats import percentile
 from loadtest.trace import TraceRequest, TraceSpec, generate
+from loadtest.ttft_breakdown import read_stages
 from loadtest.vllm_servers import VLLMServer, wait_ready
 from proxy.policy import Priority
 from proxy.ttft_stages import STAGES
@@ -60,27 +61,13 @@ FERRY, CREDIT = "ferry", "ferry+credit"
 # Ferry scraping every 2 s instead of 0.25 s: what its /metrics scrapes cost the
 # engines (`--paths ...,ferry+scrape2s`; not run by default).
 SLOW_SCRAPE = "ferry+scrape2s"
+# Heavy-tailed lengths (lognormal around 128/128 tokens); requests and seed are
+# the command line's.
+HEAVY = TraceSpec(requests=0, rate=1.5, seed=0, input_mean=128, output_mean=128, max_len=480)
 WORKLOADS = {
-    "heavy": TraceSpec(requests=0, rate=1.5, seed=0, input_mean=128, output_mean=128, max_len=480),
-    "priority": TraceSpec(
-        requests=0,
-        rate=1.5,
-        seed=0,
-        input_mean=128,
-        output_mean=128,
-        max_len=480,
-        high_priority=0.2,
-    ),
-    "prefix": TraceSpec(
-        requests=0,
-        rate=1.2,
-        seed=0,
-        input_mean=128,
-        output_mean=128,
-        max_len=480,
-        prefix_groups=16,
-        prefix_len=768,
-    ),
+    "heavy": HEAVY,
+    "priority": replace(HEAVY, high_priority=0.2),
+    "prefix": replace(HEAVY, rate=1.2, prefix_groups=16, prefix_len=768),
 }
 
 
@@ -146,16 +133,6 @@ def start_ferry(
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", f.name]
     with open(log, "wb") as out:
         return subprocess.Popen([*cmd, "--log-level", "WARNING"], stdout=out)
-
-
-def read_stages(log: Path) -> list[dict[str, float]]:
-    stages = []
-    for line in log.read_text().splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if record.get("ttft_stages_s"):
-                stages.append(record["ttft_stages_s"])
-    return stages
 
 
 def run_path(
@@ -227,9 +204,7 @@ def table(workload: str, runs: list[Run], title: str) -> str:
 
 
 def make_trace(workload: str, requests: int, seed: int) -> list[TraceRequest]:
-    spec = WORKLOADS[workload]
-    fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
-    return generate(TraceSpec(**{**fields, "requests": requests, "seed": seed}))
+    return generate(replace(WORKLOADS[workload], requests=requests, seed=seed))
 
 
 def main(argv: list[str] | None = None) -> int:

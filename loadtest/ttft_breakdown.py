@@ -81,13 +81,18 @@ def run_ferry(
         cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", f.name]
         proc = subprocess.Popen(pinned([*cmd, "--log-level", "INFO"]), stdout=out)
         done = replay_through(proc, port, trace)
+    return ttfts(done), read_stages(log)
+
+
+def read_stages(log: Path) -> list[dict[str, float]]:
+    """Each request's TTFT stages, from Ferry's access log."""
     stages = []
     for line in log.read_text().splitlines():
         if line.startswith("{"):
             record = json.loads(line)
             if record.get("ttft_stages_s"):
                 stages.append(record["ttft_stages_s"])
-    return ttfts(done), stages
+    return stages
 
 
 def ttfts(done: list[SimRequest]) -> list[float]:
