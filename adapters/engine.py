@@ -34,6 +34,9 @@ class EngineAdapter:
     - `kv_events`: how the engine publishes its prefix cache's changes and names
       its blocks (an instance's `kv_events:` endpoint makes its prefix index
       precise); None for an engine that publishes none.
+    - `priority_field`: the request field an engine that schedules by priority
+      reads (lower runs first; an instance's `engine_priority: true` has Ferry
+      fill it in); None for an engine without one.
     """
 
     name: str
@@ -43,6 +46,7 @@ class EngineAdapter:
     returns_token_ids: bool = False
     runs_shim: bool = False
     kv_events: KVEventsFormat | None = None
+    priority_field: str | None = None
 
     def __post_init__(self) -> None:
         if (self.metrics_path is None) != (self.parse_metrics is None):

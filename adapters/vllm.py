@@ -128,4 +128,7 @@ ADAPTER = EngineAdapter(
     returns_token_ids=True,
     runs_shim=True,
     kv_events=vllm_kv_events.FORMAT,
+    # Read under `--scheduling-policy priority`; any other policy refuses a
+    # request that sets it to anything but 0.
+    priority_field="priority",
 )

@@ -355,9 +355,12 @@ def _met(ok: bool) -> str:
 
 
 def start_servers(
-    args: argparse.Namespace, cores: tuple[str, ...] = (ENGINE_CORE, ENGINE_CORE)
+    args: argparse.Namespace,
+    cores: tuple[str, ...] = (ENGINE_CORE, ENGINE_CORE),
+    extra_args: tuple[str, ...] = (),
 ) -> list[VLLMServer]:
-    """One server per entry of `cores`, pinned there with its OpenMP threads."""
+    """One server per entry of `cores`, pinned there with its OpenMP threads
+    (`extra_args`: more of vLLM's flags)."""
     model = build(MODEL_DIR, hidden=HIDDEN, layers=LAYERS, max_positions=MAX_MODEL_LEN)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # serves POST /reset_prefix_cache
     servers = []
@@ -371,7 +374,7 @@ def start_servers(
                 kv_cache_bytes=args.kv_bytes,
                 max_model_len=MAX_MODEL_LEN,
                 cpus=core,
-                extra_args=("--enable-prefix-caching",),
+                extra_args=("--enable-prefix-caching", *extra_args),
                 kv_events_ports=(free_port(), free_port()),
             )
         )

@@ -122,10 +122,12 @@ def paths(workload: str) -> tuple[str, ...]:
 
 
 def start_ferry(
-    servers: list[VLLMServer], port: int, path: str, log: Path
+    servers: list[VLLMServer], port: int, path: str, log: Path, engine_priority: bool
 ) -> subprocess.Popen[bytes]:
     config = json.loads(real.ferry_config(servers, port, path == CREDIT))
     config["server"]["access_log"] = True
+    for instance in config["instances"]:
+        instance["engine_priority"] = engine_priority
     if path == SLOW_SCRAPE:
         config["scheduler"]["scrape_interval_s"] = 2.0
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
@@ -141,14 +143,17 @@ def run_path(
     trace: list[TraceRequest],
     workload: str,
     seed: int,
+    engine_priority: bool = False,
 ) -> Run:
+    """One path through `trace`. `engine_priority`: the servers schedule by
+    priority; Ferry sets the field, and a router's client sets it in the body."""
     real.reset_caches(servers)
     hits, queries = real.counters(servers)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp()) / "access.jsonl"
     if path.startswith("ferry"):
-        proc = start_ferry(servers, port, path, log)
+        proc = start_ferry(servers, port, path, log, engine_priority)
     else:
         proc = start_router(path, [s.url for s in servers], port)
     try:
@@ -156,7 +161,15 @@ def run_path(
         time.sleep(1.5)  # the routers' first health checks and scrapes
         prompts = real.Conversations(trace, seed)
         done = asyncio.run(
-            replay(url, trace, real.MODEL, client="lean", prompts=prompts, timeout_s=120)
+            replay(
+                url,
+                trace,
+                real.MODEL,
+                client="lean",
+                prompts=prompts,
+                timeout_s=120,
+                body_priority=engine_priority and not path.startswith("ferry"),
+            )
         )
     finally:
         proc.terminate()
@@ -220,15 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--apart", action="store_true", help="server i on core i; routers and client unpinned"
     )
+    parser.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="servers run --scheduling-policy priority: Ferry sets the request's priority"
+        " field (engine_priority), the routers' client sets it itself",
+    )
     args = parser.parse_args(argv)
     chosen = args.workloads.split(",")
     if unknown := sorted(set(chosen) - set(WORKLOADS)):
         parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
     only = set(args.paths.split(",")) - {""}
+    flags = ("--scheduling-policy", "priority") if args.engine_priority else ()
     if args.apart:  # each server its own core, as GPUs are; routers and client float
-        servers = real.start_servers(args, ("0", "1"))
+        servers = real.start_servers(args, ("0", "1"), flags)
     else:  # first: start_vllm pins only from an unpinned process
-        servers = real.start_servers(args)
+        servers = real.start_servers(args, extra_args=flags)
         if len(os.sched_getaffinity(0)) >= 2:
             os.sched_setaffinity(0, {int(real.ROUTER_CORE)})  # the client; routers inherit it
         else:
@@ -245,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in range(1, args.repeat + 1):
                 for path in chosen_paths:  # the paths interleave, round by round
                     print(f"{workload}, round {n}: {path}...", flush=True)
-                    run = run_path(path, servers, trace, workload, args.seed)
+                    run = run_path(path, servers, trace, workload, args.seed, args.engine_priority)
                     rounds[path].append(run)
                     print(f"  P99 TTFT {run.p99:.3f}s", flush=True)
             if not any(p in ROUTERS for p in chosen_paths):

@@ -40,6 +40,7 @@ import openai
 from loadtest.sim.instance import SimRequest
 from loadtest.trace import TraceRequest
 from proxy.policy import Priority
+from proxy.upstream import ENGINE_PRIORITY
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ async def _one_lean(
     t: TraceRequest,
     start: float,
     source: PromptSource | None = None,
+    body_priority: bool = False,
 ) -> SimRequest:
     r = await _scheduled(t, start)
     if source is None:
@@ -155,6 +157,9 @@ async def _one_lean(
         "ignore_eos": True,
         "return_token_ids": True,
     }
+    if body_priority and t.priority != "normal":
+        # vLLM's own field (its --scheduling-policy priority): lower runs first.
+        body["priority"] = ENGINE_PRIORITY[Priority.parse(t.priority)]
     try:
         async with session.post(
             url + "/v1/completions",
@@ -190,6 +195,7 @@ async def replay(
     client: str = "openai",
     prompts: PromptSource | None = None,
     timeout_s: float = 600,
+    body_priority: bool = False,
 ) -> list[SimRequest]:
     """Send `requests` to `url` on the trace's schedule; return what the client saw.
 
@@ -198,7 +204,9 @@ async def replay(
     most. `client="lean"` reads the SSE bytes with aiohttp and one regular
     expression per chunk (tens of microseconds), for benchmarks whose token rate
     the official client could not keep up with; only it takes `prompts`. A request
-    not done `timeout_s` after it was sent counts as not finished."""
+    not done `timeout_s` after it was sent counts as not finished. `body_priority`
+    (lean only) also puts each request's priority in the body, in vLLM's own
+    `priority` field, as a client of a priority-scheduling vLLM would."""
     url = url.rstrip("/")
     start = time.perf_counter()
     if client == "lean":
@@ -206,14 +214,16 @@ async def replay(
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             lean = [
-                asyncio.create_task(_one_lean(session, url, model, t, start, prompts))
+                asyncio.create_task(
+                    _one_lean(session, url, model, t, start, prompts, body_priority)
+                )
                 for t in requests
             ]
             return list(await asyncio.gather(*lean))
     if client != "openai":
         raise ValueError(f"client must be openai or lean (got {client!r})")
-    if prompts is not None:
-        raise ValueError("only the lean client takes prompts")
+    if prompts is not None or body_priority:
+        raise ValueError("only the lean client takes prompts and body_priority")
     official = openai.AsyncOpenAI(
         base_url=url + "/v1", api_key="replay", max_retries=0, timeout=timeout_s
     )

@@ -2,7 +2,8 @@
 
     GET    /admin/instances                     the instances, as `ferry status` shows them
     POST   /admin/instances                     add one (JSON like a YAML instance): 201, 409
-    PATCH  /admin/instances/{name}              change migration, labels, api_key, headers
+    PATCH  /admin/instances/{name}              change migration, labels, api_key, headers,
+                                                engine_priority
     DELETE /admin/instances/{name}[?migrate=1]  drain, then remove once empty: 202
     POST   /admin/instances/{name}/drain[?migrate=1], /undrain
     POST   /admin/reload                        re-read the config file (as SIGHUP does)
@@ -62,6 +63,7 @@ def instances_json(
                 "shim": state.shim,
                 "shim_error": state.shim_error,
                 "labels": state.config.labels,
+                "engine_priority": state.config.engine_priority,
                 "healthy": view.healthy,
                 "draining": view.draining,
                 "removing": view.name in removing,

@@ -51,6 +51,10 @@ class InstanceConfig:
     # a host instead, its publisher connects out and Ferry never hears it).
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    # The engine schedules by priority (vLLM's --scheduling-policy priority):
+    # Ferry puts each request's priority in the engine's field, so a
+    # high-priority request also overtakes the engine's own queue.
+    engine_priority: bool = False
 
     def auth_headers(self) -> dict[str, str]:
         """The headers every call to this instance carries."""
@@ -85,7 +89,7 @@ class DiscoveryConfig:
 
 
 DISCOVERY_KEYS = ("dns", "port", "scheme", "refresh_s", "name")
-DISCOVERY_INSTANCE_KEYS = ("engine", "migration", "labels", "api_key", "headers")
+DISCOVERY_INSTANCE_KEYS = ("engine", "migration", "labels", "api_key", "headers", "engine_priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +369,13 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
             " a moved stream goes on from its token ids, and this engine returns none"
         )
     _check_kv_events(inst, where)
+    if not isinstance(inst.engine_priority, bool):
+        raise ConfigError(f"{where}.engine_priority: must be true or false")
+    if inst.engine_priority and ADAPTERS[inst.engine].priority_field is None:
+        raise ConfigError(
+            f"{where}.engine_priority: must be false for engine {inst.engine}:"
+            " it has no request priority field"
+        )
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.labels.items()):
         raise ConfigError(f"{where}.labels: must map strings to strings")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.headers.items()):

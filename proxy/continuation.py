@@ -34,6 +34,7 @@ _SAMPLING = (
     "bad_words",
     "allowed_token_ids",
     "user",
+    "priority",  # the engine's own (vLLM's priority scheduling), as the client set it
 )
 
 

@@ -32,7 +32,7 @@ from proxy.scraper import Scraper
 
 log = logging.getLogger("ferry.fleet")
 
-PATCHABLE = ("migration", "labels", "api_key", "headers")
+PATCHABLE = ("migration", "labels", "api_key", "headers", "engine_priority")
 # The admin changes peers apply too, and the fields each carries.
 FLEET_OPS: dict[str, tuple[str, ...]] = {
     "add": ("instance",),

@@ -365,6 +365,7 @@ class LiveStream:
                 **body,
                 "kv_transfer_params": {**(body.get("kv_transfer_params") or {}), **kv_params},
             }
+        body = self.upstreams.with_priority(dest, body, request.priority)
         call = self.upstreams.begin(
             dest, request.model, request.priority, tokens, self.clock(), cached_tokens
         )

@@ -319,6 +319,7 @@ class Migrator:
         body = {"model": request.model, "prompt": ids, "max_tokens": 1}
         if "cache_salt" in request.body:
             body["cache_salt"] = request.body["cache_salt"]
+        body = self.upstreams.with_priority(destination, body, request.priority)
         # An optimisation only: if it fails or is slow, the cut-over recomputes instead.
         # A slow one is expected under load: give up on it quietly (cancelling the
         # call closes its connection, and the engine aborts the request). Give up

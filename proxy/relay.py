@@ -130,7 +130,7 @@ class Relay:
             if priority is Priority.HIGH:
                 blocks = request_blocks(prompt_estimate, self.cluster.block_size(name))
                 self.migrator.make_room(chosen, blocks)
-            upstream_body, wants_ids = self._upstream_body(name, body)
+            upstream_body, wants_ids = self._upstream_body(name, body, priority)
             data = raw if upstream_body is None else sse.dumps(upstream_body)
             tag = None
             if stream and upstream_body and self.cluster.instances[name].migration_mode == "full":
@@ -220,7 +220,7 @@ class Relay:
             self.cluster.record_call_success(name)
 
     def _upstream_body(
-        self, name: str, body: dict[str, Any] | None
+        self, name: str, body: dict[str, Any] | None, priority: Priority
     ) -> tuple[dict[str, Any] | None, bool]:
         """The body for `name` (None: a pass-through, sent as it came) and whether
         its answer goes to the client as it comes: its engine's adapter says what
@@ -228,7 +228,8 @@ class Relay:
         if body is None:
             return None, True
         fields = self.cluster.instances[name].adapter.token_id_request_fields
-        return token_ids.upstream_body(body, fields)
+        upstream_body, wants_ids = token_ids.upstream_body(body, fields)
+        return self.upstreams.with_priority(name, upstream_body, priority), wants_ids
 
     def _live(
         self,

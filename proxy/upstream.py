@@ -27,6 +27,11 @@ from proxy.ttft_stages import TTFTStages
 
 log = logging.getLogger("ferry.upstream")
 
+# What an engine that schedules by priority is sent for Ferry's priorities (vLLM:
+# lower runs first). Normal is left out: it stays the engine's default, 0, the
+# same as requests that do not come through Ferry.
+ENGINE_PRIORITY = {Priority.HIGH: -1, Priority.LOW: 1}
+
 
 class Call:
     """One request on one instance, billed in the ledger until `close()`."""
@@ -74,6 +79,20 @@ class Upstreams:
 
     def url(self, instance: str) -> str:
         return self.cluster.instances[instance].url
+
+    def with_priority(
+        self, instance: str, body: dict[str, Any], priority: Priority
+    ) -> dict[str, Any]:
+        """`body` as `instance` is sent it: where its engine schedules by priority
+        (`engine_priority: true`), with `priority` in the engine's field, unless
+        the client set that field itself. Any other engine is sent no such field:
+        a FCFS vLLM refuses it."""
+        state = self.cluster.instances[instance]
+        field = state.adapter.priority_field
+        value = ENGINE_PRIORITY.get(priority)
+        if not state.config.engine_priority or field is None or value is None or field in body:
+            return body
+        return {**body, field: value}
 
     def begin(
         self,

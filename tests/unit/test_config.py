@@ -83,8 +83,8 @@ def test_admin_token_from_environment() -> None:
         ),
         (
             base(instances=[{"name": "a", "url": "http://h:1", "weight": 2}]),
-            r"^instances\[0\]\.weight: unknown key; allowed: api_key, engine, headers, kv_events,"
-            r" kv_events_replay, labels, migration, name, url",
+            r"^instances\[0\]\.weight: unknown key; allowed: api_key, engine, engine_priority,"
+            r" headers, kv_events, kv_events_replay, labels, migration, name, url",
         ),
         (
             base(instances=[{"name": "a", "url": "http://h:1", "kv_events": "tcp://*:5557"}]),
