@@ -14,7 +14,12 @@ workloads at moderate load, each through every path, one after another:
   do not all fit one server's cache).
 
 Paths: vllm-router `round_robin`, `power_of_two` and `cache_aware`, and Ferry
-with its defaults (`llumnix`); on `prefix` also Ferry with `prefix_credit`.
+with its defaults (`llumnix`); on `prefix` also Ferry with `prefix_credit`
+(`--paths` runs any of them on any workload, e.g. `ferry,ferry+credit` on
+`heavy`: the credit where nothing is shared). `--engine-priority` starts the
+servers with vLLM's `--scheduling-policy priority`: Ferry's instances get
+`engine_priority: true`, and the routers' client sets the body's `priority`
+field itself, the best a router's user can do.
 Each path starts cold (prefix caches reset, a fresh router). Ferry writes its
 access log, and for the slowest tenth of its requests (all of them, on
 `priority` too) the table gives the mean of each TTFT stage
@@ -189,12 +194,18 @@ def run_path(
 
 
 def table(workload: str, runs: list[Run], title: str) -> str:
-    best = min((r for r in runs if r.path in ROUTERS), key=lambda r: r.p99)
+    """The paths side by side, each P99 against vllm-router's best (against
+    plain Ferry's when no router ran)."""
+    routers = [r for r in runs if r.path in ROUTERS]
+    if routers:
+        best, against = min(routers, key=lambda r: r.p99), "best router"
+    else:
+        best, against = next(r for r in runs if r.path == FERRY), FERRY
     who = "high-priority requests" if workload == "priority" else "all requests"
     lines = [
         f"{workload} ({who}), {title}:",
         f"  {'path':<26}{'TTFT p50':>9}{'p99':>9}{'hit rate':>9}{'finished':>10}"
-        f"{'best router p99 / p99':>23}",
+        f"{against + ' p99 / p99':>23}",
     ]
     for r in runs:
         lines.append(
@@ -206,7 +217,7 @@ def table(workload: str, runs: list[Run], title: str) -> str:
             means = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in stages.items())
             lines.append(f"  {r.path}: its slowest tenth (all requests), mean ms by stage: {means}")
     for r in runs:
-        if r.path.startswith("ferry"):
+        if routers and r.path.startswith("ferry"):
             ratio = best.p99 / r.p99
             verdict = "met" if ratio >= 1.0 else "NOT met"
             lines.append(
@@ -259,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         real.warm_up(servers, args.seed)
         for workload in chosen:
             trace = make_trace(workload, args.requests, args.seed)
-            every = (*paths(workload), SLOW_SCRAPE)
-            chosen_paths = [p for p in every if p in only or (not only and p != SLOW_SCRAPE)]
+            # Named in --paths, any path runs on any workload: ferry+credit on
+            # `heavy` shows what the credit costs where no prefix is shared.
+            every = (*ROUTERS, FERRY, CREDIT, SLOW_SCRAPE)
+            chosen_paths = [p for p in every if p in only] if only else list(paths(workload))
             rounds: dict[str, list[Run]] = {p: [] for p in chosen_paths}
             for n in range(1, args.repeat + 1):
                 for path in chosen_paths:  # the paths interleave, round by round
@@ -268,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_path(path, servers, trace, workload, args.seed, args.engine_priority)
                     rounds[path].append(run)
                     print(f"  P99 TTFT {run.p99:.3f}s", flush=True)
-            if not any(p in ROUTERS for p in chosen_paths):
-                continue
+            if not any(p in ROUTERS or p == FERRY for p in chosen_paths):
+                continue  # nothing to compare with
             title = f"{args.repeat} rounds pooled" if args.repeat > 1 else "1 round"
             tables.append(table(workload, [pool(rounds[p]) for p in chosen_paths], title))
             print(tables[-1], flush=True)
