@@ -55,16 +55,18 @@ class Llumnix:
     High-priority requests rank instances by `freeness_high` (headroom reserved
     for their class not counted); the rest by `freeness`.
 
-    With `prefix_credit` on and part of the prompt cached somewhere, the request
-    goes where its first token comes soonest without crowding memory: among the
-    instances that stay free enough after taking it (freeness at or above
-    `safe_freeness`, its cached blocks not counted as demand there:
+    With `prefix_credit` on and more of the prompt cached on some candidates
+    than on others, the request goes where its first token comes soonest
+    without crowding memory: among the instances that stay free enough after
+    taking it (freeness at or above `safe_freeness`, its cached blocks not
+    counted as demand there:
     virtual_usage.freeness_after), the one with the least prefill ahead of it,
     the prefill queued there plus its own uncached tokens
     (virtual_usage.prefill_ahead); ties go to the freer. Time, not blocks: a
     cached prefix saves its prefill, which is what a user waits for, while the
     memory it saves is a few blocks among hundreds. Where no instance is free
-    enough, or none caches any of the prompt, the ranking is plain F. With a
+    enough, or every one caches as much of the prompt (none of it, or a chat
+    template's first block), the ranking is plain F. With a
     session (`request.affinity`), its last instance is kept while it is free
     enough and no other is freer by more than `affinity_margin` blocks per
     request: a soft preference, so a session follows its cache but never onto an
@@ -125,9 +127,13 @@ class Llumnix:
         rng: random.Random,
     ) -> InstanceView | None:
         """Among the instances free enough, the one with the least prefill ahead
-        of the request's first token; None when nothing is cached anywhere."""
+        of the request's first token; None when the cache tells no candidate
+        apart: nothing cached anywhere, or the same length cached on every one
+        (a chat template's first block, a prompt every instance has seen), where
+        locality is no reason to leave plain F."""
         cached = request.cached_tokens
-        if not any(cached.values()):
+        lengths = {cached.get(v.name, 0) for v in candidates}
+        if len(lengths) == 1:
             return None
         safe = [
             (v, score)

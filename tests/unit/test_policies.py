@@ -259,7 +259,8 @@ def test_prefix_choice_is_free_enough_and_soonest(
         return prefill_ahead(prompt, cached.get(v.name, 0), v)
 
     safe = [v for v in views if after(v) >= 1.0]
-    if not any(cached.values()) or not safe:
+    alike = len({cached.get(v.name, 0) for v in views}) == 1
+    if alike or not safe:
         assert chosen.freeness == max(v.freeness for v in views)  # plain llumnix
     else:
         assert chosen in safe
@@ -274,6 +275,22 @@ def test_no_cache_no_affinity_is_plain_llumnix(free: list[float], seed: int) -> 
     views = [inst(f"i{n}", freeness=f) for n, f in enumerate(free)]
     plain = credit_pick(*views, seed=seed)
     assert credit_pick(*views, seed=seed, prefix_credit=True) == plain
+
+
+@given(
+    st.lists(st.tuples(st.floats(-100, 100), st.integers(0, 4000)), min_size=1, max_size=8),
+    st.integers(1, 3000),
+    st.integers(0, 2**31),
+)
+def test_a_prefix_cached_alike_everywhere_is_plain_llumnix(
+    shapes: list[tuple[float, int]], cached: int, seed: int
+) -> None:
+    """A chat template's first block is cached on every instance: it tells
+    none apart, so the credit leaves the choice to plain F, queues and all."""
+    views = [inst(f"i{n}", freeness=f, queued_tokens=q) for n, (f, q) in enumerate(shapes)]
+    request = {"cached_tokens": {v.name: cached for v in views}, "prompt_tokens": 4000}
+    plain = credit_pick(*views, seed=seed)
+    assert credit_pick(*views, seed=seed, prefix_credit=True, **request) == plain  # type: ignore[arg-type]
 
 
 def test_affinity_is_kept_within_the_margin() -> None:
