@@ -59,18 +59,17 @@ class Llumnix:
     than on others, the request goes where its first token comes soonest
     without crowding memory: among the instances that stay free enough after
     taking it (freeness at or above `safe_freeness`, its cached blocks not
-    counted as demand there:
-    virtual_usage.freeness_after), the one with the least prefill ahead of it,
-    the prefill queued there plus its own uncached tokens
-    (virtual_usage.prefill_ahead); ties go to the freer. Time, not blocks: a
-    cached prefix saves its prefill, which is what a user waits for, while the
-    memory it saves is a few blocks among hundreds. Where no instance is free
-    enough, or every one caches as much of the prompt (none of it, or a chat
-    template's first block), the ranking is plain F. With a
-    session (`request.affinity`), its last instance is kept while it is free
-    enough and no other is freer by more than `affinity_margin` blocks per
-    request: a soft preference, so a session follows its cache but never onto an
-    instance that is full.
+    counted as demand there: virtual_usage.freeness_after), the one with the
+    least prefill ahead of it, the prefill queued there plus its own uncached
+    tokens (virtual_usage.prefill_ahead); ties go to the freer. Time, not
+    blocks: a cached prefix saves its prefill, which is what a user waits for,
+    while the memory it saves is a few blocks among hundreds. Where no instance
+    is free enough, or every one caches as much of the prompt (none of it, or a
+    chat template's first block), the ranking is plain F. With a session
+    (`request.affinity`), its last instance is kept while it is free enough and
+    no other is freer by more than `affinity_margin` blocks per request: a soft
+    preference, so a session follows its cache but never onto an instance that
+    is full.
 
     Use it when requests differ in length: it balances KV memory per request,
     not request counts. `topk` > 1 picks at random among the k freest, which
