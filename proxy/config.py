@@ -101,10 +101,11 @@ class SchedulerConfig:
     models_refresh_s: float = 10.0
     topk: int = 1  # llumnix: random among the k freest
     # Prefix locality (proxy/prefix_index.py, proxy/policy/policies.py): with
-    # part of a prompt cached somewhere, llumnix sends it where the least prefill
-    # is ahead of its first token, among the instances that stay at or above
-    # prefix_safe_freeness (blocks per request) after taking it; a session stays
-    # on its instance unless another is freer by more than affinity_margin_blocks.
+    # more of a prompt cached on some instances than on others, llumnix sends it
+    # where the least prefill is ahead of its first token, among the instances
+    # that stay at or above prefix_safe_freeness (blocks per request) after
+    # taking it; a session stays on its instance unless another is freer by
+    # more than affinity_margin_blocks.
     prefix_credit: bool = False
     affinity_margin_blocks: float = 32.0
     prefix_safe_freeness: float = 1.0

@@ -224,7 +224,8 @@ class Relay:
     ) -> tuple[dict[str, Any] | None, bool]:
         """The body for `name` (None: a pass-through, sent as it came) and whether
         its answer goes to the client as it comes: its engine's adapter says what
-        makes it report token ids, and an engine without them is sent nothing extra."""
+        makes it report token ids, and an engine without them is sent nothing
+        extra; an engine that schedules by priority is sent `priority`."""
         if body is None:
             return None, True
         fields = self.cluster.instances[name].adapter.token_id_request_fields

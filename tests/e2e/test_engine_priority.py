@@ -87,24 +87,18 @@ def ferry(loop_thread: Any, engine: VLLMServer, engine_priority: bool) -> Ferry:
     return Ferry(loop_thread, parse_config(config, env={}))
 
 
+@pytest.mark.parametrize("engine_priority", [True, False], ids=["engine_priority", "fcfs"])
 def test_a_high_priority_request_overtakes_the_engines_queue(
-    ranked: VLLMServer, loop_thread: Any
+    ranked: VLLMServer, loop_thread: Any, engine_priority: bool
 ) -> None:
-    proxy = ferry(loop_thread, ranked, engine_priority=True)
+    """With the setting, the high-priority request is served before the three
+    queued ahead of it; without it (the contrast: no field sent), after them."""
+    proxy = ferry(loop_thread, ranked, engine_priority)
     try:
         high, queued = first_tokens(proxy.url, ranked)
     finally:
         proxy.close()
-    assert high < min(queued), "the high-priority request waited behind the queue"
-
-
-def test_without_engine_priority_the_engine_serves_in_arrival_order(
-    ranked: VLLMServer, loop_thread: Any
-) -> None:
-    """The contrast: the same load where Ferry sends no priority field."""
-    proxy = ferry(loop_thread, ranked, engine_priority=False)
-    try:
-        high, queued = first_tokens(proxy.url, ranked)
-    finally:
-        proxy.close()
-    assert high > max(queued)
+    if engine_priority:
+        assert high < min(queued), "the high-priority request waited behind the queue"
+    else:
+        assert high > max(queued)

@@ -12,17 +12,7 @@ import pytest
 
 from proxy.config import ConfigError, parse_config
 from tests.helpers import Ferry, call_json
-
-
-def config(urls: list[str], **instance: Any) -> Any:
-    raw = {
-        "instances": [
-            {"name": f"i{n}", "url": u, "migration": "lite", **instance} for n, u in enumerate(urls)
-        ],
-        "scheduler": {"scrape_interval_s": 0.05, "seed": 1, "policy": "round_robin"},
-        "admin_token": "t",
-    }
-    return parse_config(raw, env={})
+from tests.integration.test_upstream_auth import config
 
 
 def sent_priority(client: openai.OpenAI, standin: Any, header: str, **extra: Any) -> Any:
