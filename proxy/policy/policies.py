@@ -49,11 +49,6 @@ def best(
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
-# The prefix credit's pick keeps at least this share of the freest instance's
-# freeness (a soft balance, like cache_aware's in-flight thresholds).
-FREEST_SHARE = 0.5
-
-
 class Llumnix:
     """Freest instance by virtual usage: argmax F = (M - sum V) / B.
 
@@ -62,10 +57,9 @@ class Llumnix:
 
     With `prefix_credit` on and more of the prompt cached on some candidates
     than on others, the request goes where its first token comes soonest
-    without crowding memory: among the instances at least half as free as the
-    freest (`FREEST_SHARE`) that stay free enough after taking it (freeness at
-    or above `safe_freeness`, its cached blocks not counted as demand there:
-    virtual_usage.freeness_after), the one with the
+    without crowding memory: among the instances that stay free enough after
+    taking it (freeness at or above `safe_freeness`, its cached blocks not
+    counted as demand there: virtual_usage.freeness_after), the one with the
     least prefill ahead of it, the prefill queued there plus its own uncached
     tokens (virtual_usage.prefill_ahead); ties go to the freer. Time, not
     blocks: a cached prefix saves its prefill, which is what a user waits for,
@@ -131,9 +125,8 @@ class Llumnix:
         scores: list[float],
         rng: random.Random,
     ) -> InstanceView | None:
-        """Among the instances free enough (and at least `FREEST_SHARE` as free
-        as the freest), the one with the least prefill ahead of the request's
-        first token; None when the cache tells no candidate
+        """Among the instances free enough, the one with the least prefill ahead
+        of the request's first token; None when the cache tells no candidate
         apart: nothing cached anywhere, or the same length cached on every one
         (a chat template's first block, a prompt every instance has seen), where
         locality is no reason to leave plain F."""
@@ -141,15 +134,10 @@ class Llumnix:
         lengths = {cached.get(v.name, 0) for v in candidates}
         if len(lengths) == 1:
             return None
-        # Locality may cost some freeness, not most of it: without this bound a
-        # burst of one hot prompt lands on the instance that holds it until its
-        # memory runs short (simulated, 16 instances, one system prompt: P99
-        # TTFT 41x plain llumnix's; with it, equal).
-        floor = FREEST_SHARE * max(scores)
         safe = [
             (v, score)
             for v, score in zip(candidates, scores, strict=True)
-            if score >= floor and self._safe(request, v, score)
+            if self._safe(request, v, score)
         ]
         if not safe:
             return None

@@ -21,7 +21,6 @@ from proxy.policy import (
     make_policy,
     virtual_usage,
 )
-from proxy.policy.policies import FREEST_SHARE
 from proxy.policy.virtual_usage import freeness_after, prefill_ahead
 
 M = "m"
@@ -208,21 +207,11 @@ def test_prefix_goes_where_the_least_prefill_is_ahead() -> None:
     assert credit_pick(queued, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
 
 
-def test_prefix_gives_up_at_half_the_freest_freeness() -> None:
-    """A hot prompt's holder keeps taking it only while it is at least half as
-    free as the freest instance: then the others get it, and cache it too."""
-    b = inst("b", freeness=50.0, batch=1, block_size=16, capacity_blocks=200)
-    options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
-    for freeness, chosen in ((26.0, "a"), (24.0, "b")):
-        a = inst("a", freeness=freeness, batch=4, block_size=16, capacity_blocks=200)
-        assert credit_pick(a, b, prefix_credit=True, **options) == chosen  # type: ignore[arg-type]
-
-
 def test_prefix_never_crowds_memory() -> None:
     # a holds the prefix, but its 160 uncached tokens (10 blocks) are more than its
     # 8 free ones: it would fall below 1 free block a request. Plain llumnix: b.
     a = inst("a", freeness=2.0, batch=4, block_size=16, capacity_blocks=40)
-    b = inst("b", freeness=3.5, batch=4, block_size=16, capacity_blocks=80)
+    b = inst("b", freeness=8.0, batch=4, block_size=16, capacity_blocks=80)
     options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
     assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
     # With a guard it meets, locality decides again.
@@ -269,8 +258,7 @@ def test_prefix_choice_is_free_enough_and_soonest(
     def ahead(v: InstanceView) -> int:
         return prefill_ahead(prompt, cached.get(v.name, 0), v)
 
-    top = max(v.freeness for v in views)
-    safe = [v for v in views if after(v) >= 1.0 and v.freeness >= FREEST_SHARE * top]
+    safe = [v for v in views if after(v) >= 1.0]
     alike = len({cached.get(v.name, 0) for v in views}) == 1
     if alike or not safe:
         assert chosen.freeness == max(v.freeness for v in views)  # plain llumnix

@@ -85,9 +85,7 @@ def hit_rate(sim: Simulator) -> float:
 
 def test_prefix_credit_and_cache_aware_raise_the_hit_rate() -> None:
     plain, credit, aware = run("llumnix"), run("llumnix", credit=True), run("cache_aware")
-    # The credit trades some locality for balance (policies.FREEST_SHARE):
-    # here 0.84 against plain llumnix's 0.76, where cache_aware reaches more.
-    assert hit_rate(credit) > hit_rate(plain) + 0.05
+    assert hit_rate(credit) > hit_rate(plain) + 0.1
     assert hit_rate(aware) > hit_rate(plain) + 0.1
     # A cached prefix is not prefilled again: first tokens come sooner.
     uncached = run("llumnix", credit=True, caching=False)
