@@ -157,9 +157,9 @@ async def _one_lean(
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    if body_priority and t.priority != "normal":
-        # vLLM's own field (its --scheduling-policy priority): lower runs first.
-        body["priority"] = ENGINE_PRIORITY[Priority.parse(t.priority)]
+    value = ENGINE_PRIORITY.get(Priority.parse(t.priority)) if body_priority else None
+    if value is not None:  # vLLM's own field (--scheduling-policy priority); normal: none
+        body["priority"] = value
     try:
         async with session.post(
             url + "/v1/completions",
