@@ -21,6 +21,7 @@ from proxy.policy import (
     make_policy,
     virtual_usage,
 )
+from proxy.policy.policies import CROWD_FACTOR, CROWD_GRACE
 from proxy.policy.virtual_usage import freeness_after, prefill_ahead
 
 M = "m"
@@ -219,6 +220,29 @@ def test_prefix_never_crowds_memory() -> None:
     assert picked == "a"
 
 
+def test_a_hot_prefix_does_not_pile_onto_its_holder() -> None:
+    """Ten requests for one cached prompt: the holder takes them while it has
+    at most 1.5x + 2 the other's in flight, then the rest balance."""
+    batch = {"a": 0, "b": 0}
+    for _ in range(10):
+        views = [
+            inst(n, freeness=100.0 / (k + 1), batch=k, block_size=16, capacity_blocks=400)
+            for n, k in batch.items()
+        ]
+        options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
+        batch[credit_pick(*views, prefix_credit=True, **options)] += 1  # type: ignore[arg-type]
+    assert batch == {"a": 7, "b": 3}
+    # Memory to spare does not lift the bound: a holds 3 beside an empty b.
+    a = inst("a", freeness=1000.0, batch=3, block_size=16, capacity_blocks=4000)
+    b = inst("b", freeness=90.0, batch=0, block_size=16, capacity_blocks=90)
+    options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
+    assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
+    # Nor does a small engine lose its own prompts to a roomy neighbour.
+    small = inst("a", freeness=20.0, batch=2, block_size=16, capacity_blocks=80)
+    roomy = inst("b", freeness=1000.0, batch=0, block_size=16, capacity_blocks=4000)
+    assert credit_pick(small, roomy, prefix_credit=True, **options) == "a"  # type: ignore[arg-type]
+
+
 @given(
     st.lists(
         st.tuples(
@@ -258,7 +282,8 @@ def test_prefix_choice_is_free_enough_and_soonest(
     def ahead(v: InstanceView) -> int:
         return prefill_ahead(prompt, cached.get(v.name, 0), v)
 
-    safe = [v for v in views if after(v) >= 1.0]
+    crowded = CROWD_FACTOR * min(v.batch for v in views) + CROWD_GRACE
+    safe = [v for v in views if after(v) >= 1.0 and v.batch <= crowded]
     alike = len({cached.get(v.name, 0) for v in views}) == 1
     if alike or not safe:
         assert chosen.freeness == max(v.freeness for v in views)  # plain llumnix
