@@ -14,9 +14,10 @@ workloads at moderate load, each through every path, one after another:
   do not all fit one server's cache).
 
 Paths: vllm-router `round_robin`, `power_of_two` and `cache_aware`, and Ferry
-with its defaults (`llumnix`); on `prefix` also Ferry with `prefix_credit`
-(`--paths` runs any of them on any workload, e.g. `ferry,ferry+credit` on
-`heavy`: the credit where nothing is shared). `--engine-priority` starts the
+with its defaults (`llumnix` with `prefix_credit`); on `prefix` also
+`ferry-plain`, Ferry without the credit (`--paths` runs any of them on any
+workload, e.g. `ferry,ferry-plain` on `heavy`: the credit where nothing is
+shared). `--engine-priority` starts the
 servers with vLLM's `--scheduling-policy priority`: Ferry's instances get
 `engine_priority: true`, and the routers' client sets the body's `priority`
 field itself, the best a router's user can do.
@@ -62,7 +63,7 @@ from proxy.ttft_stages import STAGES
 from tests.helpers import free_port
 
 ROUTERS = ("vllm-router:round_robin", "vllm-router:power_of_two", "vllm-router:cache_aware")
-FERRY, CREDIT = "ferry", "ferry+credit"
+FERRY, PLAIN = "ferry", "ferry-plain"  # defaults; without prefix_credit
 # Ferry scraping every 2 s instead of 0.25 s: what its /metrics scrapes cost the
 # engines (`--paths ...,ferry+scrape2s`; not run by default).
 SLOW_SCRAPE = "ferry+scrape2s"
@@ -123,13 +124,13 @@ def pool(runs: list[Run]) -> Run:
 
 
 def paths(workload: str) -> tuple[str, ...]:
-    return (*ROUTERS, FERRY, CREDIT) if workload == "prefix" else (*ROUTERS, FERRY)
+    return (*ROUTERS, FERRY, PLAIN) if workload == "prefix" else (*ROUTERS, FERRY)
 
 
 def start_ferry(
     servers: list[VLLMServer], port: int, path: str, log: Path, engine_priority: bool
 ) -> subprocess.Popen[bytes]:
-    config = json.loads(real.ferry_config(servers, port, path == CREDIT))
+    config = json.loads(real.ferry_config(servers, port, path != PLAIN))
     config["server"]["access_log"] = True
     for instance in config["instances"]:
         instance["engine_priority"] = engine_priority
@@ -270,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         real.warm_up(servers, args.seed)
         for workload in chosen:
             trace = make_trace(workload, args.requests, args.seed)
-            # Named in --paths, any path runs on any workload: ferry+credit on
+            # Named in --paths, any path runs on any workload: ferry-plain on
             # `heavy` shows what the credit costs where no prefix is shared.
-            every = (*ROUTERS, FERRY, CREDIT, SLOW_SCRAPE)
+            every = (*ROUTERS, FERRY, PLAIN, SLOW_SCRAPE)
             chosen_paths = [p for p in every if p in only] if only else list(paths(workload))
             rounds: dict[str, list[Run]] = {p: [] for p in chosen_paths}
             for n in range(1, args.repeat + 1):

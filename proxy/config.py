@@ -104,9 +104,9 @@ class SchedulerConfig:
     # more of a prompt cached on some instances than on others, llumnix sends it
     # where the least prefill is ahead of its first token, among the instances
     # that stay at or above prefix_safe_freeness (blocks per request) after
-    # taking it; a session stays on its instance unless another is freer by
-    # more than affinity_margin_blocks.
-    prefix_credit: bool = False
+    # taking it and not crowded (policies.CROWD_FACTOR); a session stays on its
+    # instance unless another is freer by more than affinity_margin_blocks.
+    prefix_credit: bool = True
     affinity_margin_blocks: float = 32.0
     prefix_safe_freeness: float = 1.0
     # cache_aware (vllm-router's defaults): follow a prefix match above

@@ -54,7 +54,7 @@ def test_shared_prefixes_follow_their_instance_with_credit(standins: Any, ferry:
 
 def test_without_credit_shared_prefixes_scatter(standins: Any, ferry: Any) -> None:
     sites = [site for _, site in standins(3, itl_s=0.001)]
-    proxy = ferry([s.url for s in sites], admin_token=TOKEN)
+    proxy = ferry([s.url for s in sites], scheduler={"prefix_credit": False}, admin_token=TOKEN)
     served = _run(proxy.url, groups=6, turns=5)
     assert any(len(set(where)) > 1 for where in served.values())
     status, rows, _ = get(proxy.url + "/admin/instances", {"Authorization": f"Bearer {TOKEN}"})

@@ -94,11 +94,15 @@ def test_ledger_counts_tokens_and_releases(standins: Any, ferry: Any) -> None:
 def test_burst_spreads_by_ledger_between_scrapes(standins: Any, ferry: Any) -> None:
     sites = standins(2, itl_s=0.02)
     # Scrapes far apart: only Ferry's own ledger can tell the instances apart.
+    # Distinct prompts, so the prefix credit has nothing to follow (one hot
+    # prompt's bound: tests/unit/test_policies.py).
     proxy = ferry([s.url for _, s in sites], scheduler={"scrape_interval_s": 60})
     api = client(proxy)
     streams = [
-        api.completions.create(model="standin", prompt="x" * 300, max_tokens=30, stream=True)
-        for _ in range(10)
+        api.completions.create(
+            model="standin", prompt=f"{n} " + "x" * 300, max_tokens=30, stream=True
+        )
+        for n in range(10)
     ]
     for s in streams:
         next(iter(s))
