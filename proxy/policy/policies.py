@@ -56,7 +56,8 @@ def best(
 # instances, one system prompt: P99 TTFT 0.95 s against plain llumnix's 0.02 s).
 # A bound on requests, not freeness, because it holds across instances of any
 # size: a small engine beside a roomy one still takes the prompts it caches.
-# vllm-router's cache_aware bounds the same imbalance the same way.
+# vllm-router's cache_aware bounds the same imbalance with its balance
+# thresholds (in-flight counts apart by a factor and by an amount), far looser.
 CROWD_FACTOR = 1.5
 CROWD_GRACE = 2
 
@@ -73,12 +74,13 @@ class Llumnix:
     taking it (freeness at or above `safe_freeness`, its cached blocks not
     counted as demand there: virtual_usage.freeness_after) and not crowded
     (at most CROWD_FACTOR x + CROWD_GRACE the fewest requests any candidate
-    has), the one with the least prefill ahead of it, the prefill queued there plus its own uncached
-    tokens (virtual_usage.prefill_ahead); ties go to the freer. Time, not
-    blocks: a cached prefix saves its prefill, which is what a user waits for,
-    while the memory it saves is a few blocks among hundreds. Where no instance
-    is free enough, or every one caches as much of the prompt (none of it, or a
-    chat template's first block), the ranking is plain F. With a session
+    has), the one with the least prefill ahead of it, the prefill queued
+    there plus its own uncached tokens (virtual_usage.prefill_ahead); ties
+    go to the freer. Time, not blocks: a cached prefix saves its prefill,
+    which is what a user waits for, while the memory it saves is a few blocks
+    among hundreds. Where no instance is free enough and uncrowded, or every
+    one caches as much of the prompt (none of it, or a chat template's first
+    block), the ranking is plain F. With a session
     (`request.affinity`), its last instance is kept while it is free enough and
     no other is freer by more than `affinity_margin` blocks per request: a soft
     preference, so a session follows its cache but never onto an instance that
