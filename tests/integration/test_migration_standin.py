@@ -115,16 +115,17 @@ def test_a_high_priority_request_makes_room_by_moving_a_lower_one(
     )
     normal: list[str] = []
 
-    def background() -> None:
+    def background(n: int) -> None:
         for c in api(proxy.url).completions.create(
             model="standin",
-            prompt="x" * 240,
+            # Distinct prompts: one shared prompt would draw both to its holder.
+            prompt=f"{n}" + "x" * 239,
             max_tokens=60,
             stream=True,  # ~80 tokens
         ):
             normal.append(c.choices[0].text)
 
-    threads = [threading.Thread(target=background) for _ in range(2)]
+    threads = [threading.Thread(target=background, args=(n,)) for n in range(2)]
     for t in threads:
         t.start()
     while len(normal) < 6:
