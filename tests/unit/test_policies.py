@@ -223,19 +223,18 @@ def test_prefix_never_crowds_memory() -> None:
 def test_a_hot_prefix_does_not_pile_onto_its_holder() -> None:
     """Ten requests for one cached prompt: the holder takes them while it has
     at most 1.5x + 2 the other's in flight, then the rest balance."""
+    options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
     batch = {"a": 0, "b": 0}
     for _ in range(10):
         views = [
             inst(n, freeness=100.0 / (k + 1), batch=k, block_size=16, capacity_blocks=400)
             for n, k in batch.items()
         ]
-        options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
         batch[credit_pick(*views, prefix_credit=True, **options)] += 1  # type: ignore[arg-type]
     assert batch == {"a": 7, "b": 3}
     # Memory to spare does not lift the bound: a holds 3 beside an empty b.
     a = inst("a", freeness=1000.0, batch=3, block_size=16, capacity_blocks=4000)
     b = inst("b", freeness=90.0, batch=0, block_size=16, capacity_blocks=90)
-    options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
     assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
     # Nor does a small engine lose its own prompts to a roomy neighbour.
     small = inst("a", freeness=20.0, batch=2, block_size=16, capacity_blocks=80)
