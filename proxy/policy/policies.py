@@ -78,9 +78,11 @@ class Llumnix:
     there plus its own uncached tokens (virtual_usage.prefill_ahead); ties
     go to the freer. Time, not blocks: a cached prefix saves its prefill,
     which is what a user waits for, while the memory it saves is a few blocks
-    among hundreds. Where no instance is free enough and uncrowded, or every
-    one caches as much of the prompt (none of it, or a chat template's first
-    block), the ranking is plain F. With a session
+    among hundreds. Where no uncrowded instance stays free enough, memory
+    decides: the uncrowded instance left freest after taking the request, its
+    cached blocks not counted as demand. Where every candidate caches as much
+    of the prompt (none of it, or a chat template's first block), the ranking
+    is plain F. With a session
     (`request.affinity`), its last instance is kept while it is free enough and
     no other is freer by more than `affinity_margin` blocks per request: a soft
     preference, so a session follows its cache but never onto an instance that
@@ -129,9 +131,7 @@ class Llumnix:
         return candidates[rng.choice(ranked[: self.topk])[1]]
 
     def _safe(self, request: DispatchRequest, v: InstanceView, score: float) -> bool:
-        cached = request.cached_tokens.get(v.name, 0)
-        blocks = request_blocks(uncached_tokens(request.prompt_tokens, cached), v.block_size)
-        return freeness_after(score, v, blocks) >= self.safe_freeness
+        return _after(request, v, score) >= self.safe_freeness
 
     def _soonest(
         self,
@@ -150,13 +150,17 @@ class Llumnix:
         if len(lengths) == 1:
             return None
         crowded = CROWD_FACTOR * min(v.batch for v in candidates) + CROWD_GRACE
-        safe = [
-            (v, score)
-            for v, score in zip(candidates, scores, strict=True)
-            if v.batch <= crowded and self._safe(request, v, score)
+        uncrowded = [
+            (v, score) for v, score in zip(candidates, scores, strict=True) if v.batch <= crowded
         ]
+        safe = [(v, score) for v, score in uncrowded if self._safe(request, v, score)]
         if not safe:
-            return None
+            # Memory is short everywhere: the freest after taking the request,
+            # its cached blocks not counted as demand. Plain F here would
+            # scatter prompts away from their caches just when recomputing
+            # them costs most (simulated overload: hit rate 0.29 against 0.71).
+            after = [_after(request, v, score) for v, score in uncrowded]
+            return best([v for v, _ in uncrowded], after, rng)
         ahead = [prefill_ahead(request.prompt_tokens, cached.get(v.name, 0), v) for v, _ in safe]
         least = min(ahead)
         soonest = [pair for pair, a in zip(safe, ahead, strict=True) if a == least]
@@ -175,6 +179,14 @@ class Llumnix:
                 near = score >= max(scores) - self.affinity_margin
                 return v if near and self._safe(request, v, score) else None
         return None
+
+
+def _after(request: DispatchRequest, v: InstanceView, score: float) -> float:
+    """`v`'s freeness once it takes the request, counting as demand only the
+    blocks of the prompt it does not cache."""
+    cached = request.cached_tokens.get(v.name, 0)
+    blocks = request_blocks(uncached_tokens(request.prompt_tokens, cached), v.block_size)
+    return freeness_after(score, v, blocks)
 
 
 class RoundRobin:

@@ -210,14 +210,30 @@ def test_prefix_goes_where_the_least_prefill_is_ahead() -> None:
 
 def test_prefix_never_crowds_memory() -> None:
     # a holds the prefix, but its 160 uncached tokens (10 blocks) are more than its
-    # 8 free ones: it would fall below 1 free block a request. Plain llumnix: b.
+    # 8 free ones: it would fall below 1 free block a request. b has room for all
+    # 50 blocks of the prompt: b.
     a = inst("a", freeness=2.0, batch=4, block_size=16, capacity_blocks=40)
-    b = inst("b", freeness=8.0, batch=4, block_size=16, capacity_blocks=80)
+    b = inst("b", freeness=40.0, batch=4, block_size=16, capacity_blocks=300)
     options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
     assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
     # With a guard it meets, locality decides again.
     picked = credit_pick(a, b, prefix_credit=True, safe_freeness=-5.0, **options)  # type: ignore[arg-type]
     assert picked == "a"
+
+
+def test_where_memory_is_short_everywhere_the_cache_counts_as_room() -> None:
+    # Neither has room: a is 2 blocks short after its 10 uncached ones, b 18
+    # short after all 50. Plain F sees only b's 8 free blocks a request against
+    # a's 2 and sends the whole prompt there; with the credit, a.
+    a = inst("a", freeness=2.0, batch=4, block_size=16, capacity_blocks=40)
+    b = inst("b", freeness=8.0, batch=4, block_size=16, capacity_blocks=80)
+    options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
+    assert credit_pick(a, b, **options) == "b"  # type: ignore[arg-type]
+    assert credit_pick(a, b, prefix_credit=True, **options) == "a"  # type: ignore[arg-type]
+    # Still never onto a crowded holder: a with 8 in flight beside b's 2.
+    crowded = inst("a", freeness=1.0, batch=8, block_size=16, capacity_blocks=40)
+    light = inst("b", freeness=8.0, batch=2, block_size=16, capacity_blocks=80)
+    assert credit_pick(crowded, light, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
 
 
 def test_a_hot_prefix_does_not_pile_onto_its_holder() -> None:
@@ -282,10 +298,14 @@ def test_prefix_choice_is_free_enough_and_soonest(
         return prefill_ahead(prompt, cached.get(v.name, 0), v)
 
     crowded = CROWD_FACTOR * min(v.batch for v in views) + CROWD_GRACE
-    safe = [v for v in views if after(v) >= 1.0 and v.batch <= crowded]
+    uncrowded = [v for v in views if v.batch <= crowded]
+    safe = [v for v in uncrowded if after(v) >= 1.0]
     alike = len({cached.get(v.name, 0) for v in views}) == 1
-    if alike or not safe:
+    if alike:
         assert chosen.freeness == max(v.freeness for v in views)  # plain llumnix
+    elif not safe:  # memory decides, the cached blocks not counted as demand
+        assert chosen in uncrowded
+        assert after(chosen) == max(after(v) for v in uncrowded)
     else:
         assert chosen in safe
         assert ahead(chosen) == min(ahead(v) for v in safe)
