@@ -17,7 +17,8 @@ prefix cache instead: the servers cache prefixes, the trace gets shared system
 prompts and multi-turn sessions (`--prefix-len`, `--turns`), the prompts go out
 as token ids with that structure (each turn carries its session's earlier turns
 and the answers the engine really gave: loadtest/bench_prefix_real.py's
-`Conversations`), and the simulated engines cache prefixes too.
+`Conversations`), and the simulated engines cache prefixes too, placed with
+the prefix credit Ferry uses by default.
 
     python -m loadtest.validate_sim --prefix-groups 4 --prefix-len 384 --turns 3
 """
@@ -231,7 +232,10 @@ def run(args: argparse.Namespace) -> None:
             server.stop()
 
     real = summarize(done, {})
-    settings = SimSettings(instances=2, policy="llumnix", prefix_caching=prefixes)
+    # Ferry ran with its defaults, the prefix credit on: simulate the same.
+    settings = SimSettings(
+        instances=2, policy="llumnix", prefix_caching=prefixes, prefix_credit=prefixes
+    )
     simulated = Simulator(trace, profile, settings).run()
     sim = summarize(simulated, {})
     print()

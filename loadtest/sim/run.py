@@ -62,7 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-caching", action="store_true", help="engines cache prefixes (prefill what's new)"
     )
     parser.add_argument(
-        "--prefix-credit", action="store_true", help="llumnix: credit cached blocks (README)"
+        "--prefix-credit",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="llumnix: credit cached blocks (README); on with --prefix-caching, as the proxy's"
+        " default is",
     )
     parser.add_argument("--slo-ttft", type=float, default=SLO_TTFT_S)
     parser.add_argument("--slo-decode", type=float, default=SLO_DECODE_S)
@@ -94,9 +98,8 @@ def simulate(
     return summary
 
 
-def run(args: argparse.Namespace) -> int:
-    requests = trace.read(args.trace)
-    settings = SimSettings(
+def settings_of(args: argparse.Namespace) -> SimSettings:
+    return SimSettings(
         instances=args.instances,
         policy=args.policy,
         migration=args.migration,
@@ -109,8 +112,14 @@ def run(args: argparse.Namespace) -> int:
         startup_s=args.startup_s,
         scale_in_window_s=args.scale_in_window,
         prefix_caching=args.prefix_caching,
-        prefix_credit=args.prefix_credit,
+        # The proxy credits by default; simulated engines cache only with --prefix-caching.
+        prefix_credit=args.prefix_caching if args.prefix_credit is None else args.prefix_credit,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    requests = trace.read(args.trace)
+    settings = settings_of(args)
     summary = simulate(
         requests,
         profiles.load(args.profile),

@@ -3,11 +3,13 @@ shared structure (`ferry trace --prefix-groups --prefix-len --turns`)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
 import pytest
 
+from loadtest.sim import run as sim_run
 from loadtest.sim.instance import SimRequest
 from loadtest.sim.prefix_cache import EngineCache, block_keys
 from loadtest.sim.profile import LLAMA7B_A10
@@ -109,3 +111,21 @@ def test_a_cached_prompt_token_costs_what_the_profile_says() -> None:
     assert paid[0] == free[0]  # nothing cached yet
     assert paid[1] - free[1] == pytest.approx(128 * 1e-3)
     assert free[1] < free[0]  # the hit still saves its prefill
+
+
+@pytest.mark.parametrize(
+    ("flags", "credit"),
+    [
+        ((), False),  # engines without a prefix cache: nothing to credit
+        (("--prefix-caching",), True),  # the proxy's default
+        (("--prefix-caching", "--no-prefix-credit"), False),
+        (("--prefix-credit",), True),
+    ],
+)
+def test_sim_cli_credits_prefixes_as_the_proxy_does(flags: tuple[str, ...], credit: bool) -> None:
+    parser = argparse.ArgumentParser()
+    sim_run.add_arguments(parser)
+    args = parser.parse_args(
+        ["--trace", "t.jsonl", "--instances", "2", "--policy", "llumnix", *flags]
+    )
+    assert sim_run.settings_of(args).prefix_credit is credit
