@@ -21,7 +21,7 @@ from typing import Any
 from adapters import EngineAdapter, EngineSnapshot, get_adapter
 from proxy.config import InstanceConfig
 from proxy.ejection import Ejection, EjectionSettings
-from proxy.ledger import Ledger
+from proxy.ledger import Ledger, LedgerEntry
 from proxy.peer_load import NO_LOAD, InstanceLoad
 from proxy.policy import ClusterView, InstanceView, UsageSettings
 from proxy.policy.virtual_usage import instance_view
@@ -174,6 +174,14 @@ class Cluster:
 
     def instance_view(self, name: str) -> InstanceView:
         return self.view().instances[self._index[name]]
+
+    def release(self, entry: LedgerEntry) -> None:
+        """A call ended: its load leaves the ledger, and the blocks of what it
+        generated take their room in the prefix index's picture of the cache."""
+        self.ledger.release(entry)
+        if entry.instance in self.instances:
+            size = self.block_size(entry.instance)
+            self.prefixes.record_generated(entry.instance, entry.generated_tokens, size)
 
     def block_size(self, name: str) -> int:
         snap = self.instances[name].snapshot

@@ -31,7 +31,8 @@ chunks are dropped when the engine drops its whole cache (a clear, a restart).
 
 Eviction is LRU over chunks, a stand-in for vLLM's LRU over free blocks: a block
 in use by a running request is never evicted there, so the index may forget a
-prefix the engine still has (never the reverse for long).
+prefix the engine still has (never the reverse for long). The generated tokens
+of each request that ends take their blocks' room too (`record_generated`).
 
 Pure data structure: no I/O, no clock. Hashes use Python's `hash`, salted per
 process for text (PYTHONHASHSEED), which is fine for an in-memory index.
@@ -108,18 +109,31 @@ def session_of(body: Mapping[str, Any] | None, header: str | None) -> str | None
     return user if isinstance(user, str) and user else None
 
 
+class _Taken:
+    """Room in the engine's cache taken by blocks Ferry keeps no hashes of (a
+    request's generated tokens), in the LRU where it was taken."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+
+
 class BlockLRU:
-    """A set of chained block hashes, least recently used first out past `capacity`."""
+    """A set of chained block hashes, least recently used first out past
+    `capacity`; room taken by blocks without hashes (`take`) counts too."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[int | _Taken, None] = OrderedDict()
+        self._taken = 0  # blocks held by _Taken entries
+        self._entries_taken = 0  # how many _Taken entries
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) - self._entries_taken
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._blocks)
+        return (h for h in self._blocks if not isinstance(h, _Taken))
 
     def insert(self, hashes: Iterable[int]) -> list[int]:
         """Hold `hashes` (most recent last); returns the hashes evicted for room."""
@@ -129,10 +143,16 @@ class BlockLRU:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
-        evicted = []
-        while len(blocks) > self.capacity:
-            evicted.append(blocks.popitem(last=False)[0])
-        return evicted
+        return self._evict()
+
+    def take(self, blocks: int) -> list[int]:
+        """`blocks` of the cache went to tokens Ferry has no hashes of; returns
+        the hashes evicted for room."""
+        if blocks > 0:
+            self._blocks[_Taken(blocks)] = None
+            self._taken += blocks
+            self._entries_taken += 1
+        return self._evict()
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading hashes are held (chained: the prefix up to the first miss)."""
@@ -145,7 +165,23 @@ class BlockLRU:
 
     def resize(self, capacity: int) -> list[int]:
         self.capacity = max(1, capacity)
-        return self.insert(())
+        return self._evict()
+
+    def _evict(self) -> list[int]:
+        blocks, evicted = self._blocks, []
+        while (over := len(blocks) - self._entries_taken + self._taken - self.capacity) > 0:
+            oldest = next(iter(blocks))
+            if not isinstance(oldest, _Taken):
+                blocks.popitem(last=False)
+                evicted.append(oldest)
+            elif oldest.blocks > over:  # part of that room is enough
+                oldest.blocks -= over
+                self._taken -= over
+            else:
+                del blocks[oldest]
+                self._taken -= oldest.blocks
+                self._entries_taken -= 1
+        return evicted
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +308,19 @@ class PrefixIndex:
         entry = self._entry(name, capacity_blocks)
         if entry.mode != "off":
             entry.tokens.insert(token_block_hashes(token_ids, block_size))
+
+    def record_generated(self, name: str, tokens: int, block_size: int) -> None:
+        """A request on `name` ended after generating `tokens`. Their blocks took
+        room in the engine's cache that the prompts recorded here do not show, so
+        as much of the oldest record goes: without this, where answers are
+        longer than prompts, the index remembers prefixes the engine evicted
+        long ago."""
+        entry = self.instances.get(name)
+        if entry is None or tokens <= 0:
+            return
+        blocks = -(-tokens // block_size)
+        self._drop(name, entry.text.take(blocks))
+        entry.tokens.take(blocks)
 
     def cached_token_blocks(
         self, token_ids: Sequence[int], block_size: int, names: Iterable[str]

@@ -54,7 +54,7 @@ class Call:
         self._closed = True
         if self.response is not None:
             self.response.close()  # a no-op after release(); aborts the upstream otherwise
-        self.cluster.ledger.release(self.entry)
+        self.cluster.release(self.entry)
 
 
 class Upstreams:

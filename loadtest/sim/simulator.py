@@ -277,6 +277,8 @@ class Simulator:
     def _step_end(self, inst: Instance) -> None:
         finished, cut = inst.finish_step(self.now)
         self.done += len(finished)
+        for r in finished:  # as the proxy does when a call ends
+            self.prefixes.record_generated(inst.name, r.generated, self.profile.block_size)
         for r in cut:
             self._cut_over(inst, r)
         self._kick(inst)

@@ -96,3 +96,27 @@ def test_failover_with_the_prefix_index_on(standins: Any, ferry: Any) -> None:
     assert broken.served > 0 and healthy.served > 0
     status, raw, _ = get(proxy.url + "/metrics")
     assert 'outcome="ok",reason="failover"' in raw["raw"]
+
+
+def test_long_answers_push_earlier_prompts_out_of_the_index(standins: Any, ferry: Any) -> None:
+    """An engine's cache holds answers too: once one request has generated more
+    blocks than the stand-in's whole cache (40 blocks of 16 tokens), the prompt
+    recorded before it no longer counts as cached there."""
+    site = standins(1, itl_s=0.0001, kv_blocks=40)[0][1]
+    proxy = ferry([site.url], scheduler={"prefix_credit": True}, admin_token=TOKEN)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def text_blocks() -> int:
+        status, rows, _ = get(proxy.url + "/admin/instances", auth)
+        assert status == 200
+        return int(rows[0]["prefix_index"]["text_blocks"])
+
+    def ask(prompt: str, max_tokens: int) -> None:
+        body = {"model": "standin", "prompt": prompt, "max_tokens": max_tokens}
+        status, _, _ = post(proxy.url + "/v1/completions", json.dumps(body).encode())
+        assert status == 200
+
+    ask("a long system prompt. " * 40, 1)  # 880 characters: 13 chunks of 64
+    assert text_blocks() == 13
+    ask("short", 16 * 40)  # 640 tokens: 40 blocks
+    assert text_blocks() == 0

@@ -61,6 +61,55 @@ def test_least_recently_used_goes_first() -> None:
     assert (lru.match([1]), lru.match([2]), lru.match([3])) == (1, 0, 1)
 
 
+@given(
+    st.lists(
+        st.one_of(
+            st.lists(st.integers(0, 40), min_size=1, max_size=12).map(lambda b: ("insert", b)),
+            st.integers(0, 30).map(lambda n: ("take", n)),
+        ),
+        max_size=40,
+    ),
+    st.integers(1, 24),
+)
+def test_room_taken_without_hashes_evicts_like_blocks(
+    ops: list[tuple[str, object]], capacity: int
+) -> None:
+    """`take(n)` is n blocks no lookup can match: the LRU holds what a list of
+    capacity slots, oldest out first, would hold."""
+    lru, model = BlockLRU(capacity), []  # model: hashes and None (a taken block)
+    for op, arg in ops:
+        if op == "insert":
+            for h in arg:  # type: ignore[union-attr]
+                if h in model:
+                    model.remove(h)
+                model.append(h)
+            evicted = lru.insert(arg)  # type: ignore[arg-type]
+        else:
+            model.extend([None] * arg)  # type: ignore[list-item]
+            evicted = lru.take(arg)  # type: ignore[arg-type]
+        gone, model = model[: max(0, len(model) - capacity)], model[-capacity:]
+        assert evicted == [h for h in gone if h is not None]
+        assert sorted(lru) == sorted(h for h in model if h is not None)
+        assert len(lru) == sum(h is not None for h in model)
+
+
+def test_generated_tokens_push_old_prefixes_out() -> None:
+    """Answers fill the engine's cache too: after a request that generated more
+    than the cache holds, the prompts recorded before it no longer count."""
+    index = PrefixIndex(block_size=4)  # 16-character chunks
+    key = index.key({"prompt": "x" * 160}, 40)  # 10 chunks
+    index.record("a", key, capacity_blocks=30)
+    index.record_generated("a", 4 * 15, block_size=4)  # 15 blocks: 25 of 30 taken
+    assert index.cached_tokens(key) == {"a": 40}
+    index.record_generated("a", 4 * 6, block_size=4)  # 31: the oldest chunk goes
+    assert index.cached_tokens(key) == {}
+    assert index.describe("a")["text_blocks"] == 9
+    # An instance the index never heard of, or nothing generated: nothing to do.
+    index.record_generated("b", 100, block_size=4)
+    index.record_generated("a", 0, block_size=4)
+    assert index.describe("a")["text_blocks"] == 9
+
+
 def test_cached_tokens_per_instance_and_affinity() -> None:
     index = PrefixIndex(block_size=4)  # 16-character chunks
     system = "You are a helpful assistant. " * 10  # 290 characters: 18 chunks
