@@ -158,7 +158,7 @@ class Llumnix:
             # Memory is short everywhere: the freest after taking the request,
             # its cached blocks not counted as demand. Plain F here would
             # scatter prompts away from their caches just when recomputing
-            # them costs most (simulated overload: hit rate 0.29 against 0.71).
+            # them costs most (simulated overload: hit rate 0.29 against 0.73).
             after = [_after(request, v, score) for v, score in uncrowded]
             return best([v for v, _ in uncrowded], after, rng)
         ahead = [prefill_ahead(request.prompt_tokens, cached.get(v.name, 0), v) for v, _ in safe]
