@@ -153,13 +153,13 @@ class Llumnix:
         uncrowded = [
             (v, score) for v, score in zip(candidates, scores, strict=True) if v.batch <= crowded
         ]
-        safe = [(v, score) for v, score in uncrowded if self._safe(request, v, score)]
+        after = [_after(request, v, score) for v, score in uncrowded]
+        safe = [pair for pair, a in zip(uncrowded, after, strict=True) if a >= self.safe_freeness]
         if not safe:
             # Memory is short everywhere: the freest after taking the request,
             # its cached blocks not counted as demand. Plain F here would
             # scatter prompts away from their caches just when recomputing
             # them costs most (simulated overload: hit rate 0.29 against 0.73).
-            after = [_after(request, v, score) for v, score in uncrowded]
             return best([v for v, _ in uncrowded], after, rng)
         ahead = [prefill_ahead(request.prompt_tokens, cached.get(v.name, 0), v) for v, _ in safe]
         least = min(ahead)
