@@ -58,6 +58,9 @@ class StandIn:
         # an idle keep-alive connection just as the proxy reuses it
         self.drop_next = 0
         self.headers_delay_s = 0.0  # tests: a busy server sends a stream's headers late
+        # tests: a stream's usage chunk (`stream_options.include_usage`) comes this
+        # long after its last token, as a separate write (vLLM's are, too)
+        self.usage_delay_s = 0.0
         self.seen_bodies: list[dict[str, Any]] = []
         self.seen_headers: list[dict[str, str]] = []  # of each POST, in order
         self.dead = False  # tests: `kill()` was called
@@ -283,7 +286,8 @@ class StandIn:
             self._live.add(transport)
         try:
             if body.get("stream"):
-                return await self._stream(request, chat, n, ids)
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return await self._stream(request, chat, n, ids, usage)
             await asyncio.sleep(self.ttft_s + self.itl_s * n)
             return web.json_response(self._whole(chat, n, ids))
         finally:
@@ -291,7 +295,7 @@ class StandIn:
             self._live.discard(transport)  # type: ignore[arg-type]
 
     async def _stream(
-        self, request: web.Request, chat: bool, n: int, ids: bool
+        self, request: web.Request, chat: bool, n: int, ids: bool, usage: bool
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await asyncio.sleep(self.headers_delay_s)
@@ -339,6 +343,17 @@ class StandIn:
             )
             if i + 1 >= n:
                 break
+        if self.break_after is not None and self.break_after >= n:
+            await asyncio.sleep(self.usage_delay_s)
+            assert request.transport is not None
+            request.transport.abort()  # dead after its last token, before the end
+            return resp
+        if usage:
+            await asyncio.sleep(self.usage_delay_s)
+            chunk = {"id": rid, "created": int(time.time()), "model": self.model, "choices": []}
+            chunk["object"] = "chat.completion.chunk" if chat else "text_completion"
+            chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -46,23 +46,16 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
         return "n > 1"
     if body.get("use_beam_search"):
         return "beam search"
-    if any(
-        k in body
-        for k in (
-            "response_format",
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "structured_outputs",
-        )
-    ):
-        if body.get("response_format", {"type": "text"}) != {"type": "text"}:
-            return "structured output"
+    if _structured(body):
+        return "structured output"
     if endpoint == "chat" and (body.get("tools") or body.get("functions")):
         return "tool calls"
     if body.get("prompt_logprobs") or body.get("echo"):
         return "prompt logprobs or echo"
+    if _wants_logprobs(body, endpoint):
+        # A continuation's logprobs are a completion's, offset from where it
+        # starts; neither chat's shape nor the original's offsets.
+        return "logprobs"
     if endpoint == "completions" and not isinstance(body.get("prompt"), str | list):
         return "no single prompt"
     if endpoint == "completions" and isinstance(body.get("prompt"), list):
@@ -72,9 +65,38 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
     return None
 
 
+# Fields that constrain decoding to a grammar: a continuation would start the
+# grammar over in the middle of the output.
+_STRUCTURED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def _structured(body: dict[str, Any]) -> bool:
+    if any(body.get(k) is not None for k in _STRUCTURED):
+        return True
+    return body.get("response_format") not in (None, {"type": "text"})
+
+
+def _wants_logprobs(body: dict[str, Any], endpoint: str) -> bool:
+    value = body.get("logprobs")
+    if endpoint == "chat":
+        return value is True
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def max_tokens(body: dict[str, Any]) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
-    return value if isinstance(value, int) else None
+    """The request's token budget: `max_completion_tokens` where it is set (a
+    null does not count), else `max_tokens`."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def continuation_body(
@@ -95,10 +117,6 @@ def continuation_body(
         out["max_tokens"] = budget - len(generated)
     if isinstance(body.get("min_tokens"), int):
         out["min_tokens"] = max(0, body["min_tokens"] - len(generated))
-    if body.get("logprobs") is not None:
-        # chat: logprobs=true, top_logprobs=k; completions: logprobs=k
-        top = body.get("top_logprobs", 0) if body.get("logprobs") is True else body["logprobs"]
-        out["logprobs"] = top or 0
     if wants_usage:
         out["stream_options"] = {"include_usage": True}
     return out

@@ -100,7 +100,9 @@ class LiveStream:
         # Each cut-over that took, for the access log: from, to, reason, tokens
         # generated before it, and the downtime once the first token after it came.
         self.moves: list[dict[str, Any]] = []
-        self.kv_moving = False  # a full-mode copy is under way (see migrator)
+        # A move of it is submitted and not over (Migrator.submit): the planners
+        # leave it alone meanwhile, or a pre-warm's second would move it twice.
+        self.claimed = False
         self._order: MoveOrder | None = None
         self._pending = b""  # bytes read from the current upstream, not yet relayed
         self._pump: asyncio.Task[str] | None = None
@@ -114,8 +116,13 @@ class LiveStream:
 
     @property
     def movable(self) -> bool:
-        """Not finished, and no move under way."""
-        return self._order is None and not self.splicer.ended and not self.kv_moving
+        """Open to a new move: not finished, none submitted or under way, and
+        nothing in it that a continuation would get wrong."""
+        return not self.claimed and self.accepts_orders and self.splicer.unmovable is None
+
+    @property
+    def accepts_orders(self) -> bool:
+        return self._order is None and not self.splicer.ended
 
     def order_move(
         self,
@@ -127,7 +134,7 @@ class LiveStream:
     ) -> asyncio.Future[bool]:
         """Ask the stream to go on elsewhere; the future says whether it did."""
         order = MoveOrder(destination, reason, load, source_stopped)
-        if self._order is not None or self.splicer.ended:
+        if not self.accepts_orders:
             order.done.set_result(False)
             return order.done
         self._order = order
@@ -151,8 +158,10 @@ class LiveStream:
         return min(CUT_WAIT_MAX_S, CUT_WAIT_GAPS * timing.gap_s - timing.silent_s())
 
     def _interrupt(self, order: MoveOrder) -> None:
+        # Once the generation is over, only its usage and [DONE] are left to relay.
         if self._order is order and self._reading and self._pump is not None:
-            self._pump.cancel()
+            if not self.splicer.ended:
+                self._pump.cancel()
 
     def expect_source_stop(self, expected: bool) -> None:
         self.splicer.expect_source_stop = expected
@@ -166,11 +175,15 @@ class LiveStream:
                 if result == "done":
                     await sse.finish(response)
                     return response, "ok"
-                order, self._order = self._order, None
+                # The order stays the stream's own while its cut-over runs: no
+                # other is taken meanwhile, and a client gone mid-way resolves it
+                # (finally, below) for the move waiting on it.
+                order = self._order
                 self._ordered.clear()
                 if result == "move":
                     assert order is not None
                     moved = await self._cut_over(order, response)
+                    self._order = None
                     order.done.set_result(moved == "moved")
                     if moved == "done":
                         return response, "ok"
@@ -178,12 +191,15 @@ class LiveStream:
                         continue
                     # The source's shim stopped it already: resume like a broken stream.
                 elif order is not None:
+                    self._order = None
                     order.done.set_result(False)  # broken first: failover takes it over
                 if self.resumes >= self.max_resumes:
                     await self._fail(response, "too many resumes")
                     return response, "stream_broken"
                 preferred = order.destination if order is not None else None
-                moved = await self._cut_over(MoveOrder(preferred, "failover"), response)
+                self._order = failover = MoveOrder(preferred, "failover")
+                moved = await self._cut_over(failover, response)
+                self._order = None
                 if moved == "done":
                     return response, "ok"
                 if moved != "moved":
@@ -225,7 +241,7 @@ class LiveStream:
         try:
             while True:
                 if b"\n\n" not in self._pending:
-                    if self._order is not None:
+                    if self._order is not None and not splicer.ended:
                         return "move"
                     self._reading = True
                     try:
@@ -288,8 +304,12 @@ class LiveStream:
         budget = continuation.max_tokens(self.request.body)
         if splicer.ended or (budget is not None and budget - len(splicer.generated) <= 0):
             splicer.finished = True  # the source had sent its last token
-            await sse.finish(response, sse.DONE)
+            await sse.finish(response, splicer.closing())
             return "done"
+        if splicer.unmovable is not None:
+            self.metrics.migrations.labels(order.reason, "not_migratable").inc()
+            log.info("stream %s cannot go on elsewhere: %s", self.request.id, splicer.unmovable)
+            return "failed"
         self.timing.cut()
         tried = {source}
         preferred = order.destination
@@ -387,7 +407,8 @@ class LiveStream:
                 detail = (await upstream.read())[:300]
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 detail = _why(exc).encode()  # it broke while it answered
-            call.close()
+            finally:
+                call.close()  # a client gone meanwhile too: nothing else releases it
             log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
             await self._release_kv(dest, kv_params)
             return False

@@ -170,7 +170,9 @@ class Migrator:
         """Move `stream` (to `destination`, or wherever placement says) in the
         background. `prewarm=False`: the source has stopped it already (preempted),
         so warming the destination first would only add to its stall."""
+        stream.claimed = True
         task = asyncio.create_task(self._bounded(stream, destination, reason, prewarm))
+        task.add_done_callback(lambda _: setattr(stream, "claimed", False))
         self._moves.add(task)
         task.add_done_callback(self._moves.discard)
         if reason != "rescue":  # see _bounded
@@ -267,7 +269,7 @@ class Migrator:
         self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool = True
     ) -> bool:
         """Move one live stream now; False when it stays where it is."""
-        if not stream.movable:
+        if not stream.accepts_orders or stream.splicer.unmovable is not None:
             return False
         source = stream.instance
         if destination is None:  # resolve now, so the destination can be pre-warmed
@@ -289,18 +291,14 @@ class Migrator:
         self, stream: LiveStream, source: str, destination: str, reason: str
     ) -> bool:
         assert stream.tag is not None
-        stream.kv_moving = True
-        try:
-            outcome = await self.kv.copy(
-                source,
-                destination,
-                stream.tag,
-                stream.splicer.continuation_tokens(),
-                reason,
-                stream.expect_source_stop,
-            )
-        finally:
-            stream.kv_moving = False
+        outcome = await self.kv.copy(
+            source,
+            destination,
+            stream.tag,
+            stream.splicer.continuation_tokens(),
+            reason,
+            stream.expect_source_stop,
+        )
         if outcome.finished or outcome.refused:
             return False
         # Not copied (the request was queued or preempted, the copy failed or

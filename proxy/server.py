@@ -112,8 +112,14 @@ def build_app(
             limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S
         )
         # The tracing signal marks when each call has its connection (the TTFT breakdown).
+        # Bodies are relayed and read as they come, never decompressed (a cost per
+        # chunk), so instances are asked for none: a gateway in front of one that
+        # compresses would otherwise send bytes Ferry passes on unlabelled.
         async with aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, trace_configs=[ttft_stages.trace_config()]
+            connector=connector,
+            auto_decompress=False,
+            headers={"Accept-Encoding": "identity"},
+            trace_configs=[ttft_stages.trace_config()],
         ) as session:
             placement = Placement(cluster, _policy(sched), metrics, random.Random(sched.seed))
             upstreams = Upstreams(cluster, session, config.server)

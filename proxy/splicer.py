@@ -147,6 +147,11 @@ class Splicer:
         self.finished = False  # the client's stream is over
         self.ended = False  # the generation is over (a finish reason came); [DONE] may follow
         self.expect_source_stop = False  # full mode: the source's abort is a hand-over
+        # Why a continuation could not go on as this stream would (None: it can).
+        # A reasoning model's thoughts come apart from its answer, and a
+        # continuation (a completion) would give the rest of them as answer text.
+        self.unmovable: str | None = None
+        self.usage_sent = False
         self._role_sent = False
         self._regenerated: list[int] = []  # ids the destination repeats before new ones
         self._skip = 0  # characters of the destination's text the client has already
@@ -175,6 +180,8 @@ class Splicer:
             return Fed(stopped_by_source=True) if self.expect_source_stop else Fed(broken=True)
         if any(c.get("finish_reason") for c in choices):
             self.ended = True
+        if not choices and "usage" in chunk:
+            self.usage_sent = True
         if self.segment == 0:
             return self._original(chunk, choices, event)
         return self._continued(chunk, choices)
@@ -203,6 +210,8 @@ class Splicer:
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             if isinstance(text, str):
                 texts += text
+            if isinstance(delta, dict) and any(delta.get(k) for k in _REASONING):
+                self.unmovable = "reasoning"
         self._credit(new, texts)
         # The engine's own bytes: no re-serialization on the hot path.
         data = raw if self.wants_ids else token_ids.hide(raw)
@@ -289,6 +298,14 @@ class Splicer:
                 out_choices.append({**choice, "token_ids": ids, "prompt_token_ids": None})
         return self._envelope(out_choices)
 
+    def closing(self) -> bytes:
+        """What ends the client's stream once the generation is over: the usage
+        it asked for, if no upstream sent it before it went, and [DONE]."""
+        if self.wants_usage and not self.usage_sent:
+            self.usage_sent = True
+            return self._usage_event() + sse.DONE
+        return sse.DONE
+
     def _usage_event(self) -> bytes:
         out = self._envelope([])
         out["usage"] = usage(len(self.prompt_ids or ()), len(self.generated))
@@ -306,6 +323,11 @@ class Splicer:
         if self.origin.system_fingerprint:
             out["system_fingerprint"] = self.origin.system_fingerprint
         return out
+
+
+# Where vLLM's reasoning parsers put a chat stream's thoughts (the name changed
+# across versions).
+_REASONING = ("reasoning_content", "reasoning")
 
 
 def _is_role_chunk(choices: list[dict[str, Any]]) -> bool:

@@ -177,3 +177,17 @@ def test_a_body_ferry_cannot_route_by_is_a_400_in_the_openai_shape(two_models: F
     # A body Ferry does not read (not JSON) goes on as it came; the instance judges it.
     form = httpx.post(url + "/v1/embeddings", content=b"model=alpha")
     assert form.status_code == 400 and "Unsupported Media Type" in form.text
+
+
+def test_instances_are_asked_for_uncompressed_answers(standins: Any, ferry: Any) -> None:
+    """Ferry reads and relays instances' bodies as they come, never decompressing
+    them: it asks for none, whatever the client accepts."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    body = {"model": "standin", "prompt": "x", "max_tokens": 2, "stream": True}
+    answer = httpx.post(
+        proxy.url + "/v1/completions", json=body, headers={"Accept-Encoding": "gzip, br"}
+    )
+    assert answer.status_code == 200 and "[DONE]" in answer.text
+    sent = {k.lower(): v for k, v in standin.seen_headers[-1].items()}
+    assert sent["accept-encoding"] == "identity"

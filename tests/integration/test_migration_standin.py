@@ -12,6 +12,9 @@ from typing import Any
 import openai
 import pytest
 
+from proxy.server import MIGRATOR
+from tests.helpers import wait_until
+
 
 def api(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -359,3 +362,147 @@ def test_a_reused_connection_the_engine_closed_is_sent_again(standins: Any, ferr
     with urllib.request.urlopen(rows, timeout=5) as resp:
         [row] = json.loads(resp.read())
     assert row["healthy"] and only.served == 2 and only.drop_next == 0
+
+
+def _drain(proxy: Any, name: str) -> None:
+    request = urllib.request.Request(
+        proxy.url + f"/admin/instances/{name}/drain?migrate=true",
+        data=b"",
+        method="POST",
+        headers={"Authorization": "Bearer t"},
+    )
+    urllib.request.urlopen(request, timeout=5).close()
+
+
+def _busy(sites: list[tuple[Any, Any]]) -> tuple[str, Any]:
+    """The name (i0, i1, ...) and stand-in of the one instance running a stream."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        busy = [(f"i{n}", s) for n, (s, _) in enumerate(sites) if s.running]
+        if len(busy) == 1:
+            return busy[0]
+        time.sleep(0.005)
+    raise AssertionError("no single instance runs the stream")
+
+
+def test_a_move_ordered_as_the_last_token_comes_keeps_the_usage(standins: Any, ferry: Any) -> None:
+    """A move that waits for the stream's next token (a cut right after it) finds
+    the generation over: the source's usage chunk, a separate write, still
+    reaches the client."""
+    sites = standins(2, itl_s=0.2)
+    for standin, _ in sites:
+        standin.usage_delay_s = 0.3
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    stream = api(proxy.url).chat.completions.create(
+        model="standin",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 2:  # two tokens: the last is 0.2 s away
+            _drain(proxy, _busy(sites)[0])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " tok" * 3
+    usage = [c.usage for c in chunks if c.usage]
+    assert len(usage) == 1 and usage[0].completion_tokens == 3
+
+
+def test_a_source_lost_after_its_last_token_still_gives_the_usage(
+    standins: Any, ferry: Any
+) -> None:
+    """The source dies between its last token and its usage chunk: the stream is
+    over, so nothing resumes, and Ferry sends the usage the client asked for."""
+    sites = standins(2, itl_s=0.001)
+    for standin, _ in sites:
+        standin.break_after = 4  # after a stream's 4th and last token
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    chunks = list(
+        api(proxy.url).completions.create(
+            model="standin",
+            prompt="x",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * 4
+    usage = [c.usage for c in chunks if c.usage]
+    assert len(usage) == 1
+    assert (usage[0].prompt_tokens, usage[0].completion_tokens) == (3, 4)
+    assert sum(len(s.seen_bodies) for s, _ in sites) == 1  # no continuation started
+
+
+def test_a_client_gone_during_a_move_frees_the_move(standins: Any, ferry: Any) -> None:
+    """The client hangs up while its stream's continuation waits for the
+    destination's answer: the move ends (its slot is free, its drain round
+    done), and neither instance bills the request any longer."""
+    sites = standins(2, itl_s=0.02)
+    for standin, _ in sites:
+        standin.headers_delay_s = 1.0  # a continuation answers late
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    migrator = proxy.site.app[MIGRATOR]
+    slots = proxy.loop.call(lambda: migrator.free_slots)
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=200, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    name, source = _busy(sites)
+    other = next(s for s, _ in sites if s is not source)
+    _drain(proxy, name)
+    wait_until(lambda: len(other.seen_bodies) == 1)  # the continuation is on its way
+    stream.close()
+    wait_until(lambda: proxy.loop.call(lambda: migrator.free_slots) == slots)
+    wait_until(lambda: proxy.view("i0").inflight == 0 and proxy.view("i1").inflight == 0)
+    assert proxy.loop.call(lambda: migrator.streams) == {}
+
+
+def test_a_stream_whose_move_is_submitted_is_not_planned_again(standins: Any, ferry: Any) -> None:
+    """Between a move's submission and its landing (a pre-warm, a queue for a
+    slot), planners must not pick the stream again: it would move twice."""
+    sites = standins(2, itl_s=0.02)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    migrator = proxy.site.app[MIGRATOR]
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=100, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    name, _ = _busy(sites)
+
+    async def submit() -> tuple[list[int], list[int], bool]:
+        [live] = migrator.streams.values()
+        before = [r.id for r in migrator.candidates(name)]
+        move = migrator.submit(live, None, "rebalance")
+        during = [r.id for r in migrator.candidates(name)]
+        return before, during, await move
+
+    before, during, moved = proxy.loop.run(submit())
+    assert len(before) == 1 and during == [] and moved
+    rest = "".join(c.choices[0].text for c in stream)
+    stream.close()
+    assert rest == " tok" * 94

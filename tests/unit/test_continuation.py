@@ -19,6 +19,39 @@ def test_what_cannot_move_exactly() -> None:
     )
 
 
+def test_grammars_and_logprobs_do_not_move() -> None:
+    """A grammar would start over mid-output, and a continuation's logprobs are
+    a completion's; fields left null or at their defaults move."""
+    base = {"model": "m", "prompt": "hi", "stream": True}
+    chat = {"model": "m", "messages": [], "stream": True}
+    for field, value in (
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[a-z]+"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structured_outputs", {"json": {"type": "object"}}),
+        ("response_format", {"type": "json_object"}),
+    ):
+        assert cont.not_migratable({**chat, field: value}, "chat") == "structured output", field
+        assert cont.not_migratable({**base, field: value}, "completions") == "structured output"
+    for field in ("guided_json", "structured_outputs", "response_format"):
+        assert cont.not_migratable({**chat, field: None}, "chat") is None
+    assert cont.not_migratable({**chat, "response_format": {"type": "text"}}, "chat") is None
+    assert cont.not_migratable({**chat, "logprobs": True, "top_logprobs": 2}, "chat") == "logprobs"
+    assert cont.not_migratable({**chat, "logprobs": False}, "chat") is None
+    assert cont.not_migratable({**base, "logprobs": 0}, "completions") == "logprobs"
+    assert cont.not_migratable({**base, "logprobs": None}, "completions") is None
+
+
+def test_a_null_budget_field_does_not_hide_the_other() -> None:
+    """SDKs send unset fields as null: the budget is the field that is set."""
+    assert cont.max_tokens({"max_completion_tokens": None, "max_tokens": 10}) == 10
+    assert cont.max_tokens({"max_completion_tokens": 7, "max_tokens": 10}) == 7
+    assert cont.max_tokens({"max_tokens": None}) is None
+    body = {"model": "m", "messages": [], "max_completion_tokens": None, "max_tokens": 10}
+    assert cont.continuation_body(body, [1], [2, 3], wants_usage=False)["max_tokens"] == 8
+
+
 def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
     body = {
         "model": "m",
@@ -31,8 +64,6 @@ def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
         "stop": ["\n"],
         "cache_salt": "s",
         "ignore_eos": True,
-        "logprobs": True,
-        "top_logprobs": 2,
     }
     out = cont.continuation_body(body, [1, 2, 3], [9] * 40, wants_usage=True)
     assert out["prompt"] == [1, 2, 3] + [9] * 40
@@ -43,7 +74,7 @@ def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
         ["\n"],
         "s",
     )
-    assert out["ignore_eos"] and out["logprobs"] == 2
+    assert out["ignore_eos"]
     assert out["stream"] and out["return_token_ids"]
     assert out["stream_options"] == {"include_usage": True}
     assert "messages" not in out

@@ -52,11 +52,14 @@ def test_a_cancelled_waiter_passes_its_turn_on() -> None:
 
 
 def test_a_rescue_in_flight_leaves_the_slots_free() -> None:
+    """A rescue takes no slot; every submitted stream stays claimed (out of the
+    planners' sight) until its move is over."""
+    from types import SimpleNamespace
     from typing import Any
 
     from proxy.migrator import Migrator
 
-    async def scenario() -> list[int]:
+    async def scenario() -> list[Any]:
         migrator = Migrator(None, None, None, None, max_concurrent=2, prewarm=False)  # type: ignore[arg-type]
         release = asyncio.Event()
 
@@ -65,14 +68,15 @@ def test_a_rescue_in_flight_leaves_the_slots_free() -> None:
             return True
 
         migrator.move = move  # type: ignore[method-assign]
-        seen = [migrator.free_slots]
-        migrator.submit(None, "b", "rescue", prewarm=False)  # type: ignore[arg-type]
+        rescued, rebalanced = SimpleNamespace(claimed=False), SimpleNamespace(claimed=False)
+        seen: list[Any] = [migrator.free_slots]
+        migrator.submit(rescued, "b", "rescue", prewarm=False)  # type: ignore[arg-type]
         seen.append(migrator.free_slots)
-        migrator.submit(None, "b", "rebalance")  # type: ignore[arg-type]
-        seen.append(migrator.free_slots)
+        migrator.submit(rebalanced, "b", "rebalance")  # type: ignore[arg-type]
+        seen += [migrator.free_slots, rescued.claimed and rebalanced.claimed]
         release.set()
         await asyncio.sleep(0.01)
-        seen.append(migrator.free_slots)
+        seen += [migrator.free_slots, rescued.claimed or rebalanced.claimed]
         return seen
 
-    assert asyncio.run(scenario()) == [2, 2, 1, 2]
+    assert asyncio.run(scenario()) == [2, 2, 1, True, 2, False]

@@ -354,3 +354,42 @@ def test_a_stop_string_across_the_join_ends_the_stream_where_it_would_have(
     want = ("ab世界" if include_stop else "ab", [1, 2, 3, 4], "stop")
     assert client_view(unmoved) == want
     assert client_view(moved(vocab, prompt, tokens, stops, include_stop, cut, False, [])) == want
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_a_stream_that_reasons_cannot_go_on_elsewhere(field: str) -> None:
+    """A continuation is a completion: it would give the rest of a reasoning
+    model's thoughts as answer text. A stream that only answers can move."""
+    answering = Splicer({}, "chat", wants_ids=False)
+    chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hi"}, "token_ids": [4]}]}
+    answering.feed(b"data: " + json.dumps(chunk).encode())
+    assert answering.unmovable is None
+    reasoning = Splicer({}, "chat", wants_ids=False)
+    chunk["choices"][0]["delta"] = {field: "Let me think", "content": None}
+    reasoning.feed(b"data: " + json.dumps(chunk).encode())
+    assert reasoning.unmovable == "reasoning"
+
+
+def test_a_stream_over_ends_with_the_usage_no_upstream_sent() -> None:
+    splicer = Splicer({"stream_options": {"include_usage": True}}, "completions", wants_ids=False)
+    first = {"id": "cmpl-1", "created": 1, "model": "m"}
+    first["choices"] = [
+        {
+            "index": 0,
+            "text": "a",
+            "token_ids": [5],
+            "prompt_token_ids": [1, 2],
+            "finish_reason": "length",
+        }
+    ]
+    splicer.feed(b"data: " + json.dumps(first).encode())
+    closing = splicer.closing()
+    assert closing.endswith(b"data: [DONE]\n\n")
+    usage = json.loads(closing.split(b"\n\n")[0][6:])["usage"]
+    assert usage == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    assert splicer.closing() == b"data: [DONE]\n\n"  # once
+    sent = Splicer({"stream_options": {"include_usage": True}}, "completions", wants_ids=False)
+    sent.feed(b"data: " + json.dumps(first).encode())
+    sent.feed(b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":2}}')
+    assert sent.closing() == b"data: [DONE]\n\n"
+    assert Splicer({}, "completions", wants_ids=False).closing() == b"data: [DONE]\n\n"
