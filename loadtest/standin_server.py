@@ -61,6 +61,9 @@ class StandIn:
         # tests: a stream's usage chunk (`stream_options.include_usage`) comes this
         # long after its last token, as a separate write (vLLM's are, too)
         self.usage_delay_s = 0.0
+        # tests: a chat stream's first n tokens are thoughts, as from a vLLM with a
+        # reasoning parser (`delta.reasoning`, not `delta.content`)
+        self.reasoning_tokens = 0
         self.seen_bodies: list[dict[str, Any]] = []
         self.seen_headers: list[dict[str, str]] = []  # of each POST, in order
         self.dead = False  # tests: `kill()` was called
@@ -314,7 +317,8 @@ class StandIn:
             chunk: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": self.model}
             if chat:
                 chunk["object"] = "chat.completion.chunk"
-                choice["delta"] = {"content": " tok"}
+                thought = i < self.reasoning_tokens
+                choice["delta"] = {"reasoning" if thought else "content": " tok"}
                 if i == 0:
                     chunk["prompt_token_ids"] = [1, 2, 3] if ids else None
             else:

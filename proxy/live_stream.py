@@ -203,7 +203,8 @@ class LiveStream:
                 if moved == "done":
                     return response, "ok"
                 if moved != "moved":
-                    await self._fail(response, "failover: no instance could continue")
+                    why = self.splicer.unmovable or "no instance could continue"
+                    await self._fail(response, f"failover: {why}")
                     return response, "stream_broken"
         except ConnectionResetError:
             return response, "client_disconnect"

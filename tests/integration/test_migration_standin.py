@@ -506,3 +506,34 @@ def test_a_stream_whose_move_is_submitted_is_not_planned_again(standins: Any, fe
     rest = "".join(c.choices[0].text for c in stream)
     stream.close()
     assert rest == " tok" * 94
+
+
+def test_a_reasoning_stream_stays_and_says_why_it_cannot_resume(standins: Any, ferry: Any) -> None:
+    """A continuation would give a reasoning model's remaining thoughts as its
+    answer: a stream that reasons is not moved, and one that breaks ends with an
+    error event that says why, not with thoughts passed off as content."""
+    sites = standins(2, itl_s=0.02)
+    for standin, _ in sites:
+        standin.reasoning_tokens = 50
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin"},
+    )
+    stream = api(proxy.url).chat.completions.create(
+        model="standin", messages=[{"role": "user", "content": "x"}], max_tokens=20, stream=True
+    )
+    chunks = []
+    with pytest.raises(openai.APIError, match="could not resume: failover: reasoning"):
+        for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                name, source = _busy(sites)
+                _drain(proxy, name)
+                source.kill()  # and its stream breaks
+    assert 3 <= len(chunks) < 20
+    assert all(c.choices[0].delta.content is None for c in chunks)  # thoughts, never content
+    assert all(s.seen_bodies[-1].get("messages") for s, _ in sites if s.seen_bodies)
+    text = metrics(proxy.url)
+    assert 'outcome="not_migratable",reason="failover"} 1.0' in text
