@@ -64,6 +64,9 @@ class StandIn:
         # tests: a chat stream's first n tokens are thoughts, as from a vLLM with a
         # reasoning parser (`delta.reasoning`, not `delta.content`)
         self.reasoning_tokens = 0
+        # tests: the model's context length, as vLLM lists it; once set, a chat
+        # without a budget runs to its end, as in vLLM (else it gets 16 tokens)
+        self.max_model_len: int | None = None
         self.seen_bodies: list[dict[str, Any]] = []
         self.seen_headers: list[dict[str, str]] = []  # of each POST, in order
         self.dead = False  # tests: `kill()` was called
@@ -130,7 +133,12 @@ class StandIn:
         return web.Response(text="ok")
 
     async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model, "object": "model", "owned_by": "standin", "max_model_len": 4096}
+        card = {
+            "id": self.model,
+            "object": "model",
+            "owned_by": "standin",
+            "max_model_len": self.max_model_len or 4096,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -281,6 +289,8 @@ class StandIn:
         self._refuse_if_told()
         chat = request.path.endswith("/chat/completions")
         n = _tokens(body, "max_tokens")
+        if chat and self.max_model_len and body.get("max_tokens") is None:
+            n = self.max_model_len - len(PROMPT_IDS)
         ids = bool(body.get("return_token_ids"))
         self.running += 1
         self.served += 1
@@ -320,11 +330,11 @@ class StandIn:
                 thought = i < self.reasoning_tokens
                 choice["delta"] = {"reasoning" if thought else "content": " tok"}
                 if i == 0:
-                    chunk["prompt_token_ids"] = [1, 2, 3] if ids else None
+                    chunk["prompt_token_ids"] = PROMPT_IDS if ids else None
             else:
                 chunk["object"] = "text_completion"
                 choice["text"] = " tok"
-                choice["prompt_token_ids"] = [1, 2, 3] if ids and i == 0 else None
+                choice["prompt_token_ids"] = PROMPT_IDS if ids and i == 0 else None
             choice["token_ids"] = [7] if ids else None
             chunk["choices"] = [choice]
             if self.stall_after is not None and i == self.stall_after:
@@ -373,7 +383,7 @@ class StandIn:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-            choice["prompt_token_ids"] = [1, 2, 3] if ids else None
+            choice["prompt_token_ids"] = PROMPT_IDS if ids else None
         out: dict[str, Any] = {
             "id": f"standin-{self.served}",
             "object": "chat.completion" if chat else "text_completion",
@@ -382,11 +392,12 @@ class StandIn:
             "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
         }
         if chat:
-            out["prompt_token_ids"] = [1, 2, 3] if ids else None
+            out["prompt_token_ids"] = PROMPT_IDS if ids else None
         return out
 
 
 TOKEN_ID, TOKEN_TEXT = 7, " tok"  # the one token the stand-in generates
+PROMPT_IDS = [1, 2, 3]  # every prompt's ids, as the stand-in reports them
 # vLLM 0.32's pooling and scoring routes, answered in outline.
 POOLING_ROUTES = (
     "/pooling",

@@ -126,11 +126,32 @@ class Cluster:
         if state is None:
             return False
         state.last_error = error
-        if not state.ejection.failure(self.clock(), self.ejection):
+        if not state.ejection.failure(self.clock(), self.ejection, self._has_spare(name)):
             return False
         self._ejected[name] = state.ejection.until
         self._invalidate(name)
         return True
+
+    def context_length(self, name: str, model: str) -> int | None:
+        """The longest sequence `model` takes on the instance (its card's
+        `max_model_len`, as vLLM lists it), or None when it does not say."""
+        for card in self.instances[name].model_cards:
+            length = card.get("max_model_len")
+            if card.get("id") == model and isinstance(length, int):
+                return length
+        return None
+
+    def _has_spare(self, name: str) -> bool:
+        """Whether each model of the instance has another instance to go to. The
+        last one standing is never ejected, as Envoy's panic threshold keeps
+        hosts in use: with nowhere else to send them, requests are better sent
+        to an instance that fails some of them than refused."""
+        others = [
+            s
+            for n, s in self.instances.items()
+            if n != name and s.healthy and not s.draining and n not in self._ejected
+        ]
+        return all(any(m in s.models for s in others) for m in self.instances[name].models)
 
     def record_call_success(self, name: str) -> None:
         state = self.instances.get(name)

@@ -52,6 +52,10 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
         return "tool calls"
     if body.get("prompt_logprobs") or body.get("echo"):
         return "prompt logprobs or echo"
+    if any(body.get(k) for k in ("frequency_penalty", "presence_penalty")):
+        # vLLM counts them over the output alone, and a continuation's output
+        # starts at the cut: it would forget the tokens before it.
+        return "output penalties"
     if _wants_logprobs(body, endpoint):
         # A continuation's logprobs are a completion's, offset from where it
         # starts; neither chat's shape nor the original's offsets.
@@ -89,20 +93,40 @@ def _wants_logprobs(body: dict[str, Any], endpoint: str) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def max_tokens(body: dict[str, Any]) -> int | None:
-    """The request's token budget: `max_completion_tokens` where it is set (a
-    null does not count), else `max_tokens`."""
-    for key in ("max_completion_tokens", "max_tokens"):
+# vLLM's default budget of a completion (a chat has none: it runs to the end of
+# the context). A continuation is a completion, so it always says its own.
+COMPLETIONS_MAX_TOKENS = 16
+
+
+def budget(
+    body: dict[str, Any], endpoint: str, prompt_tokens: int, context: int | None
+) -> int | None:
+    """How many tokens the request may generate in all, as vLLM reads it: a
+    chat's `max_completion_tokens` or else `max_tokens` (a null or a 0 does not
+    count), a completion's `max_tokens` or 16; a chat without either runs to the
+    end of its `context` (the model's length; None when unknown: no limit known)."""
+    keys = ("max_completion_tokens", "max_tokens") if endpoint == "chat" else ("max_tokens",)
+    for key in keys:
         value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # vLLM takes 150.0 for 150
+        if isinstance(value, int) and not isinstance(value, bool) and value:
             return value
-    return None
+    if endpoint == "completions":
+        return 0 if body.get("max_tokens") == 0 else COMPLETIONS_MAX_TOKENS
+    return None if context is None else max(0, context - prompt_tokens)
 
 
 def continuation_body(
-    body: dict[str, Any], prompt_ids: list[int], generated: list[int], *, wants_usage: bool
+    body: dict[str, Any],
+    prompt_ids: list[int],
+    generated: list[int],
+    *,
+    limit: int | None,
+    wants_usage: bool,
 ) -> dict[str, Any]:
-    """The `/v1/completions` body that continues `body` after `generated`."""
+    """The `/v1/completions` body that continues `body` after `generated`, for
+    at most `limit` tokens in all (see `budget`)."""
     out: dict[str, Any] = {
         "model": body["model"],
         "prompt": prompt_ids + generated,
@@ -112,9 +136,8 @@ def continuation_body(
     for key in _SAMPLING:
         if key in body:
             out[key] = body[key]
-    budget = max_tokens(body)
-    if budget is not None:
-        out["max_tokens"] = budget - len(generated)
+    if limit is not None:
+        out["max_tokens"] = limit - len(generated)
     if isinstance(body.get("min_tokens"), int):
         out["min_tokens"] = max(0, body["min_tokens"] - len(generated))
     if wants_usage:

@@ -2,7 +2,8 @@
 fail `after_failures` times in a row (connect failure, upstream 5xx, a stream
 broken mid-way) takes no new traffic for a backoff that doubles with each
 ejection in a row, up to `max_s`. Its first success after a quiet `max_s`
-forgets the past ejections. A client's own 4xx never counts.
+forgets the past ejections. A client's own 4xx never counts, and the last
+instance serving a model is never ejected (proxy/cluster.py).
 
 Pure: time is passed in.
 """
@@ -30,10 +31,13 @@ class Ejection:
     def ejected(self, now: float) -> bool:
         return now < self.until
 
-    def failure(self, now: float, settings: EjectionSettings) -> bool:
-        """Count a failed call; True when it ejects the instance now."""
+    def failure(self, now: float, settings: EjectionSettings, may_eject: bool = True) -> bool:
+        """Count a failed call; True when it ejects the instance now (never
+        without `may_eject`: the count goes on, and a later failure ejects it)."""
         self.failures += 1
         if not settings.after_failures or self.failures < settings.after_failures:
+            return False
+        if not may_eject:
             return False
         if self.ejected(now):
             return False  # calls that started before the ejection

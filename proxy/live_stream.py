@@ -69,6 +69,9 @@ class Request:
     # The request id and trace context (proxy/access_log.py), sent with every
     # continuation so the engines' logs and traces join the client's request.
     headers: dict[str, str] = field(default_factory=dict)
+    # The model's context length where its first instance says (a chat without
+    # a budget runs to its end; see continuation.budget).
+    context: int | None = None
 
 
 class LiveStream:
@@ -302,8 +305,8 @@ class LiveStream:
         if splicer.prompt_ids is None and self.timing.first_token_seen:
             self.metrics.migrations.labels(order.reason, "no_prompt_ids").inc()
             return "failed"
-        budget = continuation.max_tokens(self.request.body)
-        if splicer.ended or (budget is not None and budget - len(splicer.generated) <= 0):
+        limit = self._limit()
+        if splicer.ended or (limit is not None and limit - len(splicer.generated) <= 0):
             splicer.finished = True  # the source had sent its last token
             await sse.finish(response, splicer.closing())
             return "done"
@@ -371,7 +374,11 @@ class LiveStream:
             path = "/v1/completions"
             generated = splicer.generated[: join.keep]
             body = continuation.continuation_body(
-                request.body, splicer.prompt_ids, generated, wants_usage=splicer.wants_usage
+                request.body,
+                splicer.prompt_ids,
+                generated,
+                limit=self._limit(),
+                wants_usage=splicer.wants_usage,
             )
             tokens = len(splicer.prompt_ids) + len(generated)
             if load is not None:
@@ -422,6 +429,12 @@ class LiveStream:
             return True
         splicer.join(join)
         return True
+
+    def _limit(self) -> int | None:
+        """Tokens the request may generate in all (continuation.budget)."""
+        request = self.request
+        prompt = len(self.splicer.prompt_ids or ())
+        return continuation.budget(request.body, request.endpoint, prompt, request.context)
 
     async def _plan_join(self, dest: str) -> Join:
         """Where the continuation starts (see `splicer.Join`): from the stream's

@@ -88,7 +88,7 @@ def parse(
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
         estimate = _prompt_tokens(body["prompt"])
-    if "stream" in body and not isinstance(body["stream"], bool):
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     for key, (kind, name) in _FIELD_KINDS.items():
         value = body.get(key)

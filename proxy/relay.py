@@ -104,6 +104,7 @@ class Relay:
             headers["Content-Type"] = content_type
         tried: set[str] = set()
         failed: web.StreamResponse | None = None  # the last failure, answered if none is left
+        retried: list[str] = []  # instances whose 5xx was tried again elsewhere (see _judge)
         key = self.placement.prefix_key(body, prompt_estimate, request.headers.get(SESSION_HEADER))
         stages = None
         if stream and body is not None and parsed is not None:
@@ -115,6 +116,7 @@ class Relay:
                 )
             except NoCandidate as exc:
                 if failed is not None:
+                    self._judge(retried, "no_instance")
                     return failed
                 if exc.model_unknown:
                     return error_response(404, exc.reason, code="model_not_found", param="model")
@@ -204,15 +206,33 @@ class Relay:
                 raise
             finally:
                 call.close()
-                self._count(name, outcome, outcome)
+                if outcome == "upstream_5xx" and name in tried:  # the next attempt judges it
+                    retried.append(name)
+                else:
+                    poison = self._judge(retried, outcome)
+                    self._count(name, outcome, outcome, blame=not poison)
                 _note_end(record, outcome, timing, call, live)
         assert failed is not None  # every attempt that does not return sets it
+        self._judge(retried, "no_instance")
         return failed
 
-    def _count(self, name: str, outcome: str, error: str) -> None:
-        """Count a finished call, and hold failures against its instance."""
+    def _judge(self, retried: list[str], outcome: str) -> bool:
+        """Count the 5xx answers a request was retried after, now that its next
+        call ended with `outcome`; whether the request is poison: a 5xx there too
+        means every instance it tried failed it, which is the request's doing (a
+        body the engine chokes on), so none of them is held to it. Otherwise one
+        client could eject every instance."""
+        poison = bool(retried) and outcome == "upstream_5xx"
+        for name in retried:
+            self._count(name, "upstream_5xx", "upstream_5xx", blame=not poison)
+        retried.clear()
+        return poison
+
+    def _count(self, name: str, outcome: str, error: str, *, blame: bool = True) -> None:
+        """Count a finished call, and hold failures against its instance (unless
+        not to `blame`)."""
         self.metrics.requests.labels(name, outcome).inc()
-        if outcome in _INSTANCE_FAILURES:
+        if outcome in _INSTANCE_FAILURES and blame:
             if self.cluster.record_call_failure(name, error):
                 self.metrics.ejections.labels(name).inc()
                 log.warning("instance %s ejected after failed calls: %s", name, error)
@@ -264,6 +284,7 @@ class Relay:
             priority,
             str(body.get("model", "")),
             headers=record.upstream_headers,
+            context=self.cluster.context_length(name, str(body.get("model", ""))),
         )
         return LiveStream(
             request,

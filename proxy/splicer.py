@@ -130,7 +130,11 @@ class Splicer:
     def __init__(self, body: dict[str, Any], endpoint: str, wants_ids: bool) -> None:
         self.endpoint = endpoint  # "chat" | "completions"
         self.wants_ids = wants_ids
-        self.wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options") or {}
+        self.wants_usage = bool(options.get("include_usage"))
+        # Usage on every chunk (vLLM's `continuous_usage_stats`): a continuation's
+        # chunks get the stream's own, counted from its start.
+        self.continuous_usage = self.wants_usage and bool(options.get("continuous_usage_stats"))
         # vLLM holds back the last `lookback` characters of its text while a stop
         # string may be forming, unless stop strings are included in the output.
         self.lookback = max((len(s) for s in stop_strings(body) if s), default=1) - 1
@@ -296,7 +300,10 @@ class Splicer:
                 out_choices.append(out)
             else:
                 out_choices.append({**choice, "token_ids": ids, "prompt_token_ids": None})
-        return self._envelope(out_choices)
+        out = self._envelope(out_choices)
+        if self.continuous_usage:
+            out["usage"] = usage(len(self.prompt_ids or ()), len(self.generated))
+        return out
 
     def closing(self) -> bytes:
         """What ends the client's stream once the generation is over: the usage

@@ -51,6 +51,11 @@ def upstream_body(
     true when the client asked for the ids itself, or when nothing was added."""
     if all(body.get(key) == value for key, value in token_id_fields.items()):
         return body, True
+    if body.get("echo"):
+        # vLLM 0.32 leaves a completion's echoed prompt out of its text when asked
+        # for token ids; such a request cannot move anyway, and its tokens are
+        # estimated instead.
+        return body, True
     return {**body, **token_id_fields}, False
 
 

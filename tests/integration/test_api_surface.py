@@ -191,3 +191,25 @@ def test_instances_are_asked_for_uncompressed_answers(standins: Any, ferry: Any)
     assert answer.status_code == 200 and "[DONE]" in answer.text
     sent = {k.lower(): v for k, v in standin.seen_headers[-1].items()}
     assert sent["accept-encoding"] == "identity"
+
+
+def test_an_echo_is_sent_without_asking_for_token_ids(standins: Any, ferry: Any) -> None:
+    """vLLM 0.32 drops a completion's echoed prompt when asked for token ids."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    client.completions.create(model="standin", prompt="x", max_tokens=2, echo=True)
+    assert "return_token_ids" not in standin.seen_bodies[-1]
+    client.completions.create(model="standin", prompt="x", max_tokens=2)
+    assert standin.seen_bodies[-1]["return_token_ids"] is True
+
+
+def test_a_null_stream_is_no_stream(standins: Any, ferry: Any) -> None:
+    """The OpenAI spec lets `stream` be null, and vLLM takes it."""
+    [(_, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    body = {"model": "standin", "prompt": "x", "max_tokens": 2, "stream": None}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " tok" * 2
+    answer = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": "yes"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream"

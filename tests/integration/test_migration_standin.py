@@ -537,3 +537,47 @@ def test_a_reasoning_stream_stays_and_says_why_it_cannot_resume(standins: Any, f
     assert all(s.seen_bodies[-1].get("messages") for s, _ in sites if s.seen_bodies)
     text = metrics(proxy.url)
     assert 'outcome="not_migratable",reason="failover"} 1.0' in text
+
+
+def test_a_moved_stream_without_a_budget_keeps_the_one_it_had(standins: Any, ferry: Any) -> None:
+    """A continuation is a completion, whose default budget is 16 tokens: it
+    says the request's own. A chat without one runs to the end of the context;
+    a completion without one stops at 16 tokens, wherever it moved."""
+    (broken, a), (healthy, b) = standins(2, itl_s=0.001)
+    for standin in (broken, healthy):
+        standin.max_model_len = 40
+    broken.break_after = 10
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    client = api(proxy.url)
+    chat = client.chat.completions.create(
+        model="standin", messages=[{"role": "user", "content": "x"}], stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+    assert text == " tok" * 37  # 40 less the prompt's 3
+    assert healthy.seen_bodies[-1]["max_tokens"] == 27
+    broken.break_after = 5
+    broken.served = healthy.served = 0
+    completions = []
+    while not broken.served:  # round robin: until one lands on `broken`
+        completions = list(client.completions.create(model="standin", prompt="x", stream=True))
+    assert "".join(c.choices[0].text for c in completions) == " tok" * 16
+    assert healthy.seen_bodies[-1]["max_tokens"] == 11
+
+
+def test_a_moved_stream_keeps_its_usage_on_every_chunk(standins: Any, ferry: Any) -> None:
+    (broken, a), (_, b) = standins(2, itl_s=0.001)
+    broken.break_after = 4
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    chunks = list(
+        api(proxy.url).completions.create(
+            model="standin",
+            prompt="x",
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    tokens = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in tokens) == " tok" * 8
+    assert [c.usage.completion_tokens for c in tokens[4:]] == [5, 6, 7, 8]
+    assert {c.usage.prompt_tokens for c in tokens[4:]} == {3}

@@ -382,3 +382,52 @@ def test_failing_instance_is_ejected_with_a_doubling_backoff(
     first = proxy.loop.call(proxy.cluster.ejected_for, "i0")
     assert 0.5 < first <= 1.0
     assert 'ferry_ejections_total{instance="i0"} 2.0' in get(proxy.url + "/metrics")[1]["raw"]
+
+
+def test_a_request_every_instance_fails_ejects_none(standins: Any, ferry: Any) -> None:
+    """A body the engines answer with a 500 (vLLM does, for some stop strings)
+    fails on every instance it is tried on: that is the request's doing, and a
+    client repeating it must not eject the cluster."""
+    (a, a_site), (b, b_site) = standins(2, itl_s=0.001)
+    proxy = ferry(
+        [a_site.url, b_site.url],
+        scheduler={"policy": "round_robin", "eject_after_failures": 2, "eject_base_s": 60.0},
+    )
+    a.fail_status = b.fail_status = 500
+    for _ in range(6):
+        status, _, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+        assert status == 502
+    assert len(a.answers) == len(b.answers) == 6  # each request on both
+    a.fail_status = b.fail_status = None
+    assert proxy.view("i0").dispatchable and proxy.view("i1").dispatchable
+    status, _, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+    assert status == 200
+
+
+def test_the_last_instance_serving_a_model_is_not_ejected(standins: Any, ferry: Any) -> None:
+    """With nowhere else to go, a request is better sent to an instance that
+    fails some calls than refused: ejection waits until another can take over."""
+    (bad, bad_site), (other, other_site) = standins(2, itl_s=0.001)
+    bad.fail_status = 500
+    proxy = ferry(
+        [bad_site.url, other_site.url],
+        admin_token="t",
+        scheduler={"policy": "round_robin", "eject_after_failures": 2, "eject_base_s": 60.0},
+    )
+    drain = urllib.request.Request(
+        proxy.url + "/admin/instances/i1/drain", data=b"", headers={"Authorization": "Bearer t"}
+    )
+    urllib.request.urlopen(drain, timeout=5).close()
+    for _ in range(4):
+        status, _, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+        assert status == 502
+    assert proxy.view("i0").dispatchable  # failing, but the only one
+    undrain = urllib.request.Request(
+        proxy.url + "/admin/instances/i1/undrain", data=b"", headers={"Authorization": "Bearer t"}
+    )
+    urllib.request.urlopen(undrain, timeout=5).close()
+    wait_until(lambda: proxy.view("i1").dispatchable)
+    for _ in range(2):  # round robin: its next failure finds a spare
+        status, _, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
+        assert status == 200  # retried on i1 where i0 failed
+    assert not proxy.view("i0").dispatchable

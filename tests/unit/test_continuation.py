@@ -43,13 +43,35 @@ def test_grammars_and_logprobs_do_not_move() -> None:
     assert cont.not_migratable({**base, "logprobs": None}, "completions") is None
 
 
-def test_a_null_budget_field_does_not_hide_the_other() -> None:
-    """SDKs send unset fields as null: the budget is the field that is set."""
-    assert cont.max_tokens({"max_completion_tokens": None, "max_tokens": 10}) == 10
-    assert cont.max_tokens({"max_completion_tokens": 7, "max_tokens": 10}) == 7
-    assert cont.max_tokens({"max_tokens": None}) is None
-    body = {"model": "m", "messages": [], "max_completion_tokens": None, "max_tokens": 10}
-    assert cont.continuation_body(body, [1], [2, 3], wants_usage=False)["max_tokens"] == 8
+def test_the_budget_is_read_as_vllm_reads_it() -> None:
+    """SDKs send unset fields as null, some numbers as floats; a completion
+    without a budget has vLLM's 16, a chat runs to the end of the context."""
+    chat = {"model": "m", "messages": []}
+    assert (
+        cont.budget({**chat, "max_completion_tokens": None, "max_tokens": 10}, "chat", 5, 100) == 10
+    )
+    assert cont.budget({**chat, "max_completion_tokens": 7, "max_tokens": 10}, "chat", 5, 100) == 7
+    assert cont.budget({**chat, "max_tokens": 150.0}, "chat", 5, 100) == 150
+    assert cont.budget(chat, "chat", 30, 100) == 70
+    assert cont.budget({**chat, "max_tokens": None}, "chat", 30, None) is None
+    completion = {"model": "m", "prompt": "x"}
+    assert cont.budget(completion, "completions", 30, 100) == 16
+    assert cont.budget({**completion, "max_tokens": None}, "completions", 30, 100) == 16
+    assert cont.budget({**completion, "max_tokens": 40}, "completions", 30, 100) == 40
+    # A completion has no max_completion_tokens: vLLM ignores it there.
+    assert cont.budget({**completion, "max_completion_tokens": 5}, "completions", 3, 100) == 16
+    body = cont.continuation_body(chat, [1], [2, 3], limit=10, wants_usage=False)
+    assert body["max_tokens"] == 8
+    assert "max_tokens" not in cont.continuation_body(chat, [1], [2], limit=None, wants_usage=False)
+
+
+def test_output_penalties_do_not_move() -> None:
+    """vLLM counts frequency and presence penalties over the output alone."""
+    base = {"model": "m", "prompt": "hi", "stream": True}
+    assert cont.not_migratable({**base, "frequency_penalty": 1.0}, "completions")
+    assert cont.not_migratable({**base, "presence_penalty": -0.5}, "completions")
+    assert cont.not_migratable({**base, "frequency_penalty": 0.0}, "completions") is None
+    assert cont.not_migratable({**base, "repetition_penalty": 1.3}, "completions") is None
 
 
 def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
@@ -65,7 +87,8 @@ def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
         "cache_salt": "s",
         "ignore_eos": True,
     }
-    out = cont.continuation_body(body, [1, 2, 3], [9] * 40, wants_usage=True)
+    limit = cont.budget(body, "chat", 3, None)
+    out = cont.continuation_body(body, [1, 2, 3], [9] * 40, limit=limit, wants_usage=True)
     assert out["prompt"] == [1, 2, 3] + [9] * 40
     assert out["max_tokens"] == 60 and out["min_tokens"] == 0
     assert (out["temperature"], out["seed"], out["stop"], out["cache_salt"]) == (
