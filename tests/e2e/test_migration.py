@@ -26,18 +26,20 @@ def api(url: str) -> openai.OpenAI:
 def stream_ids(
     client: openai.OpenAI,
     chat: bool,
-    max_tokens: int,
+    max_tokens: int | None,
     on_chunk: Callable[[int], None] = print,
     prompt: str = PROMPT,
 ) -> tuple[list[int], str, Any]:
-    """Stream one greedy request; return (token ids, text, last chunk)."""
+    """Stream one greedy request; return (token ids, text, last chunk). A chat
+    without `max_tokens` runs to the end of the context."""
     common: dict[str, Any] = {
         "model": "tiny",
-        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "extra_body": {"ignore_eos": True, "return_token_ids": True},
     }
+    if max_tokens is not None:
+        common["max_tokens"] = max_tokens
     if chat:
         messages = CHAT if prompt == PROMPT else [{"role": "user", "content": prompt}]
         stream: Any = client.chat.completions.create(messages=messages, **common)
@@ -239,3 +241,25 @@ def test_rebalance_moves_work_to_the_free_instance(ferry: Any, vllm_pair: list[V
     )
     assert moved >= 1
     assert relieved < still, (relieved, still)
+
+
+def test_a_moved_chat_without_a_budget_runs_to_the_end_of_the_context(lite: Any) -> None:
+    """A continuation is a completion, whose default budget is 16 tokens: it is
+    sent the chat's own, the room left in the context."""
+    proxy = lite(False)
+    reference, ref_text, _ = stream_ids(api(proxy.url), True, None, on_chunk=lambda n: None)
+    assert len(reference) > 500  # 1,024 less the prompt
+    moved = threading.Event()
+
+    def drain_midway(n: int) -> None:
+        if n >= 100 and not moved.is_set():
+            moved.set()
+            source = next(name for name in ("i0", "i1") if proxy.view(name).inflight)
+            post(f"{proxy.url}/admin/instances/{source}/drain?migrate=true")
+
+    ids, text, last = stream_ids(api(proxy.url), True, None, on_chunk=drain_midway)
+    for name in ("i0", "i1"):
+        post(f"{proxy.url}/admin/instances/{name}/undrain")
+    assert moved.is_set()
+    assert ids == reference and text == ref_text
+    assert last.choices[0].finish_reason == "length"
