@@ -70,6 +70,8 @@ def supervise(
     previous = {s: signal.signal(s, forward) for s in handled}
     try:
         for index in range(count):
+            if stopping:  # a SIGTERM while they start reaches only those started
+                break
             start(index)
         while not stopping and workers:
             time.sleep(poll_s)
