@@ -72,6 +72,18 @@ def once_at(tokens: int, action: Callable[[], object]) -> Callable[[int], None]:
     return on_chunk
 
 
+def drain_busy(proxy: Any, drained: list[str]) -> Callable[[], None]:
+    """An action that drains, with migration, the instance serving the one
+    stream in flight, and notes its name in `drained`."""
+
+    def drain() -> None:
+        source = next(name for name in ("i0", "i1") if proxy.view(name).inflight)
+        drained.append(source)
+        post(f"{proxy.url}/admin/instances/{source}/drain?migrate=true")
+
+    return drain
+
+
 def post(url: str) -> None:
     request = urllib.request.Request(url, data=b"", method="POST", headers=AUTH)
     urllib.request.urlopen(request, timeout=10).close()
@@ -123,19 +135,13 @@ def test_greedy_decoding_is_deterministic_and_resumable(vllm_pair: list[VLLMServ
 def test_moved_stream_is_token_exact(lite: Any, chat: bool, prewarm: bool) -> None:
     proxy = lite(prewarm)
     reference, ref_text, _ = stream_ids(api(proxy.url), chat, 300, on_chunk=lambda n: None)
-    moved = threading.Event()
-
-    def drain_midway(n: int) -> None:
-        # >=, not ==: a slow reader can get several tokens in one chunk.
-        if n >= 100 and not moved.is_set():
-            moved.set()
-            source = next(name for name in ("i0", "i1") if proxy.view(name).inflight)
-            post(f"{proxy.url}/admin/instances/{source}/drain?migrate=true")
-
-    ids, text, last = stream_ids(api(proxy.url), chat, 300, on_chunk=drain_midway)
+    drained: list[str] = []
+    ids, text, last = stream_ids(
+        api(proxy.url), chat, 300, on_chunk=once_at(100, drain_busy(proxy, drained))
+    )
     for name in ("i0", "i1"):
         post(f"{proxy.url}/admin/instances/{name}/undrain")
-    assert moved.is_set()
+    assert drained
     assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="drain"}') == 1
     assert ids == reference and text == ref_text
     assert last.choices[0].finish_reason == "length"
@@ -249,17 +255,12 @@ def test_a_moved_chat_without_a_budget_runs_to_the_end_of_the_context(lite: Any)
     proxy = lite(False)
     reference, ref_text, _ = stream_ids(api(proxy.url), True, None, on_chunk=lambda n: None)
     assert len(reference) > 500  # 1,024 less the prompt
-    moved = threading.Event()
-
-    def drain_midway(n: int) -> None:
-        if n >= 100 and not moved.is_set():
-            moved.set()
-            source = next(name for name in ("i0", "i1") if proxy.view(name).inflight)
-            post(f"{proxy.url}/admin/instances/{source}/drain?migrate=true")
-
-    ids, text, last = stream_ids(api(proxy.url), True, None, on_chunk=drain_midway)
+    drained: list[str] = []
+    ids, text, last = stream_ids(
+        api(proxy.url), True, None, on_chunk=once_at(100, drain_busy(proxy, drained))
+    )
     for name in ("i0", "i1"):
         post(f"{proxy.url}/admin/instances/{name}/undrain")
-    assert moved.is_set()
+    assert drained
     assert ids == reference and text == ref_text
     assert last.choices[0].finish_reason == "length"
