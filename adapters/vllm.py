@@ -9,6 +9,7 @@ usage fraction is weighted by each engine's block count.
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -55,10 +56,14 @@ def parse_metrics(text: str) -> EngineSnapshot:
         for family in text_string_to_metric_families("\n".join(load_lines) + "\n"):
             for sample in family.samples:
                 if sample.name in _FIELD_BY_NAME:  # a prefix match may be a longer name
+                    if not math.isfinite(sample.value):  # Prometheus text allows NaN, +Inf
+                        raise MetricsParseError(f"{sample.name} is {sample.value}")
                     field, rank = _FIELD_BY_NAME[sample.name]
                     by_rank = seen[sample.labels.get("engine", "0")][field]
                     by_rank[rank] = by_rank.get(rank, 0.0) + sample.value
-    except (ValueError, TypeError, IndexError) as exc:
+    except MetricsParseError:
+        raise
+    except (ValueError, TypeError, IndexError, OverflowError) as exc:
         raise MetricsParseError(f"not Prometheus text: {exc}") from exc
     # During a rename an engine exports both names; the newest (lowest rank) wins.
     per_engine = {

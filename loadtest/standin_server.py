@@ -64,6 +64,8 @@ class StandIn:
         # tests: a chat stream's first n tokens are thoughts, as from a vLLM with a
         # reasoning parser (`delta.reasoning`, not `delta.content`)
         self.reasoning_tokens = 0
+        # tests: the body `/metrics` answers instead of the real one (a broken engine)
+        self.metrics_body: bytes | None = None
         # tests: the model's context length, as vLLM lists it; once set, a chat
         # without a budget runs to its end, as in vLLM (else it gets 16 tokens)
         self.max_model_len: int | None = None
@@ -142,6 +144,8 @@ class StandIn:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_body is not None:
+            return web.Response(body=self.metrics_body, content_type="text/plain")
         used = min(1.0, self.running * 4 / self.kv_blocks)
         labels = f'engine="0",model_name="{self.model}"'
         text = (

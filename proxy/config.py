@@ -238,13 +238,19 @@ class FerryConfig:
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryConfig:
     """Read and validate a YAML file. `FERRY_ADMIN_TOKEN` fills a missing admin_token."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text: byte {exc.start} is {exc.object[exc.start]:#x}"
+        ) from exc
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"{path}: nested too deeply") from exc
     return parse_config(raw, env=env)
 
 
@@ -352,8 +358,7 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
     inst = _section(InstanceConfig, entry, where, required=("name", "url"))
     if not inst.name or "/" in inst.name:
         raise ConfigError(f"{where}.name: must be non-empty and contain no '/'")
-    parts = urlsplit(inst.url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if not _http_url(inst.url):
         raise ConfigError(f"{where}.url: must be an http(s) base URL (got {inst.url!r})")
     if inst.engine not in ENGINES:
         raise ConfigError(
@@ -381,11 +386,39 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
         raise ConfigError(f"{where}.labels: must map strings to strings")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.headers.items()):
         raise ConfigError(f"{where}.headers: must map strings to strings")
-    return replace(
-        inst,
-        api_key=_expand(inst.api_key, f"{where}.api_key", env),
-        headers={k: _expand(v, f"{where}.headers.{k}", env) or "" for k, v in inst.headers.items()},
-    )
+    api_key = _expand(inst.api_key, f"{where}.api_key", env)
+    headers = {k: _expand(v, f"{where}.headers.{k}", env) or "" for k, v in inst.headers.items()}
+    if api_key is not None:
+        _check_header_value(api_key, f"{where}.api_key")
+    for key, value in headers.items():
+        if not _HEADER_NAME.fullmatch(key):
+            raise ConfigError(f"{where}.headers: {key!r} is not a header name")
+        _check_header_value(value, f"{where}.headers.{key}")
+    return replace(inst, api_key=api_key, headers=headers)
+
+
+def _http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port out of range)
+    except ValueError:  # "http://[::1", "http://host:99999"
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+# RFC 9110's token, the characters a header's name may have.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _check_header_value(value: str, where: str) -> None:
+    """A value sent in a header: no control characters (aiohttp refuses to send
+    them, so every call to the instance would fail)."""
+    bad = next((c for c in value if (ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{where}: must not contain control characters (found {bad!r};"
+            " a secret read from a file with its trailing newline?)"
+        )
 
 
 def _check_kv_events(inst: InstanceConfig, where: str) -> None:
@@ -613,7 +646,9 @@ def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> 
         if (isinstance(value, bool) and type_name != "bool") or not isinstance(value, expected):
             raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {value!r})")
         is_float = type_name == "float" or (type_name == "float | None" and value is not None)
-        values[key] = float(cast(float, value)) if is_float else value
+        if is_float:
+            value = _finite(cast(float, value), _join(where, key))
+        values[key] = value
     return cls(**values)
 
 
@@ -627,6 +662,18 @@ _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
     "float | None": (int, float, type(None)),
     "dict[str, str]": (dict,),
 }
+
+
+def _finite(value: float, where: str) -> float:
+    """`value` as a float; .nan, .inf and integers too large for a float are
+    refused (NaN passes every comparison the checks make)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: must be a finite number (got {value!r})")
+    return number
 
 
 def _mapping(raw: Any, where: str) -> dict[str, Any]:

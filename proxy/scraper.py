@@ -14,6 +14,7 @@ of a few lines (see `adapters.vllm`), a few hundred microseconds per scrape.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ from adapters import MetricsParseError
 from migration_shim import wire
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
+
+log = logging.getLogger("ferry.scraper")
 
 
 class Scraper:
@@ -93,7 +96,9 @@ class Scraper:
                     raise MetricsParseError(f"GET {path} returned HTTP {resp.status}")
                 text = await resp.text()
             snapshot = parse(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, MetricsParseError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            # ValueError: MetricsParseError, a body that is not UTF-8, a header
+            # value aiohttp refuses to send.
             self.metrics.scrape_errors.labels(name).inc()
             self.cluster.record_scrape_failure(name, _describe(exc))
             return
@@ -148,11 +153,19 @@ class Scraper:
             state = self.cluster.instances[name]
             if state.config is not config:  # changed at runtime: look again now
                 next_models, config = 0.0, state.config
-            if started >= next_models and await self.refresh_models(name):
-                next_models = started + self.models_refresh_s
-                if state.config.migration == "full":
-                    await self.refresh_shim(name)
-            await self.scrape_once(name)
+            try:
+                if started >= next_models and await self.refresh_models(name):
+                    next_models = started + self.models_refresh_s
+                    if state.config.migration == "full":
+                        await self.refresh_shim(name)
+                await self.scrape_once(name)
+            except Exception as exc:  # noqa: BLE001
+                # Whatever an instance answers, its loop goes on: a loop that died
+                # would leave the instance's last look standing for good (healthy
+                # while dead, or never healthy again).
+                log.exception("scraping %s failed", name)
+                self.metrics.scrape_errors.labels(name).inc()
+                self.cluster.record_scrape_failure(name, _describe(exc))
             elapsed = self.clock() - started
             await asyncio.sleep(max(0.0, self.interval_s - elapsed))
 

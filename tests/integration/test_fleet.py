@@ -86,6 +86,8 @@ def test_add_patch_and_remove_with_streams_in_flight(standins: Any, ferry: Any) 
     assert code == 400 and "instance.uri: unknown key" in err["error"]["message"]
     code, err = send(proxy.url + "/admin/instances", "POST", [1, 2])
     assert code == 400 and err["error"]["type"] == "invalid_request_error"
+    code, err = send(proxy.url + "/admin/instances", "POST", {"name": "c", "url": "http://[::1"})
+    assert code == 400 and err["error"]["message"].startswith("instance.url:")
 
     # A new request goes to the idle new instance.
     more, more_texts = streams(proxy.url, 1, 5)
@@ -101,6 +103,8 @@ def test_add_patch_and_remove_with_streams_in_flight(standins: Any, ferry: Any) 
     assert code == 400 and "instance.url: cannot be changed at runtime" in err["error"]["message"]
     code, err = send(proxy.url + "/admin/instances/i0", "PATCH", {"migration": "sideways"})
     assert code == 400 and err["error"]["message"].startswith("instance.migration:")
+    code, err = send(proxy.url + "/admin/instances/i0", "PATCH", {"headers": {"X-Team": "a\nb"}})
+    assert code == 400 and err["error"]["message"].startswith("instance.headers.X-Team:")
     assert send(proxy.url + "/admin/instances/nope", "PATCH", {})[0] == 404
 
     # Remove without moving: 202, draining at once, gone once its streams end.
@@ -179,6 +183,9 @@ def test_reload_applies_the_file_and_refuses_a_bad_one(
         path.write_text("instances: [")
         code, err = send(proxy.url + "/admin/reload", "POST")
         assert code == 400 and "not valid YAML" in err["error"]["message"]
+        path.write_bytes(b"# caf\xe9\n" + path.read_bytes())
+        code, err = send(proxy.url + "/admin/reload", "POST")
+        assert code == 400 and "not UTF-8" in err["error"]["message"]
 
         # A changed instance keeps its name and takes the new settings.
         write([{"name": "b", "url": site_b.url, "labels": {"new": "no"}}], policy="round_robin")

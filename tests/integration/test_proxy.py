@@ -206,6 +206,31 @@ def test_no_healthy_instance_gives_503_with_retry_after(
     assert get(proxy.url + "/health")[0] == 503
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'vllm:num_requests_running{engine="0"} NaN\n',
+        b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="+Inf"} 1.0\n'
+        b'vllm:num_requests_running{engine="0"} 1.0\n',
+        b"\xff\xfe not UTF-8\n",
+    ],
+    ids=["nan", "inf", "not-utf8"],
+)
+def test_a_bad_metrics_answer_is_a_failed_scrape_and_scraping_goes_on(
+    standins: Any, ferry: Any, body: bytes
+) -> None:
+    """Whatever an engine's /metrics answers, its instance's scrape loop lives:
+    unhealthy while the answers are bad, healthy again once they are not."""
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url], scheduler={"scrape_interval_s": 0.05, "unhealthy_after_failures": 2})
+    wait_until(lambda: proxy.view("i0").healthy)
+    standin.metrics_body = body
+    wait_until(lambda: not proxy.view("i0").healthy)
+    assert 'ferry_scrape_errors_total{instance="i0"}' in get(proxy.url + "/metrics")[1]["raw"]
+    standin.metrics_body = None
+    wait_until(lambda: proxy.view("i0").healthy)
+
+
 def test_connection_failure_is_retried_on_another_instance(
     standins: Any, ferry: Any, loop_thread: Any
 ) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,38 @@ def test_admin_token_from_environment() -> None:
             r"^sharing\.change_interval_s: must be between 0 and sharing\.publish_interval_s",
         ),
         (base(sharing={"ttl": 1}), r"^sharing\.ttl: unknown key"),
+        (
+            base(instances=[{"name": "a", "url": "http://[::1"}]),
+            r"^instances\[0\]\.url: must be an http",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:99999"}]),
+            r"^instances\[0\]\.url: must be an http",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "headers": {"X-Team": "a\nb"}}]),
+            r"^instances\[0\]\.headers\.X-Team: must not contain control characters",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "headers": {"X Team": "a"}}]),
+            r"^instances\[0\]\.headers: 'X Team' is not a header name",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "api_key": "k\r"}]),
+            r"^instances\[0\]\.api_key: must not contain control characters",
+        ),
+        (
+            base(server={"upstream_idle_timeout_s": math.nan}),
+            r"^server\.upstream_idle_timeout_s: must be a finite",
+        ),
+        (
+            base(scheduler={"rebalance_interval_s": math.inf}),
+            r"^scheduler\.rebalance_interval_s: must be a fin",
+        ),
+        (
+            base(scheduler={"high_priority_headroom_blocks": 10**400}),
+            r"^scheduler\.high_priority_headroom_blocks: must be a finite number",
+        ),
     ],
 )
 def test_errors_name_the_yaml_path(raw: dict[str, Any], message: str) -> None:
@@ -213,6 +246,19 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("instances: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+    bad.write_bytes(b"# caf\xe9 in Latin-1\ninstances: []\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(bad)
+    bad.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(bad)
+
+
+def test_a_secret_with_a_trailing_newline_is_named() -> None:
+    raw = base(instances=[{"name": "a", "url": "http://h:1", "api_key": "${GPU_KEY}"}])
+    with pytest.raises(ConfigError, match=r"^instances\[0\]\.api_key: .*trailing newline"):
+        parse_config(raw, env={"GPU_KEY": "secret\n"})
+    assert parse_config(raw, env={"GPU_KEY": "secret"}).instances[0].api_key == "secret"
 
 
 def test_quick_start_names_backends_by_host_port() -> None:

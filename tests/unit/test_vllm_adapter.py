@@ -88,6 +88,20 @@ def test_rejects_text_that_is_not_a_vllm_scrape(text: str) -> None:
         parse_metrics(text)
 
 
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+def test_rejects_a_load_gauge_that_is_not_a_number(value: str) -> None:
+    with pytest.raises(MetricsParseError, match="num_requests_running"):
+        parse_metrics(f'vllm:num_requests_running{{engine="0"}} {value}\n')
+
+
+def test_rejects_a_block_count_that_is_not_a_number() -> None:
+    with pytest.raises(MetricsParseError):
+        parse_metrics(
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="inf"} 1.0\n'
+            'vllm:num_requests_running{engine="0"} 1.0\n'
+        )
+
+
 def test_rejects_corrupt_sample_lines() -> None:
     with pytest.raises(MetricsParseError):
         parse_metrics('vllm:num_requests_running{engine="0" 1.0\n')
