@@ -46,6 +46,9 @@ class StandIn:
         self.served = 0
         self.fail_status: int | None = None  # tests: answer every request with this status
         self.break_after: int | None = None  # tests: drop the connection after n tokens
+        # tests: end the body cleanly after n tokens, with no finish reason and no
+        # [DONE] (a server that closed a stream it had not finished)
+        self.end_after: int | None = None
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
         # tests: give the stream up after n tokens as vLLM does when it shuts down
@@ -346,6 +349,10 @@ class StandIn:
             if self.break_after is not None and i == self.break_after:
                 assert request.transport is not None
                 request.transport.abort()  # an instance dying mid-stream
+                return resp
+            if self.end_after is not None and i == self.end_after:
+                await resp.write(b'data: {"choices":[{"ind')  # and half an event
+                await resp.write_eof()
                 return resp
             if self.error_after is not None and i == self.error_after:
                 await resp.write(ENGINE_DEAD + b"data: [DONE]\n\n")

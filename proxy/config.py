@@ -182,6 +182,9 @@ class ServerConfig:
     # dead peer behind a live socket (or a queue wait no client should sit
     # through). It counts from the headers, so queueing counts; 0 turns it off.
     upstream_idle_timeout_s: float = 60.0
+    # A client that reads nothing of its stream for this long is gone (nginx's
+    # `send_timeout`): its request ends and frees its instance; 0 turns it off.
+    client_send_timeout_s: float = 60.0
     retry_after_s: int = 1  # told to clients with 503
     # On SIGTERM: /readyz turns 503 at once, new requests are still served for
     # `shutdown_delay_s` (load balancers notice), then in-flight requests get up
@@ -580,6 +583,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.upstream_*_timeout_s: must be positive")
     if s.upstream_idle_timeout_s < 0:
         raise ConfigError("server.upstream_idle_timeout_s: must be 0 (off) or positive")
+    if s.client_send_timeout_s < 0:
+        raise ConfigError("server.client_send_timeout_s: must be 0 (off) or positive")
     if s.shutdown_delay_s < 0 or s.shutdown_grace_s < 0:
         raise ConfigError("server.shutdown_delay_s, shutdown_grace_s: must not be negative")
 

@@ -353,12 +353,13 @@ class Relay:
     ) -> tuple[web.StreamResponse, str]:
         """A stream that cannot move: relay its events as they come."""
         pending = b""
+        done = False  # its [DONE] came: a body that ends before it was cut short
 
         def relay(data: bytes) -> bytes:
             """The whole events received so far, accounted for, as the client gets them.
             The bytes go on as they came (the ids nulled in one pass over them), not
             split and framed again event by event: this runs for every chunk."""
-            nonlocal pending
+            nonlocal pending, done
             buffer = pending + data if pending else data
             end = buffer.rfind(b"\n\n") + 2
             if end < 2:
@@ -368,9 +369,10 @@ class Relay:
             seen = False
             for event in whole.split(b"\n\n")[:-1]:
                 seen = self._account_event(event, call, timing) or seen
+            done = whole.endswith(sse.DONE)
             return token_ids.hide(whole) if seen and not wants_ids else whole
 
-        return await self._pipe(request, upstream, call, relay, timing)
+        return await self._pipe(request, upstream, call, relay, timing, lambda: done)
 
     async def _pass_on(
         self, request: web.Request, upstream: aiohttp.ClientResponse, call: Call
@@ -388,8 +390,11 @@ class Relay:
         call: Call,
         relay: Callable[[bytes], bytes],
         timing: sse.TokenTiming | None = None,
+        complete: Callable[[], bool] | None = None,
     ) -> tuple[web.StreamResponse, str]:
-        """Write what `relay` makes of the upstream's bytes to the client as they come."""
+        """Write what `relay` makes of the upstream's bytes to the client as they
+        come. A body that ends before `complete()` says it may (an instance that
+        closed a stream it had not finished) ends with an error event."""
         response = await sse.open_response(request, call.instance)
         whole = True  # what the client has ends with a whole event
         content = upstream.content
@@ -404,6 +409,8 @@ class Relay:
                     whole = out.endswith(b"\n\n")
                     if timing is not None:
                         timing.written()
+            if complete is not None and not complete():
+                raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except sse.STREAM_ERRORS as exc:
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half

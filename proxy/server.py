@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy import access_log, admin, openai_request, tracing, ttft_stages
+from proxy import access_log, admin, openai_request, sse, tracing, ttft_stages
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig
 from proxy.discovery import Discovery
@@ -104,6 +104,7 @@ def build_app(
     cluster.prefixes.enabled = _prefix_index_on(sched)
     app[CLUSTER] = cluster
     app[METRICS] = metrics
+    app[sse.SEND_TIMEOUT] = config.server.client_send_timeout_s
     app[SHUTTING_DOWN] = asyncio.Event()
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -75,6 +75,26 @@ def split(buffer: bytes) -> tuple[list[bytes], bytes]:
     return events, buffer
 
 
+# How long a write may wait for a client that reads nothing (`server.
+# client_send_timeout_s`, set on the app; 0 or unset: for ever).
+SEND_TIMEOUT = web.AppKey("client_send_timeout_s", float)
+# A write can wait for the client only once the socket's send buffer is past its
+# high-water mark (64 KiB on uvloop and asyncio); below a quarter of it, it cannot.
+_BACKLOG_BYTES = 16 * 1024
+
+
+class _Client:
+    """Where a stream's bytes go, for `write`: its socket and its send timeout."""
+
+    __slots__ = ("transport", "timeout_s")
+
+    def __init__(self, transport: asyncio.Transport | None, timeout_s: float) -> None:
+        self.transport, self.timeout_s = transport, timeout_s
+
+
+_CLIENT = web.ResponseKey("ferry_client", _Client)  # a streamed response's `_Client`
+
+
 async def open_response(request: web.Request, instance: str) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
@@ -83,6 +103,7 @@ async def open_response(request: web.Request, instance: str) -> web.StreamRespon
             "x-ferry-instance": instance,
         }
     )
+    response[_CLIENT] = _Client(request.transport, request.app.get(SEND_TIMEOUT, 0.0))
     await response.prepare(request)
     return response
 
@@ -95,21 +116,52 @@ class ClientGone(ConnectionResetError):
 
 
 async def write(response: web.StreamResponse, data: bytes) -> None:
-    """Write stream bytes to the client; a client gone raises `ClientGone`."""
+    """Write stream bytes to the client; a client gone raises `ClientGone`, and so
+    does one that read nothing for its send timeout (nginx's `send_timeout`):
+    otherwise it would hold its request, and the instance's memory, for as long
+    as it keeps the socket open."""
+    client: _Client | None = response.get(_CLIENT)
     try:
-        await response.write(data)
+        if (
+            client is not None
+            and client.timeout_s
+            and client.transport is not None
+            and client.transport.get_write_buffer_size() + len(data) > _BACKLOG_BYTES
+        ):
+            # Checked first, so the timer costs nothing while the client keeps up.
+            async with asyncio.timeout(client.timeout_s):
+                await response.write(data)
+        else:
+            await response.write(data)
     except ConnectionResetError as exc:
         raise ClientGone(str(exc)) from exc
+    except TimeoutError as exc:
+        assert client is not None
+        _hang_up(client)
+        raise ClientGone(f"the client read nothing for {client.timeout_s:g} s") from exc
 
 
 async def finish(response: web.StreamResponse, data: bytes | None = None) -> None:
     """Write the last bytes and end a stream whose client may already be gone."""
+    client: _Client | None = response.get(_CLIENT)
+    timeout_s = client.timeout_s if client is not None and client.timeout_s else None
     try:
-        if data:
-            await response.write(data)
-        await response.write_eof()
+        async with asyncio.timeout(timeout_s):
+            if data:
+                await response.write(data)
+            await response.write_eof()
     except ConnectionResetError:
         pass
+    except TimeoutError:
+        assert client is not None
+        _hang_up(client)
+
+
+def _hang_up(client: _Client) -> None:
+    """Close the socket of a client that stopped reading: what is left in its
+    buffer would wait for it for ever, and aiohttp ends the response with it."""
+    if client.transport is not None:
+        client.transport.abort()
 
 
 class TokenTiming:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -133,6 +134,54 @@ def test_a_passed_through_stream_that_breaks_ends_with_an_error_event(
     error = json.loads(events[-1].removeprefix("data: "))["error"]
     assert "broke the stream" in error["message"] and error["type"] == "upstream_error"
     wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_its_instance_ends_early_ends_with_an_error_event(
+    standins: Any, ferry: Any, chat: bool
+) -> None:
+    """An instance that closes a stream cleanly before its end (no finish reason,
+    no [DONE]) cut it short: a stream that cannot move says so to its client, and
+    the access log and the instance's failures count it, as a broken one."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.end_after = 2
+    proxy = ferry([site.url])
+    if chat:
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}]}
+        path = "/v1/chat/completions"
+    else:
+        body, path = {"prompt": "x"}, "/v1/completions"
+    body |= {"model": "standin", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", proxy.url + path, json=body) as answer:
+        assert answer.status_code == 200
+        events = [e for e in answer.read().decode().split("\n\n") if e]
+    assert len(events) == 3 and all(e.startswith("data: {") for e in events)
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert "ended before its [DONE]" in error["message"] and error["type"] == "upstream_error"
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in metrics
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_a_client_that_reads_nothing_is_let_go(standins: Any, ferry: Any, migration: str) -> None:
+    """A client that keeps its socket open but stops reading would hold its
+    request, and the instance's memory, for ever: after its send timeout the
+    request ends, upstream too, as a client gone."""
+    [(standin, site)] = standins(1, itl_s=0.0)
+    proxy = ferry([site.url], instances_migration=migration, server={"client_send_timeout_s": 0.5})
+    body = json.dumps({"model": "standin", "prompt": "x", "max_tokens": 100_000, "stream": True})
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])))
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: ferry\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        wait_until(lambda: standin.running == 1)
+        wait_until(lambda: standin.running == 0 and proxy.view("i0").inflight == 0, timeout=30)
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_requests_total{instance="i0",outcome="client_disconnect"} 1.0' in metrics
 
 
 def test_whole_answers_pass_through_byte_for_byte(standins: Any, ferry: Any) -> None:

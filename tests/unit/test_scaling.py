@@ -237,7 +237,7 @@ def test_yaml_settings_reach_the_rule() -> None:
             {"scale_in_freeness_above": 5},
             r"scale_out_freeness_below: must be below scale_in_freeness_above",
         ),
-        ({"scale_in_freeness_above": math.inf}, r"must be finite"),
+        ({"scale_in_freeness_above": math.inf}, r"scale_in_freeness_above: must be a finite"),
         ({"min_instances": 0}, r"scheduler.min_instances: must be at least 1"),
         ({"min_instances": 4, "max_instances": 2}, r"scheduler.max_instances: must be at least"),
         ({"max_instances": "many"}, r"scheduler.max_instances: must be int \| None"),

@@ -11,8 +11,9 @@ import pytest
 from proxy import sse
 
 
-class Departed:
-    """A response whose client has gone: aiohttp's writer raises this."""
+class Departed(dict[Any, Any]):
+    """A response (a mapping, as aiohttp's are) whose client has gone: aiohttp's
+    writer raises this."""
 
     async def write(self, data: bytes) -> None:
         raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
