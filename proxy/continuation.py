@@ -38,6 +38,31 @@ _SAMPLING = (
 )
 
 
+# Fields a continuation needs nothing more of: the prompt's (its ids carry
+# them), the transport's and the answer's shape (the splicer rebuilds it), and
+# those `not_migratable` and `continuation_body` read. Any other field set is
+# one the continuation would drop, so the request stays where it is.
+_CARRIED = frozenset(
+    {
+        # the request and its answer's shape
+        "model", "prompt", "messages", "stream", "stream_options", "n", "best_of",
+        "return_token_ids", "request_id", "user", "metadata", "store", "service_tier",
+        "suffix", "modalities",
+        # budgets (`budget`, `continuation_body`)
+        "max_tokens", "max_completion_tokens", "min_tokens",
+        # what makes a request stay (`not_migratable`)
+        "use_beam_search", "length_penalty", "response_format", "tools", "functions",
+        "tool_choice", "parallel_tool_calls", "prompt_logprobs", "echo", "logprobs",
+        "top_logprobs", "return_tokens_as_token_ids", "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        # the prompt's making (applied already: the continuation sends its ids)
+        "add_generation_prompt", "continue_final_message", "add_special_tokens",
+        "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs",
+        "truncate_prompt_tokens", "reasoning_effort", "include_reasoning",
+    }
+)  # fmt: skip
+
+
 def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
     """Why the request cannot move exactly, or None if it can."""
     if not body.get("stream"):
@@ -66,6 +91,25 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
         prompt = body["prompt"]
         if prompt and not all(isinstance(t, int) for t in prompt) and len(prompt) != 1:
             return "a batch of prompts"
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if body.get(key) is not None and integer(body[key]) is None:
+            return f"{key} not an integer"  # vLLM reads "300" as 300; Ferry does not guess
+    dropped = sorted(
+        k for k, v in body.items() if v is not None and k not in _CARRIED and k not in _SAMPLING
+    )
+    if dropped:  # repetition_detection, vllm_xargs, thinking_token_budget, ...
+        # The client names the field: it goes after the colon, out of the label.
+        return f"field not carried over: {dropped[0]}"
+    return None
+
+
+def integer(value: Any) -> int | None:
+    """A token count as JSON gives it: 150, or 150.0 (vLLM takes it for 150);
+    None for anything else."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
     return None
 
 
@@ -107,10 +151,8 @@ def budget(
     end of its `context` (the model's length; None when unknown: no limit known)."""
     keys = ("max_completion_tokens", "max_tokens") if endpoint == "chat" else ("max_tokens",)
     for key in keys:
-        value = body.get(key)
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # vLLM takes 150.0 for 150
-        if isinstance(value, int) and not isinstance(value, bool) and value:
+        value = integer(body.get(key))
+        if value:
             return value
     if endpoint == "completions":
         return 0 if body.get("max_tokens") == 0 else COMPLETIONS_MAX_TOKENS
@@ -138,8 +180,9 @@ def continuation_body(
             out[key] = body[key]
     if limit is not None:
         out["max_tokens"] = limit - len(generated)
-    if isinstance(body.get("min_tokens"), int):
-        out["min_tokens"] = max(0, body["min_tokens"] - len(generated))
+    least = integer(body.get("min_tokens"))
+    if least is not None:
+        out["min_tokens"] = max(0, least - len(generated))
     if wants_usage:
         out["stream_options"] = {"include_usage": True}
     return out

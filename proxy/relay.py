@@ -273,7 +273,9 @@ class Relay:
         why = continuation.not_migratable(body, endpoint)
         if why is not None:
             if body.get("stream"):
-                self.metrics.non_migratable.labels(why).inc()
+                # The reason's detail, after a colon, is the client's (a field's
+                # name): not a label value.
+                self.metrics.non_migratable.labels(why.partition(":")[0]).inc()
                 log.info("request on %s not migratable: %s", name, why)
             return None
         request = Request(

@@ -222,6 +222,9 @@ class Splicer:
         return Fed(data + b"\n\n", len(new), reported)
 
     def _continued(self, chunk: dict[str, Any], choices: list[dict[str, Any]]) -> Fed:
+        assert self.origin is not None
+        if chunk.get("system_fingerprint"):  # vLLM's comes with the last chunk only
+            self.origin.system_fingerprint = chunk["system_fingerprint"]
         if not choices and "usage" in chunk:  # the continuation's own usage: ours instead
             return Fed(self._usage_event())
         new: list[int] = []
@@ -295,8 +298,8 @@ class Splicer:
                     "finish_reason": choice.get("finish_reason"),
                     "token_ids": ids,
                 }
-                if "stop_reason" in choice:
-                    out["stop_reason"] = choice["stop_reason"]
+                if out["finish_reason"] is not None:  # vLLM's chat says it with the finish
+                    out["stop_reason"] = choice.get("stop_reason")
                 out_choices.append(out)
             else:
                 out_choices.append({**choice, "token_ids": ids, "prompt_token_ids": None})

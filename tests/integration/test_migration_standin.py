@@ -9,6 +9,7 @@ import time
 import urllib.request
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -581,3 +582,35 @@ def test_a_moved_stream_keeps_its_usage_on_every_chunk(standins: Any, ferry: Any
     assert "".join(c.choices[0].text for c in tokens) == " tok" * 8
     assert [c.usage.completion_tokens for c in tokens[4:]] == [5, 6, 7, 8]
     assert {c.usage.prompt_tokens for c in tokens[4:]} == {3}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"repetition_detection": {"max_pattern_size": 4}}, {"min_tokens": "5"}],
+    ids=["uncarried-field", "count-as-string"],
+)
+def test_a_stream_a_continuation_would_get_wrong_finishes_where_it_is(
+    standins: Any, ferry: Any, extra: dict[str, Any]
+) -> None:
+    """A field the continuation would drop, or a budget it would read otherwise
+    than the engine: the drain leaves the stream alone, and it ends whole."""
+    sites = standins(2, itl_s=0.01)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin"},
+    )
+    body = {"model": "standin", "prompt": "x", "max_tokens": 30, "stream": True, **extra}
+    chunks = []
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 3:
+                    _drain(proxy, _busy(sites)[0])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " tok" * 30
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(standin.served for standin, _ in sites) == 1  # never continued elsewhere
+    label = "field not carried over" if "repetition_detection" in extra else "min_tokens not"
+    assert f'ferry_non_migratable_requests_total{{reason="{label}' in metrics(proxy.url)

@@ -101,3 +101,41 @@ def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
     assert out["stream"] and out["return_token_ids"]
     assert out["stream_options"] == {"include_usage": True}
     assert "messages" not in out
+
+
+def test_a_field_the_continuation_would_drop_keeps_the_request_in_place() -> None:
+    """vLLM takes fields Ferry does not carry over (repetition_detection,
+    vllm_xargs, ...): a request that sets one stays where it is, one that
+    leaves it null or sends only fields a continuation needs nothing of moves."""
+    base = {"model": "m", "prompt": "hi", "stream": True}
+    for field, value in (
+        ("repetition_detection", {"max_pattern_size": 8}),
+        ("vllm_xargs", {"x": 1}),
+        ("thinking_token_budget", 100),
+        ("logits_processors", ["p"]),
+        ("kv_transfer_params", {"do_remote_decode": True}),
+    ):
+        assert cont.not_migratable({**base, field: value}, "completions") == (
+            f"field not carried over: {field}"
+        )
+        assert cont.not_migratable({**base, field: None}, "completions") is None
+    chat = {"model": "m", "messages": [], "stream": True, "user": "u", "metadata": {"a": "b"}}
+    extras = {"stream_options": {"include_usage": True}, "tool_choice": "none", "store": False}
+    assert cont.not_migratable({**chat, **extras, "chat_template_kwargs": {}}, "chat") is None
+
+
+def test_a_budget_that_is_not_a_number_keeps_the_request_in_place() -> None:
+    """vLLM reads "300" as 300; a continuation that read it otherwise would stop
+    early or run to the end of the context, so such a request does not move."""
+    base = {"model": "m", "prompt": "hi", "stream": True}
+    for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        assert cont.not_migratable({**base, field: "300"}, "completions") == (
+            f"{field} not an integer"
+        )
+        assert cont.not_migratable({**base, field: 300.5}, "completions") is not None
+        assert cont.not_migratable({**base, field: 300.0}, "completions") is None
+    body = {**base, "min_tokens": 250.0}
+    assert (
+        cont.continuation_body(body, [1], [2] * 50, limit=300, wants_usage=False)["min_tokens"]
+        == 200
+    )

@@ -287,6 +287,26 @@ def test_continuation_chunks_take_the_clients_identity_and_shape() -> None:
     assert total == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
 
 
+def test_a_continued_chat_says_its_stop_reason_and_fingerprint_with_its_finish() -> None:
+    """As vLLM's chat stream: `stop_reason` only on the chunk that finishes, and
+    the fingerprint the engine sends with its last chunk."""
+    splicer = Splicer({}, "chat", wants_ids=False)
+    role = {"id": "chatcmpl-1", "created": 1, "model": "m", "prompt_token_ids": [1]}
+    role["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
+    splicer.feed(b"data: " + json.dumps(role).encode())
+    splicer.join(Join(keep=0, skip=0))
+    chunk: dict[str, Any] = {"id": "cmpl-9", "created": 9, "model": "m"}
+    chunk["choices"] = [{"index": 0, "text": " a", "token_ids": [5], "stop_reason": None}]
+    first = json.loads(splicer.feed(b"data: " + json.dumps(chunk).encode()).data[6:])
+    assert "stop_reason" not in first["choices"][0] and "system_fingerprint" not in first
+    chunk["system_fingerprint"] = "fp-9"
+    chunk["choices"] = [
+        {"index": 0, "text": " b", "token_ids": [6], "finish_reason": "stop", "stop_reason": 2}
+    ]
+    last = json.loads(splicer.feed(b"data: " + json.dumps(chunk).encode()).data[6:])
+    assert last["choices"][0]["stop_reason"] == 2 and last["system_fingerprint"] == "fp-9"
+
+
 def test_a_start_over_does_not_repeat_the_role_chunk() -> None:
     splicer = Splicer({}, "chat", wants_ids=False)
     role = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
