@@ -56,7 +56,8 @@ def parse_metrics(text: str) -> EngineSnapshot:
         for family in text_string_to_metric_families("\n".join(load_lines) + "\n"):
             for sample in family.samples:
                 if sample.name in _FIELD_BY_NAME:  # a prefix match may be a longer name
-                    if not math.isfinite(sample.value):  # Prometheus text allows NaN, +Inf
+                    # Prometheus text allows NaN and +Inf; load is neither, nor below 0.
+                    if not 0 <= sample.value < math.inf:
                         raise MetricsParseError(f"{sample.name} is {sample.value}")
                     field, rank = _FIELD_BY_NAME[sample.name]
                     by_rank = seen[sample.labels.get("engine", "0")][field]
@@ -83,14 +84,17 @@ def parse_metrics(text: str) -> EngineSnapshot:
         kv_usage = used / total_blocks
     else:
         kv_usage = total("kv_usage") / len(engines)
-    return EngineSnapshot(
-        running=int(total("running")),
-        waiting=int(total("waiting")),
-        kv_usage=min(max(kv_usage, 0.0), 1.0),
-        kv_blocks_total=total_blocks,
-        block_size=block_size,
-        preemptions_total=int(total("preemptions")),
-    )
+    try:
+        return EngineSnapshot(
+            running=int(total("running")),
+            waiting=int(total("waiting")),
+            kv_usage=min(max(kv_usage, 0.0), 1.0),
+            kv_blocks_total=total_blocks,
+            block_size=block_size,
+            preemptions_total=int(total("preemptions")),
+        )
+    except (OverflowError, ValueError) as exc:  # finite gauges whose sum is not (1e308 x 2)
+        raise MetricsParseError(f"load out of range: {exc}") from exc
 
 
 @functools.lru_cache(maxsize=64)

@@ -179,7 +179,7 @@ async def _one_lean(
                     if source is not None:
                         generated += raw_chunk_ids(data)
         r.finish = time.perf_counter() - start
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         log.warning("request %d failed after %d tokens: %r", t.id, r.generated, exc)
         r.finish = None
     if source is not None:

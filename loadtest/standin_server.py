@@ -49,6 +49,9 @@ class StandIn:
         # tests: end the body cleanly after n tokens, with no finish reason and no
         # [DONE] (a server that closed a stream it had not finished)
         self.end_after: int | None = None
+        # tests: False ends a finished stream without `data: [DONE]`, as some
+        # OpenAI-compatible servers do
+        self.send_done = True
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
         # tests: give the stream up after n tokens as vLLM does when it shuts down
@@ -67,8 +70,10 @@ class StandIn:
         # tests: a chat stream's first n tokens are thoughts, as from a vLLM with a
         # reasoning parser (`delta.reasoning`, not `delta.content`)
         self.reasoning_tokens = 0
-        # tests: the body `/metrics` answers instead of the real one (a broken engine)
+        # tests: the bodies `/metrics` and `/v1/models` answer instead of the real
+        # ones (a broken engine, or something else on its port)
         self.metrics_body: bytes | None = None
+        self.models_body: bytes | None = None
         # tests: the model's context length, as vLLM lists it; once set, a chat
         # without a budget runs to its end, as in vLLM (else it gets 16 tokens)
         self.max_model_len: int | None = None
@@ -138,6 +143,8 @@ class StandIn:
         return web.Response(text="ok")
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.models_body is not None:
+            return web.Response(body=self.models_body, content_type="application/json")
         card = {
             "id": self.model,
             "object": "model",
@@ -379,7 +386,8 @@ class StandIn:
             chunk["object"] = "chat.completion.chunk" if chat else "text_completion"
             chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+        if self.send_done:
+            await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 

@@ -35,6 +35,7 @@ _SAMPLING = (
     "allowed_token_ids",
     "user",
     "priority",  # the engine's own (vLLM's priority scheduling), as the client set it
+    "stream_interval",  # tokens per chunk: the continuation's chunks as the original's
 )
 
 
@@ -47,7 +48,11 @@ _CARRIED = frozenset(
         # the request and its answer's shape
         "model", "prompt", "messages", "stream", "stream_options", "n", "best_of",
         "return_token_ids", "request_id", "user", "metadata", "store", "service_tier",
-        "suffix", "modalities",
+        "suffix", "modalities", "session_id",
+        # OpenAI's, that vLLM takes and ignores
+        "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+        "safety_identifier", "verbosity", "prediction", "audio", "function_call",
+        "moderation", "web_search_options",
         # budgets (`budget`, `continuation_body`)
         "max_tokens", "max_completion_tokens", "min_tokens",
         # what makes a request stay (`not_migratable`)
@@ -58,7 +63,8 @@ _CARRIED = frozenset(
         # the prompt's making (applied already: the continuation sends its ids)
         "add_generation_prompt", "continue_final_message", "add_special_tokens",
         "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs",
-        "truncate_prompt_tokens", "reasoning_effort", "include_reasoning",
+        "truncate_prompt_tokens", "truncation_side", "media_io_kwargs", "reasoning_effort",
+        "include_reasoning", "enable_thinking",
     }
 )  # fmt: skip
 
@@ -75,6 +81,10 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
         return "structured output"
     if endpoint == "chat" and (body.get("tools") or body.get("functions")):
         return "tool calls"
+    if endpoint == "chat" and _multimodal(body.get("messages")):
+        # An image's place in the prompt is placeholder tokens; the continuation,
+        # sent as token ids, would go on without the image.
+        return "multimodal input"
     if body.get("prompt_logprobs") or body.get("echo"):
         return "prompt logprobs or echo"
     if any(body.get(k) for k in ("frequency_penalty", "presence_penalty")):
@@ -101,6 +111,19 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
         # The client names the field: it goes after the colon, out of the label.
         return f"field not carried over: {dropped[0]}"
     return None
+
+
+def _multimodal(messages: Any) -> bool:
+    """Whether a chat's messages hold any part that is not text."""
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type") not in ("text", None) for part in content
+        ):
+            return True
+    return False
 
 
 def integer(value: Any) -> int | None:

@@ -406,14 +406,14 @@ class LiveStream:
                 stream=True,
                 headers={**request.headers, "Content-Type": "application/json"},
             )
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("continuation on %s failed: %s", dest, _why(exc))
             await self._release_kv(dest, kv_params)
             return False
         if upstream.status != 200:
             try:
                 detail = (await upstream.read())[:300]
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 detail = _why(exc).encode()  # it broke while it answered
             finally:
                 call.close()  # a client gone meanwhile too: nothing else releases it

@@ -355,7 +355,10 @@ class Relay:
     ) -> tuple[web.StreamResponse, str]:
         """A stream that cannot move: relay its events as they come."""
         pending = b""
-        done = False  # its [DONE] came: a body that ends before it was cut short
+        # Its [DONE] or a finish reason came: a body that ends before either was
+        # cut short. (A finish is enough: some OpenAI-compatible servers send no
+        # [DONE], or frame it otherwise.)
+        done = False
 
         def relay(data: bytes) -> bytes:
             """The whole events received so far, accounted for, as the client gets them.
@@ -371,7 +374,7 @@ class Relay:
             seen = False
             for event in whole.split(b"\n\n")[:-1]:
                 seen = self._account_event(event, call, timing) or seen
-            done = whole.endswith(sse.DONE)
+            done = done or _finished(whole)
             return token_ids.hide(whole) if seen and not wants_ids else whole
 
         return await self._pipe(request, upstream, call, relay, timing, lambda: done)
@@ -414,6 +417,9 @@ class Relay:
             if complete is not None and not complete():
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except sse.STREAM_ERRORS as exc:
+            if complete is not None and complete():  # it broke after the end: no matter
+                await sse.finish(response)
+                return response, "ok"
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
             await sse.finish(response, cut + sse.error_event(502, message))
@@ -440,6 +446,12 @@ class Relay:
         if token:
             timing.token(call.instance)
         return seen
+
+
+def _finished(events: bytes) -> bool:
+    """Whether a stream's end is in these bytes: [DONE], or a finish reason that
+    is not null. Three substring searches: a third of a regex's cost per chunk."""
+    return b"[DONE]" in events or b'"finish_reason":"' in events or b'"finish_reason": "' in events
 
 
 def _note_end(

@@ -49,6 +49,7 @@ class Scraper:
         self.models_refresh_s = models_refresh_s
         self.clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._unexpected: dict[str, str] = {}  # each instance's last unforeseen failure
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
         """New intervals (a reload), used from each loop's next round."""
@@ -96,7 +97,7 @@ class Scraper:
                     raise MetricsParseError(f"GET {path} returned HTTP {resp.status}")
                 text = await resp.text()
             snapshot = parse(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # ValueError: MetricsParseError, a body that is not UTF-8, a header
             # value aiohttp refuses to send.
             self.metrics.scrape_errors.labels(name).inc()
@@ -118,7 +119,7 @@ class Scraper:
                     return f"GET /v1/models returned HTTP {resp.status}"
                 body = await resp.json()
             cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
             return f"GET /v1/models: {_describe(exc)}"
         self.cluster.record_models(name, cards)
         return None
@@ -137,7 +138,7 @@ class Scraper:
                 if resp.status == 200:
                     info = await resp.json()
                 why = f"GET {wire.INFO}: HTTP {resp.status} (shim not loaded)"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             why = _describe(exc)
         if isinstance(info, dict) and info.get("shim_version") == wire.SHIM_VERSION:
             state.shim, state.shim_error = info, None
@@ -146,6 +147,28 @@ class Scraper:
                 why = f"shim version {info.get('shim_version')}, need {wire.SHIM_VERSION}"
             state.shim, state.shim_error = None, why
 
+    async def look(self, name: str, with_models: bool = True) -> bool:
+        """One look at the instance: its models (`with_models`), then its load.
+        Whatever it answers, a failure is a failed scrape, never an exception: a
+        loop that died would leave the instance's last look standing for good
+        (healthy while dead, or never healthy again). Whether the models were read."""
+        state = self.cluster.instances[name]
+        read = False
+        try:
+            if with_models and await self.refresh_models(name):
+                read = True
+                if state.config.migration == "full":
+                    await self.refresh_shim(name)
+            await self.scrape_once(name)
+        except Exception as exc:  # noqa: BLE001
+            why = _describe(exc)
+            if why != self._unexpected.get(name):  # once per new cause, not per scrape
+                log.exception("scraping %s failed", name)
+            self._unexpected[name] = why
+            self.metrics.scrape_errors.labels(name).inc()
+            self.cluster.record_scrape_failure(name, why)
+        return read
+
     async def _run(self, name: str) -> None:
         next_models, config = 0.0, None
         while True:
@@ -153,19 +176,8 @@ class Scraper:
             state = self.cluster.instances[name]
             if state.config is not config:  # changed at runtime: look again now
                 next_models, config = 0.0, state.config
-            try:
-                if started >= next_models and await self.refresh_models(name):
-                    next_models = started + self.models_refresh_s
-                    if state.config.migration == "full":
-                        await self.refresh_shim(name)
-                await self.scrape_once(name)
-            except Exception as exc:  # noqa: BLE001
-                # Whatever an instance answers, its loop goes on: a loop that died
-                # would leave the instance's last look standing for good (healthy
-                # while dead, or never healthy again).
-                log.exception("scraping %s failed", name)
-                self.metrics.scrape_errors.labels(name).inc()
-                self.cluster.record_scrape_failure(name, _describe(exc))
+            if await self.look(name, with_models=started >= next_models):
+                next_models = started + self.models_refresh_s
             elapsed = self.clock() - started
             await asyncio.sleep(max(0.0, self.interval_s - elapsed))
 

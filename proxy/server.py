@@ -192,7 +192,7 @@ def build_app(
             await discovery.refresh_all()
             async with _shared_view(config, app, migrator, rescheduler):
                 # One round before serving, so the first requests find healthy instances.
-                await asyncio.gather(*(_first_look(scraper, n) for n in cluster.instances))
+                await asyncio.gather(*(scraper.look(n) for n in cluster.instances))
                 scraper.start()
                 events.sync()
                 rescheduler.start()
@@ -308,13 +308,6 @@ def _migration_settings(config: FerryConfig) -> MigrationSettings:
         stalled_after_s=s.migration_stalled_after_s,
         prewarm_min_recompute_s=s.migration_prewarm_min_recompute_s,
     )
-
-
-async def _first_look(scraper: Scraper, name: str) -> None:
-    await scraper.refresh_models(name)
-    if scraper.cluster.instances[name].config.migration == "full":
-        await scraper.refresh_shim(name)
-    await scraper.scrape_once(name)
 
 
 def _openai_handler(endpoint: str) -> Any:

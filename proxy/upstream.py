@@ -11,7 +11,6 @@ through `post_json`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -175,6 +174,6 @@ class Upstreams:
                 if resp.status == 404:
                     return None
                 return await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             log.warning("POST %s%s failed: %s: %s", instance, path, type(exc).__name__, exc)
             return None

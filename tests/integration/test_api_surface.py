@@ -163,6 +163,19 @@ def test_a_stream_its_instance_ends_early_ends_with_an_error_event(
     wait_until(lambda: proxy.view("i0").inflight == 0)
 
 
+def test_a_finished_stream_without_done_is_whole(standins: Any, ferry: Any) -> None:
+    """Some OpenAI-compatible servers end a stream after its finish reason without
+    [DONE]: that stream is whole, not cut short."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.send_done = False
+    proxy = ferry([site.url])
+    api = client(proxy)
+    chunks = api.completions.create(model="standin", prompt="x", max_tokens=4, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == " tok" * 4
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_requests_total{instance="i0",outcome="ok"} 1.0' in metrics
+
+
 @pytest.mark.parametrize("migration", ["off", "lite"])
 def test_a_client_that_reads_nothing_is_let_go(standins: Any, ferry: Any, migration: str) -> None:
     """A client that keeps its socket open but stops reading would hold its

@@ -231,6 +231,19 @@ def test_a_bad_metrics_answer_is_a_failed_scrape_and_scraping_goes_on(
     wait_until(lambda: proxy.view("i0").healthy)
 
 
+def test_an_answer_no_check_foresaw_is_a_failed_scrape_from_the_first_look(
+    standins: Any, ferry: Any
+) -> None:
+    """`/v1/models` with `data` that is not a list (something else on the port):
+    Ferry starts, the instance is unhealthy while it answers so, healthy after."""
+    [(standin, site)] = standins(1)
+    standin.models_body = b'{"data": 5}'
+    proxy = ferry([site.url], scheduler={"scrape_interval_s": 0.05, "unhealthy_after_failures": 1})
+    assert not proxy.view("i0").healthy
+    standin.models_body = None
+    wait_until(lambda: proxy.view("i0").healthy)
+
+
 def test_connection_failure_is_retried_on_another_instance(
     standins: Any, ferry: Any, loop_thread: Any
 ) -> None:

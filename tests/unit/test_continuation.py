@@ -122,6 +122,22 @@ def test_a_field_the_continuation_would_drop_keeps_the_request_in_place() -> Non
     chat = {"model": "m", "messages": [], "stream": True, "user": "u", "metadata": {"a": "b"}}
     extras = {"stream_options": {"include_usage": True}, "tool_choice": "none", "store": False}
     assert cont.not_migratable({**chat, **extras, "chat_template_kwargs": {}}, "chat") is None
+    # What OpenAI's SDK sends and vLLM ignores moves.
+    sdk = {"prompt_cache_key": "k", "safety_identifier": "s", "verbosity": "low"}
+    assert cont.not_migratable({**chat, **sdk}, "chat") is None
+
+
+def test_a_chat_with_an_image_does_not_move() -> None:
+    """Its image is placeholder tokens in the prompt's ids: a continuation sent
+    as ids would go on without it."""
+    text = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    chat = {"model": "m", "stream": True}
+    assert cont.not_migratable({**chat, "messages": [text]}, "chat") is None
+    with_image = {"role": "user", "content": [image, {"type": "text", "text": "what is it?"}]}
+    assert cont.not_migratable({**chat, "messages": [text, with_image]}, "chat") == (
+        "multimodal input"
+    )
 
 
 def test_a_budget_that_is_not_a_number_keeps_the_request_in_place() -> None:

@@ -88,7 +88,15 @@ def test_rejects_text_that_is_not_a_vllm_scrape(text: str) -> None:
         parse_metrics(text)
 
 
-@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+def test_rejects_load_whose_sum_is_not_finite() -> None:
+    with pytest.raises(MetricsParseError):
+        parse_metrics(
+            'vllm:num_requests_running{engine="0"} 1e308\n'
+            'vllm:num_requests_running{engine="1"} 1e308\n'
+        )
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf", "-1"])
 def test_rejects_a_load_gauge_that_is_not_a_number(value: str) -> None:
     with pytest.raises(MetricsParseError, match="num_requests_running"):
         parse_metrics(f'vllm:num_requests_running{{engine="0"}} {value}\n')
