@@ -449,9 +449,14 @@ class Relay:
 
 
 def _finished(events: bytes) -> bool:
-    """Whether a stream's end is in these bytes: [DONE], or a finish reason that
-    is not null. Three substring searches: a third of a regex's cost per chunk."""
-    return b"[DONE]" in events or b'"finish_reason":"' in events or b'"finish_reason": "' in events
+    """Whether a stream's end is in these bytes: its [DONE] event, or a finish
+    reason that is not null. Substring searches: half a regex's cost per chunk."""
+    return (
+        b'"finish_reason":"' in events
+        or b'"finish_reason": "' in events
+        or b"data: [DONE]" in events
+        or b"data:[DONE]" in events
+    )
 
 
 def _note_end(
