@@ -19,9 +19,10 @@ stream (see `migrator.Migrator.move`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,9 @@ class KVOutcome:
     load: dict[str, Any] | None = None
     finished: bool = False
     refused: bool = False
+    # The stream failed over or ended while the source was copying: the copy is
+    # of no use now, its reservation freed and its answer not awaited.
+    abandoned: bool = False
 
 
 class KVMigrator:
@@ -92,10 +96,12 @@ class KVMigrator:
         tokens: int,
         reason: str,
         expect_stop: Callable[[bool], None],
+        moot: asyncio.Event | None = None,
     ) -> KVOutcome:
         """Copy the KV of the request tagged `tag` (`tokens` long) from `source` to
         `destination`. `expect_stop(True)` is called before the source may stop
-        it, `expect_stop(False)` once it is known not to have."""
+        it, `expect_stop(False)` once it is known not to have. Once `moot` is set
+        (the stream went elsewhere without this copy) the copy is given up."""
         dest = self.cluster.instances[destination]
         assert dest.shim is not None
         mig_id = uuid.uuid4().hex
@@ -110,7 +116,7 @@ class KVMigrator:
             log.info("full migration to %s refused: %s", destination, _why(reserved))
             return KVOutcome(stopped=False, refused=True)
         expect_stop(True)
-        result = await self.upstreams.post_json(
+        migrate = self.upstreams.post_json(
             source,
             wire.MIGRATE,
             {
@@ -124,6 +130,15 @@ class KVMigrator:
             },
             timeout_s=self.settings.timeout_s + 10,
         )
+        result = await _unless(moot, migrate)
+        if result is _MOOT:
+            # A hung source answers late, if ever; meanwhile the reservation
+            # would starve the destination the stream failed over to.
+            await self.release(destination, mig_id)
+            expect_stop(False)
+            self._count(reason, "abandoned")
+            log.info("full migration of %s abandoned: the stream went on without it", tag)
+            return KVOutcome(stopped=False, abandoned=True)
         result = result if isinstance(result, dict) else None
         outcome = (result or {}).get("outcome")
         if outcome == wire.STOPPED:
@@ -169,6 +184,24 @@ class KVMigrator:
 
     def _count(self, reason: str, outcome: str) -> None:
         self.metrics.kv_migrations.labels(reason, outcome).inc()
+
+
+_MOOT = object()
+
+
+async def _unless(moot: asyncio.Event | None, call: Coroutine[Any, Any, Any]) -> Any:
+    """`call`'s result, or _MOOT (the call cancelled) once `moot` is set first."""
+    task = asyncio.ensure_future(call)
+    if moot is None:
+        return await task
+    waiter = asyncio.ensure_future(moot.wait())
+    try:
+        done, _ = await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()  # moot, or this move itself cancelled
+    return task.result() if task in done else _MOOT
 
 
 def _why(answer: Any) -> str:

@@ -106,6 +106,9 @@ class LiveStream:
         # A move of it is submitted and not over (Migrator.submit): the planners
         # leave it alone meanwhile, or a pre-warm's second would move it twice.
         self.claimed = False
+        # Set once a full-mode copy of it, if one is under way, is of no use: the
+        # stream failed over without it, or ended (kv_migration.KVMigrator.copy).
+        self.copy_moot = asyncio.Event()
         self._order: MoveOrder | None = None
         self._pending = b""  # bytes read from the current upstream, not yet relayed
         self._pump: asyncio.Task[str] | None = None
@@ -200,6 +203,7 @@ class LiveStream:
                     await self._fail(response, "too many resumes")
                     return response, "stream_broken"
                 preferred = order.destination if order is not None else None
+                self.copy_moot.set()
                 self._order = failover = MoveOrder(preferred, "failover")
                 moved = await self._cut_over(failover, response)
                 self._order = None
@@ -214,6 +218,7 @@ class LiveStream:
         finally:
             if self._order is not None and not self._order.done.done():
                 self._order.done.set_result(False)
+            self.copy_moot.set()
             self.call.close()
 
     async def _relay(self, response: web.StreamResponse) -> str:

@@ -298,8 +298,9 @@ class Migrator:
             stream.splicer.continuation_tokens(),
             reason,
             stream.expect_source_stop,
+            stream.copy_moot,
         )
-        if outcome.finished or outcome.refused:
+        if outcome.finished or outcome.refused or outcome.abandoned:
             return False
         # Not copied (the request was queued or preempted, the copy failed or
         # timed out): move it by recompute at once instead.
