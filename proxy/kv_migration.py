@@ -57,8 +57,8 @@ class KVOutcome:
     load: dict[str, Any] | None = None
     finished: bool = False
     refused: bool = False
-    # The stream failed over or ended while the source was copying: the copy is
-    # of no use now, its reservation freed and its answer not awaited.
+    # The stream failed over while the source was copying: the copy is of no
+    # use now, its reservation freed and its answer not awaited.
     abandoned: bool = False
 
 

@@ -107,7 +107,8 @@ class LiveStream:
         # leave it alone meanwhile, or a pre-warm's second would move it twice.
         self.claimed = False
         # Set once a full-mode copy of it, if one is under way, is of no use: the
-        # stream failed over without it, or ended (kv_migration.KVMigrator.copy).
+        # stream failed over without it (kv_migration.KVMigrator.copy). A stream
+        # that ends needs no such word: its source answers the copy at once.
         self.copy_moot = asyncio.Event()
         self._order: MoveOrder | None = None
         self._pending = b""  # bytes read from the current upstream, not yet relayed
@@ -218,7 +219,6 @@ class LiveStream:
         finally:
             if self._order is not None and not self._order.done.done():
                 self._order.done.set_result(False)
-            self.copy_moot.set()
             self.call.close()
 
     async def _relay(self, response: web.StreamResponse) -> str:
