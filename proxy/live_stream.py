@@ -327,7 +327,13 @@ class LiveStream:
         for _ in range(2):
             tokens = splicer.continuation_tokens() or self.call.entry.prompt_tokens
             dest = self.placement.destination(
-                self.request.model, tokens, self.request.priority, tried, preferred, cached
+                self.request.model,
+                tokens,
+                self.request.priority,
+                tried,
+                preferred,
+                cached,
+                rescue=order.reason == "failover",
             )
             if dest is None:
                 self.metrics.migrations.labels(order.reason, "no_destination").inc()

@@ -15,7 +15,7 @@ from typing import Any
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
 from proxy.policy import ClusterView, DispatchRequest, InstanceView, NoCandidate, Priority, dispatch
-from proxy.policy.policies import DispatchPolicy
+from proxy.policy.policies import DispatchPolicy, best
 from proxy.prefix_index import PrefixKey, session_of
 
 
@@ -70,12 +70,13 @@ class Placement:
             view = self.cluster.instance_view(name)
             prefixes.record_tokens(name, ids, view.block_size, view.capacity_blocks)
 
-    def migration_instances(self) -> set[str]:
-        """Instances that can take part in a move (as source or destination)."""
+    def migration_instances(self, draining: bool = False) -> set[str]:
+        """Instances that can take part in a move (as source or destination);
+        with `draining`, the draining ones only."""
         return {
             name
             for name, state in self.cluster.instances.items()
-            if state.config.migration != "off" and state.healthy and not state.draining
+            if state.config.migration != "off" and state.healthy and state.draining == draining
         }
 
     def view_of(self, names: set[str]) -> ClusterView:
@@ -92,10 +93,14 @@ class Placement:
         exclude: set[str],
         preferred: str | None = None,
         cached: Mapping[str, int] | None = None,
+        rescue: bool = False,
     ) -> str | None:
         """Where a stream of `tokens` (prompt + generated) should go on: `preferred`
         if it can take it, else the policy's pick among migration instances;
-        `cached` (from `cached_for`) credits the instances holding its prefix."""
+        `cached` (from `cached_for`) credits the instances holding its prefix.
+        A `rescue` (a broken stream's failover) that finds none of those takes a
+        draining instance: it is healthy, and its drain waits for the stream or
+        moves it on, where the alternative is to lose the stream."""
         usable = self.migration_instances()
         if preferred and preferred in usable and preferred not in exclude:
             return preferred
@@ -104,7 +109,19 @@ class Placement:
         try:
             return self.choose(request)[0].name
         except NoCandidate:
+            return self._draining_destination(model, exclude) if rescue else None
+
+    def _draining_destination(self, model: str, exclude: set[str]) -> str | None:
+        """The freest draining instance that can take a move, serving `model`."""
+        names = self.migration_instances(draining=True) - exclude
+        views = [
+            v
+            for v in self.cluster.view().instances
+            if v.name in names and model in v.models
+        ]
+        if not views:
             return None
+        return best(views, [v.freeness for v in views], self.rng).name
 
     def cached_for(self, ids: Sequence[int], instance: str) -> dict[str, int]:
         """Tokens of the id sequence `ids` (a stream's prompt + generated) that the

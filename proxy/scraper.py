@@ -68,6 +68,7 @@ class Scraper:
     async def unwatch(self, name: str) -> None:
         """Stop scraping an instance before it is removed."""
         task = self._tasks.pop(name, None)
+        self._unexpected.pop(name, None)  # an instance added again under the name logs anew
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

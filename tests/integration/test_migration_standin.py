@@ -148,6 +148,30 @@ def test_a_high_priority_request_makes_room_by_moving_a_lower_one(
     assert 'ferry_migrations_total{outcome="ok",reason="priority"} 1.0' in metrics(proxy.url)
 
 
+def test_a_broken_stream_resumes_on_a_draining_instance_when_none_else_is_left(
+    standins: Any, ferry: Any
+) -> None:
+    """A drain waits for its streams; a stream that breaks meanwhile is better
+    resumed there than lost, when no other instance is left."""
+    (broken, a), (draining, b) = standins(2, itl_s=0.001)
+    broken.break_after = 10
+    proxy = ferry([a.url, b.url], instances_migration="lite", admin_token="t")
+    request = urllib.request.Request(
+        proxy.url + "/admin/instances/i1/drain",
+        data=b"",
+        method="POST",
+        headers={"Authorization": "Bearer t"},
+    )
+    urllib.request.urlopen(request, timeout=5).close()
+    chunks = list(
+        api(proxy.url).completions.create(model="standin", prompt="hi", max_tokens=40, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == " tok" * 40
+    assert draining.seen_bodies[-1]["prompt"] == [1, 2, 3] + [7] * 10
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+    assert proxy.view("i1").draining  # still draining: the rescue did not undo it
+
+
 def test_a_stalled_stream_resumes_elsewhere(standins: Any, ferry: Any) -> None:
     (stalled, a), (_, b) = standins(2, itl_s=0.001)
     stalled.stall_after = 8
