@@ -46,6 +46,9 @@ class StandIn:
         self.served = 0
         self.fail_status: int | None = None  # tests: answer every request with this status
         self.break_after: int | None = None  # tests: drop the connection after n tokens
+        # tests: a whole (non-streamed) answer's headers go out, then the
+        # connection drops mid-body (a server that sends its headers early)
+        self.break_whole = False
         # tests: end the body cleanly after n tokens, with no finish reason and no
         # [DONE] (a server that closed a stream it had not finished)
         self.end_after: int | None = None
@@ -316,6 +319,12 @@ class StandIn:
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream(request, chat, n, ids, usage)
             await asyncio.sleep(self.ttft_s + self.itl_s * n)
+            if self.break_whole and transport is not None:
+                resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await resp.prepare(request)
+                await resp.write(json.dumps(self._whole(chat, n, ids)).encode()[:20])
+                transport.abort()
+                return resp
             return web.json_response(self._whole(chat, n, ids))
         finally:
             self.running -= 1

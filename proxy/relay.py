@@ -199,7 +199,21 @@ class Relay:
                         request, upstream, call, wants_ids, timing
                     )
                 else:
-                    response, outcome = await self._whole(upstream, call, wants_ids, body is None)
+                    try:
+                        await upstream.read()  # kept by aiohttp: _whole reads it again
+                    except sse.STREAM_ERRORS as exc:
+                        outcome = "upstream_error"
+                        failed = _upstream_failed(name, exc)
+                        # Nothing reached the client, so another instance can
+                        # answer, unless the read timed out: that would likely
+                        # time out again, doubling a long job.
+                        if isinstance(exc, TimeoutError) or attempt == self.retries:
+                            return failed
+                        self.metrics.retries.labels(outcome).inc()
+                        record.retries.append({"instance": name, "reason": outcome})
+                        tried.add(name)
+                        continue
+                    response, outcome = await self._whole(upstream, call, wants_ids, False)
                 return response
             except asyncio.CancelledError:
                 outcome = "client_disconnect"

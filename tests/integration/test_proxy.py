@@ -365,6 +365,26 @@ def test_a_failed_answer_is_retried_on_another_instance(
     assert f'ferry_retries_total{{reason="{failure}"}} 4.0' in text
 
 
+def test_a_whole_answer_cut_after_its_headers_is_retried_on_another_instance(
+    standins: Any, ferry: Any
+) -> None:
+    # Nothing reached the client yet, so another instance can still answer.
+    (bad, bad_site), (good, good_site) = standins(2, itl_s=0.001)
+    bad.break_whole = True
+    proxy = ferry([bad_site.url, good_site.url], scheduler={"policy": "round_robin"})
+    for _ in range(2):  # round robin: each meets the breaking instance first
+        out = client(proxy).completions.create(model="standin", prompt="x", max_tokens=3)
+        assert out.choices[0].text == " tok" * 3
+    assert bad.served == 2 and good.served == 2
+    text = get(proxy.url + "/metrics")[1]["raw"]
+    assert 'ferry_retries_total{reason="upstream_error"} 2.0' in text
+    bad_site_only = ferry([bad_site.url])
+    status, payload, _ = post(
+        bad_site_only.url + "/v1/completions", b'{"model":"standin","prompt":"x"}'
+    )
+    assert status == 502 and payload["error"]["type"] == "upstream_error"
+
+
 def test_a_client_error_is_not_retried_and_retries_run_out(standins: Any, ferry: Any) -> None:
     (a, site_a), (b, site_b) = standins(2)
     proxy = ferry([site_a.url, site_b.url], scheduler={"policy": "round_robin", "retries": 1})
