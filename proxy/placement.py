@@ -114,11 +114,7 @@ class Placement:
     def _draining_destination(self, model: str, exclude: set[str]) -> str | None:
         """The freest draining instance that can take a move, serving `model`."""
         names = self.migration_instances(draining=True) - exclude
-        views = [
-            v
-            for v in self.cluster.view().instances
-            if v.name in names and model in v.models
-        ]
+        views = [v for v in self.cluster.view().instances if v.name in names and model in v.models]
         if not views:
             return None
         return best(views, [v.freeness for v in views], self.rng).name

@@ -108,7 +108,9 @@ def supervise(
         for process in workers.values():
             process.join(max(0.0, deadline - time.monotonic()))
         status = 0
-        for process in workers.values():
+        for index, process in workers.items():
+            if index in restart_at:  # died before the stop and was reported then
+                continue
             if process.is_alive():
                 log.error("worker pid %s ran past %.0fs: killed", process.pid, stop_timeout_s)
                 process.kill()
