@@ -180,7 +180,7 @@ class LiveStream:
             while True:
                 result = await self._relay(response)
                 if result == "done":
-                    await sse.finish(response)
+                    await self._end(response)
                     return response, "ok"
                 # The order stays the stream's own while its cut-over runs: no
                 # other is taken meanwhile, and a client gone mid-way resolves it
@@ -301,6 +301,11 @@ class LiveStream:
             await sse.write(response, data)
             self.timing.written()
 
+    async def _end(self, response: web.StreamResponse, data: bytes | None = None) -> None:
+        """End the stream whole; a client that misses its end raises `ClientGone`."""
+        if not await sse.finish(response, data):
+            raise sse.ClientGone("the client missed the stream's end")
+
     # -- the cut-over ---------------------------------------------------------------
     async def _cut_over(self, order: MoveOrder, response: web.StreamResponse) -> str:
         """Start the continuation and switch to it: "moved", "failed" (the stream
@@ -313,7 +318,7 @@ class LiveStream:
         limit = self._limit()
         if splicer.ended or (limit is not None and limit - len(splicer.generated) <= 0):
             splicer.finished = True  # the source had sent its last token
-            await sse.finish(response, splicer.closing())
+            await self._end(response, splicer.closing())
             return "done"
         if splicer.unmovable is not None:
             self.metrics.migrations.labels(order.reason, "not_migratable").inc()

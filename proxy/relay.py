@@ -432,16 +432,14 @@ class Relay:
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except sse.STREAM_ERRORS as exc:
             if complete is not None and complete():  # it broke after the end: no matter
-                await sse.finish(response)
-                return response, "ok"
+                return response, await _ended(response)
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
             await sse.finish(response, cut + sse.error_event(502, message))
             return response, "stream_broken"
         except ConnectionResetError:
             return response, "client_disconnect"
-        await sse.finish(response)
-        return response, "ok"
+        return response, await _ended(response)
 
     def _account_event(self, event: bytes, call: Call, timing: sse.TokenTiming) -> bool:
         """Credit one event's tokens to the ledger and the timing; whether it
@@ -490,6 +488,11 @@ def _note_end(
         prompt = len(ids) if ids is not None else prompt
         completion = len(live.splicer.generated)
     record.prompt_tokens, record.completion_tokens = prompt, completion
+
+
+async def _ended(response: web.StreamResponse) -> str:
+    """End a whole stream: its outcome, "ok" unless the client missed its end."""
+    return "ok" if await sse.finish(response) else "client_disconnect"
 
 
 def _retryable(upstream: aiohttp.ClientResponse) -> bool:

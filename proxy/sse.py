@@ -141,8 +141,10 @@ async def write(response: web.StreamResponse, data: bytes) -> None:
         raise ClientGone(f"the client read nothing for {client.timeout_s:g} s") from exc
 
 
-async def finish(response: web.StreamResponse, data: bytes | None = None) -> None:
-    """Write the last bytes and end a stream whose client may already be gone."""
+async def finish(response: web.StreamResponse, data: bytes | None = None) -> bool:
+    """Write the last bytes and end a stream whose client may already be gone;
+    whether the client took them (False: it was gone, or read nothing for its
+    send timeout and was hung up on)."""
     client: _Client | None = response.get(_CLIENT)
     timeout_s = client.timeout_s if client is not None and client.timeout_s else None
     try:
@@ -151,10 +153,12 @@ async def finish(response: web.StreamResponse, data: bytes | None = None) -> Non
                 await response.write(data)
             await response.write_eof()
     except ConnectionResetError:
-        pass
+        return False
     except TimeoutError:
         assert client is not None
         _hang_up(client)
+        return False
+    return True
 
 
 def _hang_up(client: _Client) -> None:
