@@ -15,9 +15,10 @@ workloads at moderate load, each through every path, one after another:
 
 Paths: vllm-router `round_robin`, `power_of_two` and `cache_aware`, and Ferry
 with its defaults (`llumnix` with `prefix_credit`); on `prefix` also
-`ferry-plain`, Ferry without the credit (`--paths` runs any of them on any
-workload, e.g. `ferry,ferry-plain` on `heavy`: the credit where nothing is
-shared). `--engine-priority` starts the
+`ferry-plain`, Ferry without the credit, and on request `ferry+loose`, the
+credit's crowd bound loosened (`--paths` runs any of them on any workload,
+e.g. `ferry,ferry-plain` on `heavy`: the credit where nothing is shared).
+`--engine-priority` starts the
 servers with vLLM's `--scheduling-policy priority`: Ferry's instances get
 `engine_priority: true`, and the routers' client sets the body's `priority`
 field itself, the best a router's user can do.
@@ -67,6 +68,10 @@ FERRY, PLAIN = "ferry", "ferry-plain"  # defaults; without prefix_credit
 # Ferry scraping every 2 s instead of 0.25 s: what its /metrics scrapes cost the
 # engines (`--paths ...,ferry+scrape2s`; not run by default).
 SLOW_SCRAPE = "ferry+scrape2s"
+# Ferry with the prefix credit's crowd bound loosened (scheduler.prefix_crowd_*),
+# as the README advises where a prefill costs more than a crowded batch.
+LOOSE = "ferry+loose"
+LOOSE_CROWD = {"prefix_crowd_factor": 3.0, "prefix_crowd_grace": 8.0}
 # Heavy-tailed lengths (lognormal around 128/128 tokens); requests and seed are
 # the command line's.
 HEAVY = TraceSpec(requests=0, rate=1.5, seed=0, input_mean=128, output_mean=128, max_len=480)
@@ -136,6 +141,8 @@ def start_ferry(
         instance["engine_priority"] = engine_priority
     if path == SLOW_SCRAPE:
         config["scheduler"]["scrape_interval_s"] = 2.0
+    if path == LOOSE:
+        config["scheduler"].update(LOOSE_CROWD)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump(config, f)  # JSON is YAML
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", f.name]
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             trace = make_trace(workload, args.requests, args.seed)
             # Named in --paths, any path runs on any workload: ferry-plain on
             # `heavy` shows what the credit costs where no prefix is shared.
-            every = (*ROUTERS, FERRY, PLAIN, SLOW_SCRAPE)
+            every = (*ROUTERS, FERRY, PLAIN, SLOW_SCRAPE, LOOSE)
             chosen_paths = [p for p in every if p in only] if only else list(paths(workload))
             rounds: dict[str, list[Run]] = {p: [] for p in chosen_paths}
             for n in range(1, args.repeat + 1):

@@ -104,11 +104,15 @@ class SchedulerConfig:
     # more of a prompt cached on some instances than on others, llumnix sends it
     # where the least prefill is ahead of its first token, among the instances
     # that stay at or above prefix_safe_freeness (blocks per request) after
-    # taking it and not crowded (policies.CROWD_FACTOR); a session stays on its
-    # instance unless another is freer by more than affinity_margin_blocks.
+    # taking it and not crowded (at most prefix_crowd_factor x the fewest
+    # requests in flight on any candidate, plus prefix_crowd_grace; see
+    # policies.CROWD_FACTOR); a session stays on its instance unless another is
+    # freer by more than affinity_margin_blocks.
     prefix_credit: bool = True
     affinity_margin_blocks: float = 32.0
     prefix_safe_freeness: float = 1.0
+    prefix_crowd_factor: float = 1.5
+    prefix_crowd_grace: float = 2.0
     # cache_aware (vllm-router's defaults): follow a prefix match above
     # cache_threshold of the prompt unless in-flight counts differ by more than
     # balance_abs_threshold and by a factor above balance_rel_threshold.
@@ -551,6 +555,7 @@ def _check_prefix(s: SchedulerConfig) -> None:
     for key in (
         "affinity_margin_blocks",
         "prefix_safe_freeness",
+        "prefix_crowd_grace",
         "balance_abs_threshold",
     ):
         value = getattr(s, key)
@@ -560,11 +565,10 @@ def _check_prefix(s: SchedulerConfig) -> None:
         raise ConfigError(
             f"scheduler.cache_threshold: must be between 0 and 1 (got {s.cache_threshold})"
         )
-    if not (math.isfinite(s.balance_rel_threshold) and s.balance_rel_threshold >= 1):
-        raise ConfigError(
-            "scheduler.balance_rel_threshold: must be a finite number, 1 or more"
-            f" (got {s.balance_rel_threshold})"
-        )
+    for key in ("balance_rel_threshold", "prefix_crowd_factor"):
+        value = getattr(s, key)
+        if not (math.isfinite(value) and value >= 1):
+            raise ConfigError(f"scheduler.{key}: must be a finite number, 1 or more (got {value})")
 
 
 def _check_scaling(s: SchedulerConfig) -> None:

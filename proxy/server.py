@@ -265,6 +265,8 @@ def _policy(s: SchedulerConfig) -> DispatchPolicy:
             "prefix_credit": s.prefix_credit,
             "affinity_margin": s.affinity_margin_blocks,
             "safe_freeness": s.prefix_safe_freeness,
+            "crowd_factor": s.prefix_crowd_factor,
+            "crowd_grace": s.prefix_crowd_grace,
         }
     elif s.policy == "cache_aware":
         options = {
@@ -278,7 +280,7 @@ def _policy(s: SchedulerConfig) -> DispatchPolicy:
 def _policy_changed(new: SchedulerConfig, old: SchedulerConfig) -> bool:
     keys: tuple[str, ...] = ("policy", "topk", "prefix_credit", "prefix_safe_freeness")
     keys += ("affinity_margin_blocks", "cache_threshold", "balance_abs_threshold")
-    keys += ("balance_rel_threshold",)
+    keys += ("balance_rel_threshold", "prefix_crowd_factor", "prefix_crowd_grace")
     return any(getattr(new, k) != getattr(old, k) for k in keys)
 
 

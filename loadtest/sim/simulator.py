@@ -103,6 +103,8 @@ class SimSettings:
     prefix_credit: bool = False
     affinity_margin_blocks: float = 32.0
     prefix_safe_freeness: float = 1.0
+    prefix_crowd_factor: float = 1.5
+    prefix_crowd_grace: float = 2.0
 
 
 class Simulator:
@@ -120,6 +122,8 @@ class Simulator:
                 "prefix_credit": True,
                 "affinity_margin": settings.affinity_margin_blocks,
                 "safe_freeness": settings.prefix_safe_freeness,
+                "crowd_factor": settings.prefix_crowd_factor,
+                "crowd_grace": settings.prefix_crowd_grace,
             }
         self.policy = make_policy(settings.policy, **options)
         # Ferry's own prefix index, recorded at dispatch as the proxy records it.

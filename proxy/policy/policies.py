@@ -51,15 +51,18 @@ def best(
 
 # A cached prefix may draw a request to an instance with more in flight than
 # the least busy candidate, but not to one with over CROWD_FACTOR times as many
-# plus CROWD_GRACE. Without that bound one hot prompt piles onto its holder while
-# memory lasts and every stream there decodes in a crowded batch (simulated, 16
-# instances, one system prompt: P99 TTFT 0.95 s against plain llumnix's 0.02 s).
-# A bound on requests, not freeness, because it holds across instances of any
-# size: a small engine beside a roomy one still takes the prompts it caches.
-# vllm-router's cache_aware bounds the same imbalance with its balance
-# thresholds (in-flight counts apart by a factor and by an amount), far looser.
+# plus CROWD_GRACE (the defaults of `crowd_factor` and `crowd_grace`). Without
+# that bound one hot prompt piles onto its holder while memory lasts and every
+# stream there decodes in a crowded batch (simulated, 16 instances, one system
+# prompt: P99 TTFT 0.95 s against plain llumnix's 0.02 s). A bound on requests,
+# not freeness, because it holds across instances of any size: a small engine
+# beside a roomy one still takes the prompts it caches. vllm-router's
+# cache_aware bounds the same imbalance with its balance thresholds (in-flight
+# counts apart by a factor and by an amount), far looser. Where a prefill costs
+# more than a crowded batch (slow prefill, long prompts: the CPU build), a
+# looser bound is better; README "Prefix locality" has the figures.
 CROWD_FACTOR = 1.5
-CROWD_GRACE = 2
+CROWD_GRACE = 2.0
 
 
 class Llumnix:
@@ -73,8 +76,8 @@ class Llumnix:
     without crowding memory: among the instances that stay free enough after
     taking it (freeness at or above `safe_freeness`, its cached blocks not
     counted as demand there: virtual_usage.freeness_after) and not crowded
-    (at most CROWD_FACTOR x + CROWD_GRACE the fewest requests any candidate
-    has), the one with the least prefill ahead of it, the prefill queued
+    (at most `crowd_factor` x the fewest requests any candidate has, plus
+    `crowd_grace`), the one with the least prefill ahead of it, the prefill queued
     there plus its own uncached tokens (virtual_usage.prefill_ahead); ties
     go to the freer. Time, not blocks: a cached prefix saves its prefill,
     which is what a user waits for, while the memory it saves is a few blocks
@@ -101,11 +104,15 @@ class Llumnix:
         prefix_credit: bool = False,
         affinity_margin: float = 32.0,
         safe_freeness: float = 1.0,
+        crowd_factor: float = CROWD_FACTOR,
+        crowd_grace: float = CROWD_GRACE,
     ) -> None:
         self.topk = topk
         self.prefix_credit = prefix_credit
         self.affinity_margin = affinity_margin
         self.safe_freeness = safe_freeness
+        self.crowd_factor = crowd_factor
+        self.crowd_grace = crowd_grace
 
     def choose(
         self,
@@ -149,7 +156,7 @@ class Llumnix:
         lengths = {cached.get(v.name, 0) for v in candidates}
         if len(lengths) == 1:
             return None
-        crowded = CROWD_FACTOR * min(v.batch for v in candidates) + CROWD_GRACE
+        crowded = self.crowd_factor * min(v.batch for v in candidates) + self.crowd_grace
         uncrowded = [
             (v, score) for v, score in zip(candidates, scores, strict=True) if v.batch <= crowded
         ]

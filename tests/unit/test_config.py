@@ -7,7 +7,15 @@ from typing import Any
 import pytest
 
 from adapters import ADAPTERS
-from proxy.config import ENGINES, ConfigError, config_from_backends, load_config, parse_config
+from proxy.config import (
+    ENGINES,
+    ConfigError,
+    SchedulerConfig,
+    config_from_backends,
+    load_config,
+    parse_config,
+)
+from proxy.server import _policy, _policy_changed
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -145,6 +153,14 @@ def test_admin_token_from_environment() -> None:
         (
             base(scheduler={"balance_rel_threshold": 0.5}),
             r"^scheduler\.balance_rel_threshold: must be a finite number, 1 or more",
+        ),
+        (
+            base(scheduler={"prefix_crowd_factor": 0.5}),
+            r"^scheduler\.prefix_crowd_factor: must be a finite number, 1 or more",
+        ),
+        (
+            base(scheduler={"prefix_crowd_grace": -1}),
+            r"^scheduler\.prefix_crowd_grace: must be a finite number, 0 or more",
         ),
         (base(scheduler={"prefix_credit": 1}), r"^scheduler\.prefix_credit: must be bool"),
         (
@@ -311,3 +327,11 @@ def test_retired_scheduler_keys_load_with_a_warning(caplog: pytest.LogCaptureFix
     assert config.scheduler.topk == 2  # the rest of the section still applies
     assert "scheduler.prefix_free_enough_blocks: ignored" in caplog.text
     assert "scheduler.prefix_weight: ignored" in caplog.text
+
+
+def test_the_crowd_bound_reaches_the_policy_and_a_change_rebuilds_it() -> None:
+    loose = SchedulerConfig(prefix_crowd_factor=3.0, prefix_crowd_grace=8.0)
+    policy = _policy(loose)
+    assert (policy.crowd_factor, policy.crowd_grace) == (3.0, 8.0)  # type: ignore[attr-defined]
+    assert _policy_changed(loose, SchedulerConfig())
+    assert not _policy_changed(loose, SchedulerConfig(prefix_crowd_factor=3, prefix_crowd_grace=8))

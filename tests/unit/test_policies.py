@@ -236,6 +236,20 @@ def test_where_memory_is_short_everywhere_the_cache_counts_as_room() -> None:
     assert credit_pick(crowded, light, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
 
 
+def test_the_crowd_bound_is_the_operators_to_loosen() -> None:
+    # a holds the prompt with 6 in flight; b has 2. The default bound (1.5 x 2 +
+    # 2 = 5) calls a crowded: b. A looser one (3 x 2 + 8 = 14) keeps locality: a.
+    a = inst("a", freeness=20.0, batch=6, block_size=16, capacity_blocks=200)
+    b = inst("b", freeness=30.0, batch=2, block_size=16, capacity_blocks=200)
+    options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
+    assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
+    loose = {"crowd_factor": 3.0, "crowd_grace": 8.0}
+    assert credit_pick(a, b, prefix_credit=True, **loose, **options) == "a"  # type: ignore[arg-type]
+    # Even loose, a holder past the bound loses: 15 in flight against 2.
+    packed = inst("a", freeness=20.0, batch=15, block_size=16, capacity_blocks=200)
+    assert credit_pick(packed, b, prefix_credit=True, **loose, **options) == "b"  # type: ignore[arg-type]
+
+
 def test_a_hot_prefix_does_not_pile_onto_its_holder() -> None:
     """Ten requests for one cached prompt: the holder takes them while it has
     at most 1.5x + 2 the other's in flight, then the rest balance."""
