@@ -35,6 +35,7 @@ class InstanceState:
     snapshot_at: float | None = None  # monotonic seconds of the last good scrape
     healthy: bool = False  # until the first good scrape
     draining: bool = False
+    leaving: bool = False  # drained to be removed once empty: takes no stream at all
     failures: int = 0  # consecutive failed scrapes
     last_error: str | None = None
     models: frozenset[str] = frozenset()

@@ -175,6 +175,7 @@ class Fleet:
     def remove(self, name: str, *, migrate: bool) -> int:
         """Drain `name` and forget it once empty; returns how many streams move."""
         moving = self.drain(name, migrate=migrate)
+        self.cluster.instances[name].leaving = True
         if name not in self._removals:
             task = asyncio.create_task(self._remove_when_empty(name), name=f"remove-{name}")
             self._removals[name] = task
@@ -191,7 +192,7 @@ class Fleet:
 
     def undrain(self, name: str) -> None:
         """Take traffic again; a removal not yet done is called off."""
-        self._get(name)
+        self._get(name).leaving = False
         task = self._removals.pop(name, None)
         if task is not None:
             task.cancel()

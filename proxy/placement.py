@@ -70,13 +70,12 @@ class Placement:
             view = self.cluster.instance_view(name)
             prefixes.record_tokens(name, ids, view.block_size, view.capacity_blocks)
 
-    def migration_instances(self, draining: bool = False) -> set[str]:
-        """Instances that can take part in a move (as source or destination);
-        with `draining`, the draining ones only."""
+    def migration_instances(self) -> set[str]:
+        """Instances that can take part in a move (as source or destination)."""
         return {
             name
             for name, state in self.cluster.instances.items()
-            if state.config.migration != "off" and state.healthy and state.draining == draining
+            if state.config.migration != "off" and state.healthy and not state.draining
         }
 
     def view_of(self, names: set[str]) -> ClusterView:
@@ -99,8 +98,10 @@ class Placement:
         if it can take it, else the policy's pick among migration instances;
         `cached` (from `cached_for`) credits the instances holding its prefix.
         A `rescue` (a broken stream's failover) that finds none of those takes a
-        draining instance: it is healthy, and its drain waits for the stream or
-        moves it on, where the alternative is to lose the stream."""
+        draining instance, the one with the fewest in flight: it is healthy, and
+        its drain waits for the stream or moves it on, where the alternative is
+        to lose the stream. Not one drained to be removed: it may be gone
+        before the stream starts there."""
         usable = self.migration_instances()
         if preferred and preferred in usable and preferred not in exclude:
             return preferred
@@ -112,12 +113,21 @@ class Placement:
             return self._draining_destination(model, exclude) if rescue else None
 
     def _draining_destination(self, model: str, exclude: set[str]) -> str | None:
-        """The freest draining instance that can take a move, serving `model`."""
-        names = self.migration_instances(draining=True) - exclude
-        views = [v for v in self.cluster.view().instances if v.name in names and model in v.models]
+        instances = self.cluster.instances
+        views = [
+            v
+            for v in self.cluster.view().instances
+            if v.draining
+            and v.healthy  # not ejected either
+            and v.name not in exclude
+            and model in v.models
+            and instances[v.name].config.migration != "off"
+            and not instances[v.name].leaving
+        ]
         if not views:
             return None
-        return best(views, [v.freeness for v in views], self.rng).name
+        # Freeness is -inf while draining: the fewest in flight instead.
+        return best(views, [-float(v.inflight) for v in views], self.rng).name
 
     def cached_for(self, ids: Sequence[int], instance: str) -> dict[str, int]:
         """Tokens of the id sequence `ids` (a stream's prompt + generated) that the

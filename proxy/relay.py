@@ -202,12 +202,12 @@ class Relay:
                     try:
                         await upstream.read()  # kept by aiohttp: _whole reads it again
                     except sse.STREAM_ERRORS as exc:
+                        # Headers came, the body broke: nothing reached the
+                        # client, so another instance can answer, as when the
+                        # call breaks before its headers.
                         outcome = "upstream_error"
                         failed = _upstream_failed(name, exc)
-                        # Nothing reached the client, so another instance can
-                        # answer, unless the read timed out: that would likely
-                        # time out again, doubling a long job.
-                        if isinstance(exc, TimeoutError) or attempt == self.retries:
+                        if attempt == self.retries:
                             return failed
                         self.metrics.retries.labels(outcome).inc()
                         record.retries.append({"instance": name, "reason": outcome})
@@ -504,7 +504,10 @@ def _retryable(upstream: aiohttp.ClientResponse) -> bool:
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
-        return "no data within the idle timeout (upstream_idle_timeout_s)"
+        return (
+            "no data within the upstream timeout (server.upstream_idle_timeout_s for"
+            " a stream, upstream_read_timeout_s for a whole answer)"
+        )
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -143,8 +143,9 @@ async def write(response: web.StreamResponse, data: bytes) -> None:
 
 async def finish(response: web.StreamResponse, data: bytes | None = None) -> bool:
     """Write the last bytes and end a stream whose client may already be gone;
-    whether the client took them (False: it was gone, or read nothing for its
-    send timeout and was hung up on)."""
+    whether they went out (False: the client was gone before `data`, or read
+    nothing for its send timeout and was hung up on). A client gone before only
+    the body's terminator had its stream: one that read [DONE] may close at once."""
     client: _Client | None = response.get(_CLIENT)
     timeout_s = client.timeout_s if client is not None and client.timeout_s else None
     try:
@@ -153,7 +154,7 @@ async def finish(response: web.StreamResponse, data: bytes | None = None) -> boo
                 await response.write(data)
             await response.write_eof()
     except ConnectionResetError:
-        return False
+        return not data
     except TimeoutError:
         assert client is not None
         _hang_up(client)

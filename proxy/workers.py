@@ -107,9 +107,11 @@ def supervise(
         deadline = time.monotonic() + stop_timeout_s
         for process in workers.values():
             process.join(max(0.0, deadline - time.monotonic()))
-        status = 0
+        # A worker that died before the stop was reported then; only a stop with
+        # every worker dead is a failure of its own.
+        status = 1 if all(index in restart_at for index in workers) else 0
         for index, process in workers.items():
-            if index in restart_at:  # died before the stop and was reported then
+            if index in restart_at:
                 continue
             if process.is_alive():
                 log.error("worker pid %s ran past %.0fs: killed", process.pid, stop_timeout_s)

@@ -210,7 +210,7 @@ def test_a_stalled_stream_without_migration_ends_with_an_error_event(
     events = [e[6:] for e in body.split("\n\n") if e.startswith("data: {")]
     assert len(events) == 4  # three tokens, then the error
     error = json.loads(events[-1])["error"]
-    assert "idle timeout" in error["message"] and error["type"] == "upstream_error"
+    assert "upstream_idle_timeout_s" in error["message"] and error["type"] == "upstream_error"
 
 
 @pytest.mark.parametrize("trial", range(8))

@@ -18,6 +18,9 @@ class Departed(dict[Any, Any]):
     async def write(self, data: bytes) -> None:
         raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
 
+    async def write_eof(self) -> None:
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
 
 def test_a_write_to_a_departed_client_is_not_a_stream_error() -> None:
     response: Any = Departed()
@@ -52,6 +55,9 @@ def test_a_stream_end_the_client_never_takes_is_not_delivered() -> None:
     assert asyncio.run(sse.finish(stalled, b"data: [DONE]\n\n")) is False
     assert Stalled.aborted  # the socket was hung up on
     assert asyncio.run(sse.finish(Departed(), b"data: [DONE]\n\n")) is False
+    # Gone before only the body's terminator: it read the whole stream, [DONE]
+    # and all, and closed at once, as clients may.
+    assert asyncio.run(sse.finish(Departed())) is True
 
 
 def test_a_stream_end_the_client_takes_is_delivered() -> None:

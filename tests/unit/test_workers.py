@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from proxy.workers import supervise
 
 
@@ -28,19 +30,22 @@ def _children(n: int) -> list[multiprocessing.process.BaseProcess]:
     raise AssertionError(f"expected {n} workers")
 
 
-def test_a_worker_that_died_before_the_stop_does_not_fail_it() -> None:
-    """One worker killed, its restart still ahead, when SIGTERM comes: the
-    others stop cleanly, and the supervisor says so (exit 0)."""
+@pytest.mark.parametrize(("killed", "status"), [(1, 0), (2, 1)])
+def test_a_worker_that_died_before_the_stop_fails_it_only_if_none_was_left(
+    killed: int, status: int
+) -> None:
+    """Workers killed, their restarts still ahead, when SIGTERM comes: with one
+    left to stop cleanly the stop is clean (exit 0); with none, it is not."""
 
-    def kill_one_then_stop() -> None:
-        first, _ = _children(2)
-        os.kill(first.pid or 0, signal.SIGKILL)
-        _children(1)
-        time.sleep(0.3)  # the supervisor has seen the death and set its restart
+    def kill_then_stop() -> None:
+        for worker in _children(2)[:killed]:
+            os.kill(worker.pid or 0, signal.SIGKILL)
+        _children(2 - killed)
+        time.sleep(0.3)  # the supervisor has seen the deaths and set their restarts
         os.kill(os.getpid(), signal.SIGTERM)
 
-    killer = threading.Thread(target=kill_one_then_stop)
+    killer = threading.Thread(target=kill_then_stop)
     killer.start()
-    status = supervise(2, sleeper, (), stop_timeout_s=10, restart_delay_s=60, poll_s=0.05)
+    code = supervise(2, sleeper, (), stop_timeout_s=10, restart_delay_s=60, poll_s=0.05)
     killer.join()
-    assert status == 0
+    assert code == status
