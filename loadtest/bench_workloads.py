@@ -69,7 +69,7 @@ FERRY, PLAIN = "ferry", "ferry-plain"  # defaults; without prefix_credit
 # engines (`--paths ...,ferry+scrape2s`; not run by default).
 SLOW_SCRAPE = "ferry+scrape2s"
 # Ferry with the prefix credit's crowd bound loosened (scheduler.prefix_crowd_*),
-# as the README advises where a prefill costs more than a crowded batch.
+# as the README advises where prefill is dear (as on these CPU servers).
 LOOSE = "ferry+loose"
 LOOSE_CROWD = {"prefix_crowd_factor": 3.0, "prefix_crowd_grace": 8.0}
 # Heavy-tailed lengths (lognormal around 128/128 tokens); requests and seed are

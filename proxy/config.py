@@ -21,6 +21,7 @@ import yaml
 from adapters import ADAPTERS
 from proxy.ejection import EjectionSettings
 from proxy.policy import POLICIES
+from proxy.policy.policies import CROWD_FACTOR, CROWD_GRACE
 from proxy.policy.scaling import ScalingSettings
 
 ENGINES = tuple(ADAPTERS)  # the `engine:` names: one per adapter in `adapters/`
@@ -111,8 +112,8 @@ class SchedulerConfig:
     prefix_credit: bool = True
     affinity_margin_blocks: float = 32.0
     prefix_safe_freeness: float = 1.0
-    prefix_crowd_factor: float = 1.5
-    prefix_crowd_grace: float = 2.0
+    prefix_crowd_factor: float = CROWD_FACTOR
+    prefix_crowd_grace: float = CROWD_GRACE
     # cache_aware (vllm-router's defaults): follow a prefix match above
     # cache_threshold of the prompt unless in-flight counts differ by more than
     # balance_abs_threshold and by a factor above balance_rel_threshold.

@@ -61,6 +61,7 @@ from proxy.policy.migration import (
     plan_migrations,
     sources,
 )
+from proxy.policy.policies import CROWD_FACTOR, CROWD_GRACE
 from proxy.policy.priority import make_room_victim
 from proxy.policy.scaling import ScalingSettings, scaling_signal
 from proxy.policy.virtual_usage import instance_view, request_blocks
@@ -103,8 +104,8 @@ class SimSettings:
     prefix_credit: bool = False
     affinity_margin_blocks: float = 32.0
     prefix_safe_freeness: float = 1.0
-    prefix_crowd_factor: float = 1.5
-    prefix_crowd_grace: float = 2.0
+    prefix_crowd_factor: float = CROWD_FACTOR
+    prefix_crowd_grace: float = CROWD_GRACE
 
 
 class Simulator:

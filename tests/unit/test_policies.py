@@ -230,21 +230,26 @@ def test_where_memory_is_short_everywhere_the_cache_counts_as_room() -> None:
     options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
     assert credit_pick(a, b, **options) == "b"  # type: ignore[arg-type]
     assert credit_pick(a, b, prefix_credit=True, **options) == "a"  # type: ignore[arg-type]
-    # Still never onto a crowded holder: a with 8 in flight beside b's 2.
-    crowded = inst("a", freeness=1.0, batch=8, block_size=16, capacity_blocks=40)
+    # Still never onto a crowded holder: a with 9 in flight beside b's 2.
+    crowded = inst("a", freeness=1.0, batch=9, block_size=16, capacity_blocks=40)
     light = inst("b", freeness=8.0, batch=2, block_size=16, capacity_blocks=80)
     assert credit_pick(crowded, light, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
 
 
-def test_the_crowd_bound_is_the_operators_to_loosen() -> None:
-    # a holds the prompt with 6 in flight; b has 2. The default bound (1.5 x 2 +
-    # 2 = 5) calls a crowded: b. A looser one (3 x 2 + 8 = 14) keeps locality: a.
-    a = inst("a", freeness=20.0, batch=6, block_size=16, capacity_blocks=200)
+def test_the_crowd_bound_is_the_operators_to_set() -> None:
+    # a holds the prompt with 9 in flight; b has 2. The default bound (2 x 2 +
+    # 4 = 8) calls a crowded: b. A looser one (3 x 2 + 8 = 14) keeps locality: a.
+    a = inst("a", freeness=20.0, batch=9, block_size=16, capacity_blocks=200)
     b = inst("b", freeness=30.0, batch=2, block_size=16, capacity_blocks=200)
     options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
     assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
     loose = {"crowd_factor": 3.0, "crowd_grace": 8.0}
     assert credit_pick(a, b, prefix_credit=True, **loose, **options) == "a"  # type: ignore[arg-type]
+    # A tighter one (1.5 x 2 + 2 = 5) gives up locality sooner: 6 in flight is b's.
+    busy = inst("a", freeness=20.0, batch=6, block_size=16, capacity_blocks=200)
+    tight = {"crowd_factor": 1.5, "crowd_grace": 2.0}
+    assert credit_pick(busy, b, prefix_credit=True, **options) == "a"  # type: ignore[arg-type]
+    assert credit_pick(busy, b, prefix_credit=True, **tight, **options) == "b"  # type: ignore[arg-type]
     # Even loose, a holder past the bound loses: 15 in flight against 2.
     packed = inst("a", freeness=20.0, batch=15, block_size=16, capacity_blocks=200)
     assert credit_pick(packed, b, prefix_credit=True, **loose, **options) == "b"  # type: ignore[arg-type]
@@ -252,7 +257,7 @@ def test_the_crowd_bound_is_the_operators_to_loosen() -> None:
 
 def test_a_hot_prefix_does_not_pile_onto_its_holder() -> None:
     """Ten requests for one cached prompt: the holder takes them while it has
-    at most 1.5x + 2 the other's in flight, then the rest balance."""
+    at most 2x + 4 the other's in flight, then the rest balance."""
     options = {"cached_tokens": {"a": 640}, "prompt_tokens": 800}
     batch = {"a": 0, "b": 0}
     for _ in range(10):
@@ -261,9 +266,9 @@ def test_a_hot_prefix_does_not_pile_onto_its_holder() -> None:
             for n, k in batch.items()
         ]
         batch[credit_pick(*views, prefix_credit=True, **options)] += 1  # type: ignore[arg-type]
-    assert batch == {"a": 7, "b": 3}
-    # Memory to spare does not lift the bound: a holds 3 beside an empty b.
-    a = inst("a", freeness=1000.0, batch=3, block_size=16, capacity_blocks=4000)
+    assert batch == {"a": 8, "b": 2}
+    # Memory to spare does not lift the bound: a holds 5 beside an empty b.
+    a = inst("a", freeness=1000.0, batch=5, block_size=16, capacity_blocks=4000)
     b = inst("b", freeness=90.0, batch=0, block_size=16, capacity_blocks=90)
     assert credit_pick(a, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
     # Nor does a small engine lose its own prompts to a roomy neighbour.
