@@ -159,8 +159,7 @@ class Relay:
                     "connect_error" if isinstance(exc, sse.CONNECT_ERRORS) else "upstream_error"
                 )
                 self._count(name, outcome, _describe(exc))
-                self.metrics.retries.labels(outcome).inc()
-                record.retries.append({"instance": name, "reason": outcome})
+                self._retrying(record, name, outcome)
                 record.outcome = outcome
                 failed = error_response(
                     503,
@@ -176,8 +175,7 @@ class Relay:
                 if upstream.status != 200:
                     response, outcome = await self._whole(upstream, call, wants_ids, body is None)
                     if _retryable(upstream) and attempt < self.retries:
-                        self.metrics.retries.labels(str(upstream.status)).inc()
-                        record.retries.append({"instance": name, "reason": str(upstream.status)})
+                        self._retrying(record, name, str(upstream.status))
                         failed = response
                         tried.add(name)
                         continue
@@ -209,8 +207,7 @@ class Relay:
                         failed = _upstream_failed(name, exc)
                         if attempt == self.retries:
                             return failed
-                        self.metrics.retries.labels(outcome).inc()
-                        record.retries.append({"instance": name, "reason": outcome})
+                        self._retrying(record, name, outcome)
                         tried.add(name)
                         continue
                     response, outcome = await self._whole(upstream, call, wants_ids, False)
@@ -229,6 +226,12 @@ class Relay:
         assert failed is not None  # every attempt that does not return sets it
         self._judge(retried, "no_instance")
         return failed
+
+    def _retrying(self, record: access_log.AccessRecord, name: str, reason: str) -> None:
+        """Count a call to `name` that failed before any byte reached the client
+        and is tried again elsewhere."""
+        self.metrics.retries.labels(reason).inc()
+        record.retries.append({"instance": name, "reason": reason})
 
     def _judge(self, retried: list[str], outcome: str) -> bool:
         """Count the 5xx answers a request was retried after, now that its next
