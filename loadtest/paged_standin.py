@@ -283,6 +283,8 @@ class PagedStandIn:
         self.engine = PagedEngine(profile)
         self.served = 0
         self.seen_bodies: list[dict[str, Any]] = []
+        self.detokenize_calls = 0
+        self.detokenize_delay_s = 0.0  # tests: a busy server answers /detokenize late
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -318,6 +320,8 @@ class PagedStandIn:
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         tokens = (await request.json()).get("tokens") or []
+        self.detokenize_calls += 1
+        await asyncio.sleep(self.detokenize_delay_s)
         return web.json_response({"prompt": "".join(token_text(t) for t in tokens)})
 
     async def _models(self, request: web.Request) -> web.Response:

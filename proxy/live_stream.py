@@ -387,6 +387,12 @@ class LiveStream:
             tokens = self.call.entry.prompt_tokens
         else:
             join = await self._plan_join(dest)
+            state = self.upstreams.cluster.instances.get(dest)
+            if state is None or state.leaving:
+                # Removed while it was asked where to join; nothing billed it, so
+                # its removal did not wait for this stream.
+                log.info("continuation on %s not started: the instance is being removed", dest)
+                return False
             path = "/v1/completions"
             generated = splicer.generated[: join.keep]
             body = continuation.continuation_body(

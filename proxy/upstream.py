@@ -163,12 +163,16 @@ class Upstreams:
     async def post_json(
         self, instance: str, path: str, body: dict[str, Any], timeout_s: float = 10.0
     ) -> Any:
-        """A control call; its JSON answer, or None when it failed (logged)."""
+        """A control call; its JSON answer, or None when it failed (logged) or
+        the instance is gone (removed while its caller waited on something else)."""
+        state = self.cluster.instances.get(instance)
+        if state is None:
+            return None
         try:
             async with self.session.post(
-                self.url(instance) + path,
+                state.url + path,
                 json=body,
-                headers=self.cluster.instances[instance].config.auth_headers(),
+                headers=state.config.auth_headers(),
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 if resp.status == 404:
