@@ -196,6 +196,9 @@ class Fleet:
         task = self._removals.pop(name, None)
         if task is not None:
             task.cancel()
+            # It may have stopped the instance's scrapes already (the removal's
+            # last step but one); an instance nobody scrapes keeps its last health.
+            self.scraper.watch(name)
             log.info("instance %s: removal called off", name)
         self.cluster.set_draining(name, False)
         self.migrator.stop_draining(name)

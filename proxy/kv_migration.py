@@ -104,6 +104,8 @@ class KVMigrator:
         (the stream went elsewhere without this copy) the copy is given up."""
         dest = self.cluster.instances[destination]
         assert dest.shim is not None
+        # Read now: a failed shim refresh may clear `dest.shim` during the awaits.
+        dest_addr = dest.shim["kv_addr"]
         mig_id = uuid.uuid4().hex
         blocks = -(-tokens // int(dest.shim["block_size"])) + 1  # and room to go on
         reserved = await self.upstreams.post_json(
@@ -122,7 +124,7 @@ class KVMigrator:
             {
                 "mig_id": mig_id,
                 "tag": tag,
-                "dest_addr": dest.shim["kv_addr"],
+                "dest_addr": dest_addr,
                 "max_stages": self.settings.max_stages,
                 "last_stage_blocks": self.settings.last_stage_blocks,
                 "bandwidth_mb_s": self.settings.bandwidth_mb_s,

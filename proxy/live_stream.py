@@ -116,6 +116,9 @@ class LiveStream:
         self._reading = False  # the pump waits for upstream bytes (safe to interrupt)
         self._ordered = asyncio.Event()
         self._source_stopped = False  # full mode: the source's shim stopped the request
+        # run() returned: no one is left to carry out an order. A move that waited
+        # for a slot meanwhile (Migrator._bounded) must not wait on one forever.
+        self._over = False
 
     @property
     def instance(self) -> str:
@@ -129,7 +132,7 @@ class LiveStream:
 
     @property
     def accepts_orders(self) -> bool:
-        return self._order is None and not self.splicer.ended
+        return self._order is None and not self.splicer.ended and not self._over
 
     def order_move(
         self,
@@ -217,6 +220,7 @@ class LiveStream:
         except ConnectionResetError:
             return response, "client_disconnect"
         finally:
+            self._over = True
             if self._order is not None and not self._order.done.done():
                 self._order.done.set_result(False)
             self.call.close()
@@ -310,6 +314,15 @@ class LiveStream:
     async def _cut_over(self, order: MoveOrder, response: web.StreamResponse) -> str:
         """Start the continuation and switch to it: "moved", "failed" (the stream
         stays where it is), or "done" (nothing was left to generate)."""
+        tried = {self.instance}
+        try:
+            return await self._continue(order, response, tried)
+        finally:
+            await self._release_unused(order, tried)
+
+    async def _continue(
+        self, order: MoveOrder, response: web.StreamResponse, tried: set[str]
+    ) -> str:
         splicer = self.splicer
         source = self.instance
         if splicer.prompt_ids is None and self.timing.first_token_seen:
@@ -325,7 +338,6 @@ class LiveStream:
             log.info("stream %s cannot go on elsewhere: %s", self.request.id, splicer.unmovable)
             return "failed"
         self.timing.cut()
-        tried = {source}
         preferred = order.destination
         ids = (splicer.prompt_ids or []) + splicer.generated
         cached = self.placement.cached_for(ids, source) if splicer.prompt_ids else {}
@@ -371,6 +383,15 @@ class LiveStream:
             self.metrics.migrations.labels(order.reason, "destination_failed").inc()
         self.timing.uncut()
         return "failed"
+
+    async def _release_unused(self, order: MoveOrder, tried: set[str]) -> None:
+        """Free the KV a full-mode copy staged for this cut-over on a destination
+        it did not try (no longer usable, or gone): a try frees its own when it
+        fails (`_start`), and the stream that never goes there holds it otherwise
+        until its lease runs out."""
+        load = order.load
+        if load is not None and load["dest"] not in tried:
+            await self._release_kv(load["dest"], {wire.LOAD: load})
 
     async def _start(self, dest: str, load: dict[str, Any] | None, cached_tokens: int) -> bool:
         """Send the stream on to `dest`; `cached_tokens` of it are probably in its

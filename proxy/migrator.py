@@ -272,6 +272,8 @@ class Migrator:
         if not stream.accepts_orders or stream.splicer.unmovable is not None:
             return False
         source = stream.instance
+        if destination is not None and destination not in self.placement.migration_instances():
+            destination = None  # removed, drained or reconfigured while the move waited
         if destination is None:  # resolve now, so the destination can be pre-warmed
             destination = self.placement.destination(
                 stream.request.model,

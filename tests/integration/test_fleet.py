@@ -3,6 +3,7 @@ reload (the admin API, SIGHUP and the CLI), in front of stand-in servers (not vL
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -18,6 +19,7 @@ import openai
 
 from proxy.config import load_config
 from proxy.migrator import PREWARM_WAIT_S
+from proxy.server import FLEET
 from tests.helpers import Ferry, call_json, free_port, status, wait_until
 from tests.integration.test_proxy import get, post
 
@@ -372,3 +374,26 @@ def test_a_move_cuts_right_after_a_token_not_in_the_middle_of_a_gap(
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in text
     [downtime] = re.findall(r"^ferry_migration_downtime_seconds_sum (\S+)$", text, re.M)
     assert float(downtime) < 0.15
+
+
+def test_a_removal_called_off_as_it_stops_the_scrapes_leaves_the_instance_scraped(
+    standins: Any, ferry: Any
+) -> None:
+    """An undrain (a pod back in DNS, a peer's undrain, a reload) that comes while
+    the removal stops the instance's scrapes: the instance stays, and is scraped
+    again, so its health is its own and not frozen at the last scrape."""
+    sites = standins(2)
+    proxy = lite_pair(ferry, *(site.url for _, site in sites))
+    fleet = proxy.site.app[FLEET]
+
+    async def remove_then_undrain() -> None:
+        fleet.remove("i1", migrate=False)
+        await asyncio.sleep(0)  # the removal finds i1 idle and stops its scrapes
+        fleet.undrain("i1")
+        await asyncio.sleep(0.1)
+
+    proxy.loop.run(remove_then_undrain())
+    row = rows(proxy.url)["i1"]
+    assert row["healthy"] and not row["draining"] and not row["removing"]
+    sites[1][0].metrics_body = b"not metrics"
+    wait_until(lambda: not rows(proxy.url)["i1"]["healthy"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
@@ -13,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from migration_shim import wire
 from proxy.server import MIGRATOR
 from tests.helpers import wait_until
 
@@ -499,6 +501,120 @@ def test_a_client_gone_during_a_move_frees_the_move(standins: Any, ferry: Any) -
     wait_until(lambda: proxy.loop.call(lambda: migrator.free_slots) == slots)
     wait_until(lambda: proxy.view("i0").inflight == 0 and proxy.view("i1").inflight == 0)
     assert proxy.loop.call(lambda: migrator.streams) == {}
+
+
+def test_a_move_that_starts_after_its_stream_ended_gives_up_at_once(
+    standins: Any, ferry: Any
+) -> None:
+    """A move waits for a slot (a drain of many streams queues behind
+    `migration_max_concurrent`) while its client hangs up. When its turn comes it
+    must end at once: nothing is left to answer its order, and a move that waits
+    forever holds its slot and its drain round, so no drain would run again."""
+    sites = standins(2, itl_s=0.02)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    migrator = proxy.site.app[MIGRATOR]
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=200, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    name, _ = _busy(sites)
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    stream.close()
+    wait_until(lambda: proxy.loop.call(lambda: migrator.streams) == {})
+    other = "i1" if name == "i0" else "i0"
+
+    async def move_now() -> bool:
+        return await asyncio.wait_for(migrator.move(live, other, "drain"), 2)
+
+    assert proxy.loop.run(move_now()) is False
+    assert proxy.loop.call(lambda: live.accepts_orders) is False
+
+
+def test_a_move_whose_destination_left_while_it_waited_chooses_again(
+    standins: Any, ferry: Any
+) -> None:
+    """A drain plans each move's destination, then the move may wait for a slot;
+    an instance removed meanwhile is no destination (it raised KeyError in the
+    pre-warm): the move chooses again and the stream goes on there."""
+    sites = standins(3, itl_s=0.02)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin"},
+    )
+    migrator = proxy.site.app[MIGRATOR]
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=100, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    name, _ = _busy(sites)
+    gone, kept = [f"i{n}" for n in range(3) if f"i{n}" != name]
+    request = urllib.request.Request(
+        f"{proxy.url}/admin/instances/{gone}",
+        method="DELETE",
+        headers={"Authorization": "Bearer t"},
+    )
+    urllib.request.urlopen(request, timeout=5).close()
+    wait_until(lambda: gone not in proxy.loop.call(lambda: set(proxy.cluster.instances)))
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    assert proxy.loop.run(migrator.move(live, gone, "drain")) is True
+    rest = "".join(c.choices[0].text for c in stream)
+    assert rest == " tok" * 94
+    assert proxy.loop.call(lambda: live.instance) == kept
+
+
+def test_kv_staged_on_a_destination_the_cut_over_passes_by_is_released(
+    standins: Any, ferry: Any
+) -> None:
+    """A full-mode copy staged KV on a destination that stopped being one before
+    the cut-over (drained here): the stream goes on elsewhere, and the staged
+    blocks are released at once rather than held for the reservation's lease."""
+    sites = standins(3, itl_s=0.02)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    migrator = proxy.site.app[MIGRATOR]
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=100, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    name, _ = _busy(sites)
+    staged, other = [n for n in range(3) if f"i{n}" != name]
+    urllib.request.urlopen(
+        urllib.request.Request(
+            f"{proxy.url}/admin/instances/i{staged}/drain",
+            data=b"",
+            method="POST",
+            headers={"Authorization": "Bearer t"},
+        ),
+        timeout=5,
+    ).close()
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    load = {"dest": f"i{staged}", "mig_id": "m1", "num_tokens": 8}
+
+    async def cut_over() -> bool:
+        return await live.order_move(f"i{staged}", "drain", load, source_stopped=False)
+
+    assert proxy.loop.run(cut_over()) is True
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 94
+    assert proxy.loop.call(lambda: live.instance) == f"i{other}"
+    releases = [p for p, _ in sites[staged][0].answers if p == wire.RELEASE]
+    assert releases == [wire.RELEASE]
+    assert sites[staged][0].seen_bodies == []  # no continuation went there
 
 
 def test_a_stream_whose_move_is_submitted_is_not_planned_again(standins: Any, ferry: Any) -> None:
