@@ -237,6 +237,9 @@ class FerryConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     admin_token: str | None = None
+    # Keys clients must present (Authorization: Bearer) on every route but health,
+    # readiness, metrics and /admin; empty: no key is asked (proxy/client_auth.py).
+    api_keys: tuple[str, ...] = ()
     discovery: tuple[DiscoveryConfig, ...] = ()
     # Sharing one cluster view between processes and replicas; None: one process alone.
     redis_url: str | None = None
@@ -244,7 +247,8 @@ class FerryConfig:
 
 
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryConfig:
-    """Read and validate a YAML file. `FERRY_ADMIN_TOKEN` fills a missing admin_token."""
+    """Read and validate a YAML file. `FERRY_ADMIN_TOKEN` fills a missing admin_token,
+    `FERRY_API_KEYS` (comma-separated) missing api_keys."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -265,7 +269,16 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryCon
 def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
     env = dict(os.environ) if env is None else env
     top = _mapping(raw, "(top level)")
-    known = {"instances", "scheduler", "server", "admin_token", "discovery", "redis_url", "sharing"}
+    known = {
+        "instances",
+        "scheduler",
+        "server",
+        "admin_token",
+        "api_keys",
+        "discovery",
+        "redis_url",
+        "sharing",
+    }
     _reject_unknown(top, known, "")
     discovery = _discovery(top.get("discovery", []), env)
     instances = _instances(top.get("instances"), env, allow_none=bool(discovery))
@@ -286,12 +299,32 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
         scheduler=scheduler,
         server=server,
         admin_token=token or env.get("FERRY_ADMIN_TOKEN") or None,
+        api_keys=_api_keys(top.get("api_keys"), env),
         discovery=discovery,
         redis_url=redis_url or None,
         sharing=sharing,
     )
     check_workers(config)
     return config
+
+
+def _api_keys(raw: Any, env: dict[str, str]) -> tuple[str, ...]:
+    """The clients' keys: the YAML's list (`${VAR}` read from the environment), or
+    else FERRY_API_KEYS, comma-separated."""
+    if raw is None:
+        return tuple(k.strip() for k in env.get("FERRY_API_KEYS", "").split(",") if k.strip())
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("api_keys: must be a non-empty list of strings (or leave it out)")
+    keys = []
+    for i, item in enumerate(raw):
+        where = f"api_keys[{i}]"
+        if not isinstance(item, str):
+            raise ConfigError(f"{where}: must be a string")
+        key = _expand(item, where, env) or ""
+        if not key or any(c.isspace() for c in key):
+            raise ConfigError(f"{where}: must be a key: not empty, no spaces")
+        keys.append(key)
+    return tuple(keys)
 
 
 def check_redis_url(url: Any, where: str) -> None:

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from migration_shim import wire
-from proxy import access_log, continuation, sse, token_ids
+from proxy import access_log, client_auth, continuation, sse, token_ids
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.live_stream import LiveStream, Request
@@ -94,6 +94,8 @@ class Relay:
         record = access_log.record_of(request)
         record.model, record.priority = model, priority.name.lower()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        if request.get(client_auth.CHECKED):
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
         headers.update(record.upstream_headers)
         # A body Ferry read goes on as the JSON it re-encodes; any other as it
         # came, Content-Type and all (a charset, a multipart boundary).

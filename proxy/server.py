@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy import access_log, admin, openai_request, sse, tracing, ttft_stages
+from proxy import access_log, admin, client_auth, openai_request, sse, tracing, ttft_stages
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig
 from proxy.discovery import Discovery
@@ -91,8 +91,13 @@ def build_app(
     # and every request (a 404 too) gets its line.
     spans = tracing.Spans() if config.server.otel else None
     observe = access_log.middleware(metrics, config.server.access_log, spans)
+    # Client keys are read from the running configuration (a reload rotates them);
+    # until the fleet exists (start-up), from the one the app was built with.
+    keyed = client_auth.middleware(
+        lambda: app[FLEET].config.api_keys if FLEET in app else config.api_keys
+    )
     app = web.Application(
-        client_max_size=config.server.max_body_bytes, middlewares=[observe, openai_errors]
+        client_max_size=config.server.max_body_bytes, middlewares=[observe, openai_errors, keyed]
     )
     app.on_response_prepare.append(access_log.echo_request_id)
     cluster = Cluster(

@@ -54,10 +54,24 @@ def test_admin_token_from_environment() -> None:
     )
 
 
+def test_client_keys_from_yaml_or_environment() -> None:
+    assert parse_config(base(), env={}).api_keys == ()
+    assert parse_config(base(), env={"FERRY_API_KEYS": " k1, ,k2 "}).api_keys == ("k1", "k2")
+    raw = base(api_keys=["${CLIENT_KEY}", "literal"])
+    env = {"CLIENT_KEY": "from-env", "FERRY_API_KEYS": "ignored"}
+    assert parse_config(raw, env=env).api_keys == ("from-env", "literal")
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({}, r"^instances: must be a non-empty list"),
+        (base(api_keys="k1"), r"^api_keys: must be a non-empty list of strings"),
+        (base(api_keys=[]), r"^api_keys: must be a non-empty list of strings"),
+        (base(api_keys=["k1", 7]), r"^api_keys\[1\]: must be a string"),
+        (base(api_keys=[""]), r"^api_keys\[0\]: must be a key: not empty, no spaces"),
+        (base(api_keys=["a key"]), r"^api_keys\[0\]: must be a key: not empty, no spaces"),
+        (base(api_keys=["k\n"]), r"^api_keys\[0\]: must be a key: not empty, no spaces"),
+        (base(api_keys=["${NOPE}"]), r"^api_keys\[0\]: environment variable NOPE is not set"),
         (base(instances=[{"url": "http://h:1"}]), r"^instances\[0\]\.name: is required"),
         (base(instances=[{"name": "a", "url": "h:1"}]), r"^instances\[0\]\.url: must be an http"),
         (

@@ -1,0 +1,62 @@
+"""Client API keys: who may use Ferry's OpenAI routes.
+
+With `api_keys` set (the YAML, or FERRY_API_KEYS), every route but health,
+readiness, metrics and /admin (which has its own token) needs
+`Authorization: Bearer <one of the keys>`; without it a client gets 401 in
+OpenAI's error shape, as OpenAI answers a wrong key. Without this, a Ferry in
+front of keyed engines (each instance's `api_key`) would serve anyone who can
+reach it with the engines' keys.
+
+A client's key is Ferry's, not an engine's: it is not sent on to the instances
+(`CHECKED` tells the relay to drop it). The keys are read per request from the
+running configuration, so a reload rotates them.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from proxy.errors import error_response
+
+# Probes and scrapers carry no client key; /admin checks its own token.
+OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/metrics"})
+CHECKED = web.RequestKey("client_key_checked", bool)  # the Authorization was Ferry's key
+
+
+def middleware(keys: Callable[[], tuple[str, ...]]) -> Middleware:
+    """Answer 401 to a request without a valid key while `keys()` is not empty."""
+
+    @web.middleware
+    async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        allowed = keys()
+        path = request.path
+        if not allowed or path in OPEN_PATHS or path == "/admin" or path.startswith("/admin/"):
+            return await handler(request)
+        if not authorized(request.headers.get("Authorization", ""), allowed):
+            return error_response(
+                401,
+                "missing or wrong API key: send it as Authorization: Bearer <key>",
+                code="invalid_api_key",
+            )
+        request[CHECKED] = True
+        return await handler(request)
+
+    return check_key
+
+
+def authorized(header: str, keys: tuple[str, ...]) -> bool:
+    """Whether an Authorization header carries one of `keys` as a bearer token.
+    Every key is compared in constant time, so the answer's timing says nothing
+    about how much of a guess was right."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given = token.strip().encode("utf-8", "surrogateescape")
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given, key.encode())
+    return matched
