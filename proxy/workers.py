@@ -9,7 +9,9 @@ This parent only starts and watches them:
 - SIGHUP goes to every worker: each re-reads the file;
 - a worker that dies (killed, or crashed after it ran a while) is started
   again after `restart_delay_s`. Its streams broke with it: clients retry, and
-  its load leaves the shared view with its record's TTL.
+  its load leaves the shared view with its record's TTL. A restart that fails
+  at once (Redis down just then, a config file edited badly since) is tried
+  again, each wait twice the last, up to MAX_RESTART_DELAY_S.
 
 Workers are spawned, not forked: a fork would copy the parent's state into each
 child, and an event loop must not cross a fork.
@@ -29,6 +31,8 @@ from typing import Any
 
 log = logging.getLogger("ferry.workers")
 
+MAX_RESTART_DELAY_S = 30.0
+
 
 def supervise(
     count: int,
@@ -43,13 +47,15 @@ def supervise(
     """Run `target(*args)` in `count` processes until SIGTERM or SIGINT; returns
     the exit status (0 when every worker stopped cleanly). A worker killed by a
     signal, or one that fails after running `min_uptime_s`, is started again; one
-    that exits by itself sooner failed to start (a port taken, Redis down) and is
-    not, nor is one that exits cleanly. When no worker is left, the parent exits 1."""
+    whose first start fails sooner (a port taken, Redis down) is not, nor is one
+    that exits cleanly. A restart that fails sooner is tried again, each wait
+    twice the last. When no worker is left, the parent exits 1."""
     context = multiprocessing.get_context("spawn")
     stopping = False
     workers: dict[int, BaseProcess] = {}
     started_at: dict[int, float] = {}
     restart_at: dict[int, float] = {}
+    restarts: dict[int, int] = {}  # restarts in a row that failed before min_uptime_s
 
     def start(index: int) -> None:
         process = context.Process(target=target, args=args, name=f"ferry-worker-{index}")
@@ -81,7 +87,8 @@ def supervise(
                     continue
                 code = process.exitcode or 0
                 killed = code < 0  # by a signal: kill -9, the OOM killer
-                if not killed and (code == 0 or now - started_at[index] < min_uptime_s):
+                brief = now - started_at[index] < min_uptime_s
+                if not killed and (code == 0 or (brief and index not in restarts)):
                     log.error(
                         "worker %d (pid %s) stopped by itself (status %s); not restarted",
                         index,
@@ -90,18 +97,25 @@ def supervise(
                     )
                     del workers[index]
                 elif index not in restart_at:
+                    failed = restarts.get(index, 0) if brief else 0
+                    restarts[index] = failed + 1
+                    delay = min(restart_delay_s * 2**failed, MAX_RESTART_DELAY_S)
                     log.error(
                         "worker %d (pid %s) died (status %s): its streams broke;"
                         " another starts in %.1f s",
                         index,
                         process.pid,
                         process.exitcode,
-                        restart_delay_s,
+                        delay,
                     )
-                    restart_at[index] = now + restart_delay_s
+                    restart_at[index] = now + delay
                 elif now >= restart_at[index]:
                     del restart_at[index]
-                    start(index)
+                    try:
+                        start(index)
+                    except OSError as exc:  # no process to be had now (EAGAIN, ENOMEM)
+                        log.error("worker %d could not start again: %s", index, exc)
+                        restart_at[index] = now + MAX_RESTART_DELAY_S
         if not workers:
             return 1
         deadline = time.monotonic() + stop_timeout_s

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,51 @@ def test_a_worker_that_died_before_the_stop_fails_it_only_if_none_was_left(
     code = supervise(2, sleeper, (), stop_timeout_s=10, restart_delay_s=60, poll_s=0.05)
     killer.join()
     assert code == status
+
+
+def flaky(counter: str) -> None:
+    """Run n of a worker (counted in the file `counter`): the first serves, the
+    second fails at once (Redis down just then), the third serves again."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with open(counter, "a+") as f:
+        f.write("x")
+    with open(counter) as f:
+        run = len(f.read())
+    if run == 2:
+        sys.exit(1)
+    time.sleep(60)
+
+
+def test_a_restart_that_fails_at_once_is_tried_again(tmp_path: Path) -> None:
+    """A worker killed after it ran a while, whose restart then fails before
+    `min_uptime_s`, is started again after a longer wait: the service is back to
+    its N workers, not one short for good."""
+    counter = str(tmp_path / "runs")
+
+    def runs() -> int:
+        with open(counter) as f:
+            return len(f.read())
+
+    def kill_then_stop() -> None:
+        [first] = _children(1)
+        time.sleep(0.4)  # past min_uptime_s: it served
+        os.kill(first.pid or 0, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while runs() < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _children(1)  # the third run serves
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=kill_then_stop)
+    killer.start()
+    code = supervise(
+        1,
+        flaky,
+        (counter,),
+        stop_timeout_s=10,
+        restart_delay_s=0.05,
+        min_uptime_s=0.3,
+        poll_s=0.05,
+    )
+    killer.join()
+    assert runs() == 3 and code == 0
