@@ -219,7 +219,8 @@ class EngineBlocks:
         size, ids = event.block_size, event.token_ids
         self.block_size = size
         if event.parent is None and self.hashing == "unknown" and event.extra is None:
-            self._check_hashing(ids[:size], event.hashes[0])
+            if event.hashes:  # an engine may publish a store of no blocks
+                self._check_hashing(ids[:size], event.hashes[0])
         if event.parent is None:
             parent = TOKEN_ROOT
         else:

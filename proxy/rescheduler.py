@@ -84,9 +84,15 @@ class Rescheduler:
             self._task = None
 
     async def _run(self) -> None:
+        fault = ""  # the last unforeseen failure, logged once
         while True:
             await asyncio.sleep(self.interval_s)
-            self.tick()
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - rebalancing must outlive one tick
+                if repr(exc) != fault:
+                    fault = repr(exc)
+                    log.exception("a rescheduler tick failed; the next one runs")
 
     def local_candidates(self) -> dict[str, list[RequestLoad]]:
         """This process's movable streams on the instances that would shed load now

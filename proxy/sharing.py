@@ -163,6 +163,7 @@ class Sharing:
         self._last_round: float | None = None  # clock() of the last good round
         self._lease_until = -1.0  # clock() until which the lease is surely ours
         self._failing = False
+        self._last_fault = ""  # the last unforeseen failure of a round, logged once
         self._task: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         # Count changes made here (dispatches, releases), and those not yet announced.
@@ -231,6 +232,12 @@ class Sharing:
                 await self.round()
             except (RedisError, OSError) as exc:
                 self._went_wrong(exc)
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any one round
+                # Data no check foresaw (another writer's keys) or a bug: this round
+                # is lost, not the sharing. Said once per cause, not every 50 ms.
+                if repr(exc) != self._last_fault:
+                    self._last_fault = repr(exc)
+                    log.exception("a sharing round failed; the next one runs")
 
     async def round(self) -> None:
         """One exchange with Redis; raises RedisError or OSError if it fails."""
@@ -390,6 +397,9 @@ class Sharing:
         except (ValueError, TypeError):
             log.warning("ignoring a malformed move: %r", raw)
             return
+        if not isinstance(request_id, int) or not isinstance(destination, str):
+            log.warning("ignoring a malformed move: %r", raw)
+            return
         stream = self.migrator.streams.get(request_id)
         if (
             stream is None
@@ -507,7 +517,8 @@ class Sharing:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    # Not UTF-8 is not Ferry's: it reads as text that names nothing of Ferry's.
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _stream_id(value: Any) -> tuple[int, int]:

@@ -145,6 +145,29 @@ def test_joining_late_replays_then_follows_live(
     assert f.loop.call(f.cluster.prefixes.mode, "a") == "precise"
 
 
+def test_a_store_of_no_blocks_is_taken_in_stride(
+    publisher: Callable[..., Any], follower: Callable[..., Follower], ports: tuple[int, int]
+) -> None:
+    """A first store that names no block (no parent, no hashes: vLLM's shape
+    allows it) once ended the follower (IndexError): the index then froze."""
+    pub = publisher()
+    f = follower(*ports)
+    wait_until(lambda: f.state()["synced"], 10)
+    empty = kv_events.BlockStored(
+        block_hashes=[],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=SIZE,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    pub.publish(batch(empty))
+    pub.publish(batch(stored(PROMPTS[0])))
+    wait_until(lambda: f.cached(PROMPTS[0]) == 3 * SIZE)
+    assert f.state()["hashing"] == "engine"
+
+
 def test_a_restarted_engine_is_followed_from_its_new_start(
     publisher: Callable[..., Any], follower: Callable[..., Follower], ports: tuple[int, int]
 ) -> None:

@@ -326,6 +326,31 @@ def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
     assert len(streams.errors) == 3 and not streams.texts
 
 
+def test_garbage_in_the_shared_keys_does_not_end_the_sharing(
+    ferries: Any, redis_server: str, redis_prefix: str
+) -> None:
+    """Another writer's data in Ferry's keys (a member name that is not UTF-8,
+    a move of the wrong shape): each round still runs, so a fleet change made
+    through one process still reaches the other and its load is still seen."""
+    import redis
+
+    a, b = ferries(2)
+    wait_until(lambda: len(a.sharing()["peers"]) == 1 and len(b.sharing()["peers"]) == 1)
+    client = redis.Redis.from_url(redis_server)
+    client.sadd(f"{redis_prefix}:members", b"\xff\xfe-not-utf8")
+    for process in (a, b):
+        moves = f"{redis_prefix}:moves:{process.sharing()['process']}"
+        client.rpush(moves, json.dumps([[1], {"not": "a name"}]), b"\xff")
+    time.sleep(3 * 0.05 + 0.5)  # rounds have read both
+    b.admin("/admin/instances/i0/drain", "POST")
+    wait_until(lambda: a.rows()["i0"]["draining"], timeout=3)
+    streams = Streams(a.url, 2, tokens=40)
+    wait_until(lambda: b.inflight() == 2, timeout=3)
+    streams.join()
+    assert not streams.errors and streams.texts == [" tok" * 40] * 2
+    assert "Traceback" not in a.log.read_text() + b.log.read_text()
+
+
 def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(
     ferries: Any, redis_server: str, redis_prefix: str
 ) -> None:

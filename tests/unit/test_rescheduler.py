@@ -117,3 +117,31 @@ def test_a_preempted_stream_is_rescued_even_with_every_slot_taken() -> None:
     assert planner.tick() == 1
     assert migrator.submitted == [("stream 2", "b", "rescue", False)]
     assert coordinator.sent == []  # the peer's queued request waits for a free slot
+
+
+def test_a_tick_that_fails_does_not_end_rebalancing(caplog: Any) -> None:
+    """A coordinator that raises (a bug, data no check foresaw) loses that tick,
+    not the loop: the next ticks run, and the failure is logged once."""
+    import asyncio
+
+    class Flaky(Coordinator):
+        calls = 0
+
+        def holds_lease(self) -> bool:
+            Flaky.calls += 1
+            if Flaky.calls <= 2:
+                raise KeyError("gone")
+            return True
+
+    planner, _ = rescheduler({}, Flaky(True, {}))
+    planner.interval_s = 0.01
+
+    async def run() -> None:
+        planner.start()
+        await asyncio.sleep(0.2)
+        assert planner._task is not None and not planner._task.done()
+        await planner.stop()
+
+    asyncio.run(run())
+    assert Flaky.calls > 3
+    assert caplog.text.count("a rescheduler tick failed") == 1
