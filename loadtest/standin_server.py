@@ -171,16 +171,22 @@ class StandIn:
         )
         return web.Response(text=text)
 
-    async def _embeddings(self, request: web.Request) -> web.Response:
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         await self._body(request)
         self._refuse_if_told()
-        return web.json_response(
-            {
-                "object": "list",
-                "model": self.model,
-                "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}],
-            }
-        )
+        self.served += 1
+        answer = {
+            "object": "list",
+            "model": self.model,
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}],
+        }
+        if self.break_whole and request.transport is not None:
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            await resp.write(json.dumps(answer).encode()[:20])
+            request.transport.abort()
+            return resp
+        return web.json_response(answer)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)

@@ -172,6 +172,7 @@ class Relay:
                 tried.add(name)
                 continue
             outcome = "error"
+            error: str | None = None  # what broke, where it says more than the outcome
             live: LiveStream | None = None
             try:
                 if upstream.status != 200:
@@ -192,9 +193,10 @@ class Relay:
                         name = live.instance
                         record.instances.extend(m["to"] for m in live.moves)
                         record.migrations = live.moves
-                elif body is None:
-                    response, outcome = await self._pass_on(request, upstream, call)
-                elif stream:
+                elif body is None and upstream.content_type == "text/event-stream":
+                    # A pass-through event stream (a streamed /v1/responses): byte for byte.
+                    response, outcome = await self._pipe(request, upstream, call, _as_is)
+                elif body is not None and stream:
                     response, outcome = await self._stream(
                         request, upstream, call, wants_ids, timing
                     )
@@ -205,14 +207,16 @@ class Relay:
                         # Headers came, the body broke: nothing reached the
                         # client, so another instance can answer, as when the
                         # call breaks before its headers.
-                        outcome = "upstream_error"
+                        outcome, error = "upstream_error", _describe(exc)
                         failed = _upstream_failed(name, exc)
                         if attempt == self.retries:
                             return failed
                         self._retrying(record, name, outcome)
                         tried.add(name)
                         continue
-                    response, outcome = await self._whole(upstream, call, wants_ids, False)
+                    response, outcome = await self._whole(
+                        upstream, call, wants_ids, passthrough=body is None
+                    )
                 return response
             except asyncio.CancelledError:
                 outcome = "client_disconnect"
@@ -223,7 +227,7 @@ class Relay:
                     retried.append(name)
                 else:
                     poison = self._judge(retried, outcome)
-                    self._count(name, outcome, outcome, blame=not poison)
+                    self._count(name, outcome, error or outcome, blame=not poison)
                 _note_end(record, outcome, timing, call, live)
         assert failed is not None  # every attempt that does not return sets it
         self._judge(retried, "no_instance")
@@ -398,15 +402,6 @@ class Relay:
 
         return await self._pipe(request, upstream, call, relay, timing, lambda: done)
 
-    async def _pass_on(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, call: Call
-    ) -> tuple[web.StreamResponse, str]:
-        """A pass-through answer: an event stream (a streamed `/v1/responses`)
-        relayed byte for byte as it comes, anything else whole."""
-        if upstream.content_type != "text/event-stream":
-            return await self._whole(upstream, call, True, passthrough=True)
-        return await self._pipe(request, upstream, call, lambda data: data)
-
     async def _pipe(
         self,
         request: web.Request,
@@ -505,6 +500,10 @@ def _retryable(upstream: aiohttp.ClientResponse) -> bool:
     and says when to come back (429 with Retry-After)."""
     status = upstream.status
     return status >= 500 or (status == 429 and "Retry-After" in upstream.headers)
+
+
+def _as_is(data: bytes) -> bytes:
+    return data
 
 
 def _describe(exc: BaseException) -> str:

@@ -375,9 +375,16 @@ def test_a_whole_answer_cut_after_its_headers_is_retried_on_another_instance(
     for _ in range(2):  # round robin: each meets the breaking instance first
         out = client(proxy).completions.create(model="standin", prompt="x", max_tokens=3)
         assert out.choices[0].text == " tok" * 3
-    assert bad.served == 2 and good.served == 2
+    # A pass-through answer (sent on as it came) alike: it is read whole first.
+    for _ in range(2):
+        vector = client(proxy).embeddings.create(model="standin", input="x")
+        assert vector.data[0].embedding == [0.0, 1.0]
+    assert bad.served == 4 and good.served == 4
     text = get(proxy.url + "/metrics")[1]["raw"]
-    assert 'ferry_retries_total{reason="upstream_error"} 2.0' in text
+    assert 'ferry_retries_total{reason="upstream_error"} 4.0' in text
+    # What is held against the instance says what broke, not only that it did.
+    last_error = proxy.loop.call(lambda: proxy.cluster.instances["i0"].last_error)
+    assert last_error and last_error != "upstream_error"
     bad_site_only = ferry([bad_site.url])
     status, payload, _ = post(
         bad_site_only.url + "/v1/completions", b'{"model":"standin","prompt":"x"}'
