@@ -186,11 +186,17 @@ def _serve_one(args: argparse.Namespace) -> int:
     again: a spawned worker starts with nothing of its parent)."""
     import uvloop
 
+    from proxy.config import ConfigError
     from proxy.server import serve
+    from proxy.workers import EXIT_CONFIG
 
     if args.workers and args.workers > 1:
         _log_setup(args, worker=True)
-    config = _serve_config(args)
+    try:
+        config = _serve_config(args)
+    except ConfigError as exc:  # a worker restarted after the file was edited badly
+        print(f"ferry: configuration error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     unavailable: tuple[type[Exception], ...] = ()
     if config.redis_url is not None:  # `redis` is an optional extra: imported only then
         from proxy.sharing import SharingUnavailable

@@ -14,12 +14,14 @@ running configuration, so a reload rotates them.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from proxy.config import FerryConfig
 from proxy.errors import error_response
 
 # Probes and scrapers carry no client key; /admin checks its own token.
@@ -41,6 +43,7 @@ def middleware(keys: Callable[[], tuple[str, ...]]) -> Middleware:
                 401,
                 "missing or wrong API key: send it as Authorization: Bearer <key>",
                 code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
         request[CHECKED] = True
         return await handler(request)
@@ -50,13 +53,20 @@ def middleware(keys: Callable[[], tuple[str, ...]]) -> Middleware:
 
 def authorized(header: str, keys: tuple[str, ...]) -> bool:
     """Whether an Authorization header carries one of `keys` as a bearer token.
-    Every key is compared in constant time, so the answer's timing says nothing
-    about how much of a guess was right."""
+    Digests of equal length are compared in constant time, every key each time,
+    so the answer's timing says nothing of how much of a guess, or of its
+    length, was right."""
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer":
         return False
-    given = token.strip().encode("utf-8", "surrogateescape")
+    given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
     matched = False
     for key in keys:
-        matched |= hmac.compare_digest(given, key.encode())
+        matched |= hmac.compare_digest(given, hashlib.sha256(key.encode()).digest())
     return matched
+
+
+def describe(config: FerryConfig) -> str:
+    """For the start-up line: whether clients need a key."""
+    n = len(config.api_keys)
+    return f"clients need one of {n} API key{'s' if n > 1 else ''}" if n else "no client key asked"

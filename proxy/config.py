@@ -239,7 +239,7 @@ class FerryConfig:
     admin_token: str | None = None
     # Keys clients must present (Authorization: Bearer) on every route but health,
     # readiness, metrics and /admin; empty: no key is asked (proxy/client_auth.py).
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     discovery: tuple[DiscoveryConfig, ...] = ()
     # Sharing one cluster view between processes and replicas; None: one process alone.
     redis_url: str | None = None
@@ -299,7 +299,7 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
         scheduler=scheduler,
         server=server,
         admin_token=token or env.get("FERRY_ADMIN_TOKEN") or None,
-        api_keys=_api_keys(top.get("api_keys"), env),
+        api_keys=_api_keys(top, env),
         discovery=discovery,
         redis_url=redis_url or None,
         sharing=sharing,
@@ -308,11 +308,16 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
     return config
 
 
-def _api_keys(raw: Any, env: dict[str, str]) -> tuple[str, ...]:
+def _api_keys(top: dict[str, Any], env: dict[str, str]) -> tuple[str, ...]:
     """The clients' keys: the YAML's list (`${VAR}` read from the environment), or
     else FERRY_API_KEYS, comma-separated."""
-    if raw is None:
-        return tuple(k.strip() for k in env.get("FERRY_API_KEYS", "").split(",") if k.strip())
+    if "api_keys" not in top:
+        given = env.get("FERRY_API_KEYS", "").split(",")
+        keys = [k.strip() for k in given if k.strip()]
+        for i, key in enumerate(keys):
+            _check_key(key, f"FERRY_API_KEYS, key {i + 1}")
+        return tuple(keys)
+    raw = top["api_keys"]
     if not isinstance(raw, list) or not raw:
         raise ConfigError("api_keys: must be a non-empty list of strings (or leave it out)")
     keys = []
@@ -321,10 +326,14 @@ def _api_keys(raw: Any, env: dict[str, str]) -> tuple[str, ...]:
         if not isinstance(item, str):
             raise ConfigError(f"{where}: must be a string")
         key = _expand(item, where, env) or ""
-        if not key or any(c.isspace() for c in key):
-            raise ConfigError(f"{where}: must be a key: not empty, no spaces")
+        _check_key(key, where)
         keys.append(key)
     return tuple(keys)
+
+
+def _check_key(key: str, where: str) -> None:
+    if not key or any(c.isspace() for c in key):
+        raise ConfigError(f"{where}: must be a key: not empty, no spaces")
 
 
 def check_redis_url(url: Any, where: str) -> None:

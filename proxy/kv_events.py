@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 from adapters.kv_events import KVEvent, KVEventsDecodeError, KVEventsFormat
 from proxy.cluster import Cluster
 from proxy.engine_blocks import EngineBlocks
+from proxy.faults import Faults
 
 log = logging.getLogger("ferry.kv_events")
 
@@ -91,7 +92,7 @@ class KVEvents:
         poller = zmq.asyncio.Poller()
         poller.register(monitor, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
-        fault = ""  # the last unforeseen failure, logged once
+        faults = Faults(log, f"a kv events batch of {name}")
         try:
             try:
                 sub.connect(endpoints.events)
@@ -125,10 +126,10 @@ class KVEvents:
                 except Exception as exc:  # noqa: BLE001 - the follower must outlive any batch
                     # Events no check foresaw (another publisher's, a bug): what the
                     # index holds may be wrong now, so it starts over, as after a gap.
-                    if repr(exc) != fault:
-                        fault = repr(exc)
-                        log.exception("kv events of %s: a batch failed; resyncing", name)
+                    faults.failed(exc)
                     engine.reset()
+                else:
+                    faults.ok()
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)

@@ -145,6 +145,8 @@ class LiveStream:
         """Ask the stream to go on elsewhere; the future says whether it did."""
         order = MoveOrder(destination, reason, load, source_stopped)
         if not self.accepts_orders:
+            if load is not None:  # copied for nothing: the stream ended or moves already
+                self._release_later(load["dest"], load)
             order.done.set_result(False)
             return order.done
         self._order = order
@@ -318,7 +320,7 @@ class LiveStream:
         try:
             return await self._continue(order, response, tried)
         finally:
-            await self._release_unused(order, tried)
+            self._release_unused(order, tried)
 
     async def _continue(
         self, order: MoveOrder, response: web.StreamResponse, tried: set[str]
@@ -384,14 +386,21 @@ class LiveStream:
         self.timing.uncut()
         return "failed"
 
-    async def _release_unused(self, order: MoveOrder, tried: set[str]) -> None:
+    def _release_unused(self, order: MoveOrder, tried: set[str]) -> None:
         """Free the KV a full-mode copy staged for this cut-over on a destination
         it did not try (no longer usable, or gone): a try frees its own when it
         fails (`_start`), and the stream that never goes there holds it otherwise
         until its lease runs out."""
         load = order.load
         if load is not None and load["dest"] not in tried:
-            await self._release_kv(load["dest"], {wire.LOAD: load})
+            self._release_later(load["dest"], load)
+
+    def _release_later(self, dest: str, load: dict[str, Any]) -> None:
+        """Release staged KV in the background: the destination passed by may be
+        the hung one, and the stream must not wait on it."""
+        task = asyncio.ensure_future(self._release_kv(dest, {wire.LOAD: load}, timeout_s=2))
+        _RELEASES.add(task)
+        task.add_done_callback(_RELEASES.discard)
 
     async def _start(self, dest: str, load: dict[str, Any] | None, cached_tokens: int) -> bool:
         """Send the stream on to `dest`; `cached_tokens` of it are probably in its
@@ -413,6 +422,8 @@ class LiveStream:
                 # Removed while it was asked where to join; nothing billed it, so
                 # its removal did not wait for this stream.
                 log.info("continuation on %s not started: the instance is being removed", dest)
+                if load is not None:
+                    self._release_later(dest, load)
                 return False
             path = "/v1/completions"
             generated = splicer.generated[: join.keep]
@@ -503,16 +514,22 @@ class LiveStream:
         text = answer.get("prompt") if isinstance(answer, dict) else None
         return text if isinstance(text, str) else None
 
-    async def _release_kv(self, dest: str, kv_params: dict[str, Any]) -> None:
+    async def _release_kv(
+        self, dest: str, kv_params: dict[str, Any], timeout_s: float = 10.0
+    ) -> None:
         """A continuation that did not start frees the KV moved for it at once,
         rather than when its lease runs out."""
         if wire.LOAD in kv_params:
             mig_id = kv_params[wire.LOAD]["mig_id"]
-            await self.upstreams.post_json(dest, wire.RELEASE, {"mig_id": mig_id})
+            await self.upstreams.post_json(dest, wire.RELEASE, {"mig_id": mig_id}, timeout_s)
 
     async def _fail(self, response: web.StreamResponse, why: str) -> None:
         message = f"stream from {self.instance} broke and could not resume: {why}"
         await sse.finish(response, sse.error_event(502, message))
+
+
+# Releases of staged KV under way (a task needs a reference until it is done).
+_RELEASES: set[asyncio.Future[None]] = set()
 
 
 def _why(exc: BaseException) -> str:

@@ -23,6 +23,7 @@ import itertools
 import logging
 
 from proxy.cluster import Cluster
+from proxy.faults import Faults
 from proxy.kv_migration import KVMigrator
 from proxy.live_stream import LiveStream
 from proxy.placement import Placement
@@ -105,7 +106,7 @@ class Migrator:
         # move that broke): they finish where they are; asking again would repeat
         # the refusal every round.
         self._drain_refused: set[int] = set()
-        self._drain_fault = ""  # the last unforeseen failure of a drain round, logged once
+        self._drain_faults = Faults(log, "a drain round")
         self._ids = itertools.count(1)
         self._slots = MoveSlots(max(1, max_concurrent))
         self._max = max(1, max_concurrent)
@@ -205,9 +206,9 @@ class Migrator:
             self._drain_round()
         except Exception as exc:  # noqa: BLE001 - a drain must outlive one round
             # A bug or state no check foresaw loses this round, not the drain.
-            if repr(exc) != self._drain_fault:
-                self._drain_fault = repr(exc)
-                log.exception("a drain round failed; the next one runs")
+            self._drain_faults.failed(exc)
+        else:
+            self._drain_faults.ok()
 
     def _drain_round(self) -> None:
         """Plan and submit the moves off the draining instances that fit now. A round

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from proxy.cluster import Cluster
+from proxy.faults import Faults
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
 from proxy.policy import ClusterView
@@ -84,15 +85,15 @@ class Rescheduler:
             self._task = None
 
     async def _run(self) -> None:
-        fault = ""  # the last unforeseen failure, logged once
+        faults = Faults(log, "a rescheduler tick")
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 self.tick()
             except Exception as exc:  # noqa: BLE001 - rebalancing must outlive one tick
-                if repr(exc) != fault:
-                    fault = repr(exc)
-                    log.exception("a rescheduler tick failed; the next one runs")
+                faults.failed(exc)
+            else:
+                faults.ok()
 
     def local_candidates(self) -> dict[str, list[RequestLoad]]:
         """This process's movable streams on the instances that would shed load now

@@ -433,12 +433,18 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
     )
     await site.start()
     log.info(
-        "ferry listening on http://%s:%d (%d instances, policy %s)",
+        "ferry listening on http://%s:%d (%d instances, policy %s, %s)",
         config.server.host,
         config.server.port,
         len(config.instances),
         config.scheduler.policy,
+        client_auth.describe(config),
     )
+    if not config.api_keys and any(i.api_key for i in config.instances):
+        log.warning(
+            "instances have an api_key but clients need none: anyone who reaches"
+            " this port uses them (set api_keys or FERRY_API_KEYS)"
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

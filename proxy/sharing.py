@@ -65,6 +65,7 @@ from redis.exceptions import RedisError, WatchError
 from proxy.cancellation import cancelling
 from proxy.cluster import Cluster
 from proxy.config import SharingConfig
+from proxy.faults import Faults
 from proxy.fleet import Fleet, FleetError, compact, op_instance
 from proxy.metrics_merge import merge
 from proxy.migrator import Migrator
@@ -163,7 +164,7 @@ class Sharing:
         self._last_round: float | None = None  # clock() of the last good round
         self._lease_until = -1.0  # clock() until which the lease is surely ours
         self._failing = False
-        self._last_fault = ""  # the last unforeseen failure of a round, logged once
+        self._faults = Faults(log, "a sharing round")
         self._task: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         # Count changes made here (dispatches, releases), and those not yet announced.
@@ -234,10 +235,10 @@ class Sharing:
                 self._went_wrong(exc)
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any one round
                 # Data no check foresaw (another writer's keys) or a bug: this round
-                # is lost, not the sharing. Said once per cause, not every 50 ms.
-                if repr(exc) != self._last_fault:
-                    self._last_fault = repr(exc)
-                    log.exception("a sharing round failed; the next one runs")
+                # is lost, not the sharing.
+                self._faults.failed(exc)
+            else:
+                self._faults.ok()
 
     async def round(self) -> None:
         """One exchange with Redis; raises RedisError or OSError if it fails."""
@@ -397,7 +398,7 @@ class Sharing:
         except (ValueError, TypeError):
             log.warning("ignoring a malformed move: %r", raw)
             return
-        if not isinstance(request_id, int) or not isinstance(destination, str):
+        if type(request_id) is not int or not isinstance(destination, str):  # not a bool
             log.warning("ignoring a malformed move: %r", raw)
             return
         stream = self.migrator.streams.get(request_id)

@@ -10,8 +10,9 @@ This parent only starts and watches them:
 - a worker that dies (killed, or crashed after it ran a while) is started
   again after `restart_delay_s`. Its streams broke with it: clients retry, and
   its load leaves the shared view with its record's TTL. A restart that fails
-  at once (Redis down just then, a config file edited badly since) is tried
-  again, each wait twice the last, up to MAX_RESTART_DELAY_S.
+  at once (Redis down just then) is tried again, each wait twice the last, up
+  to MAX_RESTART_DELAY_S, MAX_FAILED_RESTARTS times in a row; a worker that
+  cannot use the config file (edited badly since) is not restarted.
 
 Workers are spawned, not forked: a fork would copy the parent's state into each
 child, and an event loop must not cross a fork.
@@ -32,6 +33,12 @@ from typing import Any
 log = logging.getLogger("ferry.workers")
 
 MAX_RESTART_DELAY_S = 30.0
+# Restarts in a row that fail at once before the worker is given up (after
+# about two minutes of waits): a broken config file or a Redis that stays down.
+MAX_FAILED_RESTARTS = 6
+# A worker's exit status for a configuration it cannot use: never restarted,
+# as the same file would fail again (sysexits' EX_CONFIG).
+EXIT_CONFIG = 78
 
 
 def supervise(
@@ -48,8 +55,9 @@ def supervise(
     the exit status (0 when every worker stopped cleanly). A worker killed by a
     signal, or one that fails after running `min_uptime_s`, is started again; one
     whose first start fails sooner (a port taken, Redis down) is not, nor is one
-    that exits cleanly. A restart that fails sooner is tried again, each wait
-    twice the last. When no worker is left, the parent exits 1."""
+    that exits cleanly or with EXIT_CONFIG. A restart that fails sooner is tried
+    again, each wait twice the last, up to MAX_FAILED_RESTARTS in a row. When no
+    worker is left, the parent exits 1."""
     context = multiprocessing.get_context("spawn")
     stopping = False
     workers: dict[int, BaseProcess] = {}
@@ -85,10 +93,22 @@ def supervise(
             for index, process in list(workers.items()):
                 if stopping or process.is_alive():
                     continue
+                if index in restart_at:  # dead, and its restart decided on already
+                    if now >= restart_at[index]:
+                        del restart_at[index]
+                        try:
+                            start(index)
+                        except OSError as exc:  # no process to be had now (EAGAIN, ENOMEM)
+                            log.error("worker %d could not start again: %s", index, exc)
+                            restart_at[index] = now + MAX_RESTART_DELAY_S
+                    continue
                 code = process.exitcode or 0
                 killed = code < 0  # by a signal: kill -9, the OOM killer
                 brief = now - started_at[index] < min_uptime_s
-                if not killed and (code == 0 or (brief and index not in restarts)):
+                failed_to_start = brief and (
+                    index not in restarts or restarts[index] >= MAX_FAILED_RESTARTS
+                )
+                if not killed and (code in (0, EXIT_CONFIG) or failed_to_start):
                     log.error(
                         "worker %d (pid %s) stopped by itself (status %s); not restarted",
                         index,
@@ -96,26 +116,19 @@ def supervise(
                         code,
                     )
                     del workers[index]
-                elif index not in restart_at:
-                    failed = restarts.get(index, 0) if brief else 0
-                    restarts[index] = failed + 1
-                    delay = min(restart_delay_s * 2**failed, MAX_RESTART_DELAY_S)
-                    log.error(
-                        "worker %d (pid %s) died (status %s): its streams broke;"
-                        " another starts in %.1f s",
-                        index,
-                        process.pid,
-                        process.exitcode,
-                        delay,
-                    )
-                    restart_at[index] = now + delay
-                elif now >= restart_at[index]:
-                    del restart_at[index]
-                    try:
-                        start(index)
-                    except OSError as exc:  # no process to be had now (EAGAIN, ENOMEM)
-                        log.error("worker %d could not start again: %s", index, exc)
-                        restart_at[index] = now + MAX_RESTART_DELAY_S
+                    continue
+                failed = restarts.get(index, 0) if brief else 0
+                restarts[index] = failed + 1
+                delay = min(restart_delay_s * 2**failed, MAX_RESTART_DELAY_S)
+                log.error(
+                    "worker %d (pid %s) died (status %s): its streams broke;"
+                    " another starts in %.1f s",
+                    index,
+                    process.pid,
+                    process.exitcode,
+                    delay,
+                )
+                restart_at[index] = now + delay
         if not workers:
             return 1
         deadline = time.monotonic() + stop_timeout_s

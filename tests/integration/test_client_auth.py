@@ -94,6 +94,17 @@ def test_every_client_route_asks_for_the_key_and_probes_do_not(keyed: tuple[Any,
     assert httpx.get(proxy.url + "/admin/instances", headers=admin).status_code == 200
 
 
+def test_a_clients_key_does_not_reach_an_engine_without_its_own(standins: Any, ferry: Any) -> None:
+    [(engine, site)] = standins(1)
+    proxy = ferry([site.url], api_keys=KEYS)
+    assert complete(proxy.url, KEYS[0]) == " tok" * 3
+    assert complete(proxy.url, KEYS[1], stream=True) == " tok" * 3
+    assert len(engine.seen_headers) == 2
+    assert all("Authorization" not in headers for headers in engine.seen_headers)
+    refused = httpx.post(proxy.url + "/v1/completions", json={"model": "standin"})
+    assert refused.headers["WWW-Authenticate"] == "Bearer"
+
+
 def test_without_keys_a_clients_authorization_goes_to_the_engine(standins: Any, ferry: Any) -> None:
     """The default: Ferry asks for no key, and a client may hold the engine's."""
     [(engine, site)] = standins(1)

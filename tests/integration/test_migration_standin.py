@@ -551,7 +551,7 @@ def test_a_move_whose_destination_left_while_it_waited_chooses_again(
     )
     migrator = proxy.site.app[MIGRATOR]
     stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=100, stream=True
+        model="standin", prompt="hi", max_tokens=300, stream=True
     )
     for i, _ in enumerate(stream):
         if i == 5:
@@ -568,7 +568,7 @@ def test_a_move_whose_destination_left_while_it_waited_chooses_again(
     [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
     assert proxy.loop.run(migrator.move(live, gone, "drain")) is True
     rest = "".join(c.choices[0].text for c in stream)
-    assert rest == " tok" * 94
+    assert rest == " tok" * 294
     assert proxy.loop.call(lambda: live.instance) == kept
 
 
@@ -587,7 +587,7 @@ def test_kv_staged_on_a_destination_the_cut_over_passes_by_is_released(
     )
     migrator = proxy.site.app[MIGRATOR]
     stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=100, stream=True
+        model="standin", prompt="hi", max_tokens=300, stream=True
     )
     for i, _ in enumerate(stream):
         if i == 5:
@@ -610,7 +610,7 @@ def test_kv_staged_on_a_destination_the_cut_over_passes_by_is_released(
         return await live.order_move(f"i{staged}", "drain", load, source_stopped=False)
 
     assert proxy.loop.run(cut_over()) is True
-    assert "".join(c.choices[0].text for c in stream) == " tok" * 94
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
     assert proxy.loop.call(lambda: live.instance) == f"i{other}"
     releases = [p for p, _ in sites[staged][0].answers if p == wire.RELEASE]
     assert releases == [wire.RELEASE]
@@ -639,7 +639,7 @@ def test_a_drain_round_that_fails_does_not_end_the_drain(standins: Any, ferry: A
 
     migrator._drain_round = flaky_round
     stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=100, stream=True
+        model="standin", prompt="hi", max_tokens=300, stream=True
     )
     for i, _ in enumerate(stream):
         if i == 5:
@@ -652,7 +652,7 @@ def test_a_drain_round_that_fails_does_not_end_the_drain(standins: Any, ferry: A
         headers={"Authorization": "Bearer t"},
     )
     urllib.request.urlopen(drain, timeout=5).close()  # its first round fails in the call
-    assert "".join(c.choices[0].text for c in stream) == " tok" * 94
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
     assert len(failed) == 2
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in metrics(proxy.url)
 

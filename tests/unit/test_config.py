@@ -60,6 +60,9 @@ def test_client_keys_from_yaml_or_environment() -> None:
     raw = base(api_keys=["${CLIENT_KEY}", "literal"])
     env = {"CLIENT_KEY": "from-env", "FERRY_API_KEYS": "ignored"}
     assert parse_config(raw, env=env).api_keys == ("from-env", "literal")
+    with pytest.raises(ConfigError, match=r"^FERRY_API_KEYS, key 2: must be a key"):
+        parse_config(base(), env={"FERRY_API_KEYS": "k1,a b"})
+    assert "from-env" not in repr(parse_config(raw, env=env))  # not in logs by accident
 
 
 @pytest.mark.parametrize(
@@ -72,6 +75,7 @@ def test_client_keys_from_yaml_or_environment() -> None:
         (base(api_keys=["a key"]), r"^api_keys\[0\]: must be a key: not empty, no spaces"),
         (base(api_keys=["k\n"]), r"^api_keys\[0\]: must be a key: not empty, no spaces"),
         (base(api_keys=["${NOPE}"]), r"^api_keys\[0\]: environment variable NOPE is not set"),
+        (base(api_keys=None), r"^api_keys: must be a non-empty list of strings"),
         (base(instances=[{"url": "http://h:1"}]), r"^instances\[0\]\.name: is required"),
         (base(instances=[{"name": "a", "url": "h:1"}]), r"^instances\[0\]\.url: must be an http"),
         (

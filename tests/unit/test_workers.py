@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.workers import supervise
+from proxy.workers import EXIT_CONFIG, MAX_FAILED_RESTARTS, supervise
 
 
 def sleeper() -> None:
@@ -52,24 +52,29 @@ def test_a_worker_that_died_before_the_stop_fails_it_only_if_none_was_left(
     assert code == status
 
 
-def flaky(counter: str) -> None:
-    """Run n of a worker (counted in the file `counter`): the first serves, the
-    second fails at once (Redis down just then), the third serves again."""
+def flaky(counter: str, then: str) -> None:
+    """Run n of a worker (counted in the file `counter`): the first serves; of
+    the restarts, `then` = "once": the first fails at once (Redis down just
+    then) and the next serves; "always": every one fails at once; "config":
+    every one finds the config file broken."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open(counter, "a+") as f:
         f.write("x")
     with open(counter) as f:
         run = len(f.read())
-    if run == 2:
+    if run > 1 and then == "config":
+        sys.exit(EXIT_CONFIG)
+    if run == 2 or (run > 1 and then == "always"):
         sys.exit(1)
     time.sleep(60)
 
 
-def test_a_restart_that_fails_at_once_is_tried_again(tmp_path: Path) -> None:
-    """A worker killed after it ran a while, whose restart then fails before
-    `min_uptime_s`, is started again after a longer wait: the service is back to
-    its N workers, not one short for good."""
-    counter = str(tmp_path / "runs")
+MIN_UPTIME_S = 1.5  # past a spawned worker's start on a slow machine
+
+
+def supervise_flaky(counter: str, then: str, stop_after_runs: int | None) -> int:
+    """Supervise one `flaky` worker: kill its first run once it has served, then
+    SIGTERM the supervisor once `stop_after_runs` runs started (if given)."""
 
     def runs() -> int:
         with open(counter) as f:
@@ -77,12 +82,14 @@ def test_a_restart_that_fails_at_once_is_tried_again(tmp_path: Path) -> None:
 
     def kill_then_stop() -> None:
         [first] = _children(1)
-        time.sleep(0.4)  # past min_uptime_s: it served
+        time.sleep(MIN_UPTIME_S + 0.2)  # it served
         os.kill(first.pid or 0, signal.SIGKILL)
+        if stop_after_runs is None:
+            return
         deadline = time.monotonic() + 30
-        while runs() < 3 and time.monotonic() < deadline:
+        while runs() < stop_after_runs and time.monotonic() < deadline:
             time.sleep(0.05)
-        _children(1)  # the third run serves
+        _children(1)  # that run serves
         os.kill(os.getpid(), signal.SIGTERM)
 
     killer = threading.Thread(target=kill_then_stop)
@@ -90,11 +97,38 @@ def test_a_restart_that_fails_at_once_is_tried_again(tmp_path: Path) -> None:
     code = supervise(
         1,
         flaky,
-        (counter,),
+        (counter, then),
         stop_timeout_s=10,
-        restart_delay_s=0.05,
-        min_uptime_s=0.3,
-        poll_s=0.05,
+        restart_delay_s=0.1,
+        min_uptime_s=MIN_UPTIME_S,
+        poll_s=0.02,
     )
     killer.join()
-    assert runs() == 3 and code == 0
+    return code
+
+
+def test_a_restart_that_fails_at_once_is_tried_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker killed after it ran a while, whose restart then fails before
+    `min_uptime_s`, is started again after a longer wait: the service is back to
+    its N workers, not one short for good."""
+    counter = str(tmp_path / "runs")
+    with caplog.at_level("INFO", logger="ferry.workers"):
+        code = supervise_flaky(counter, "once", stop_after_runs=3)
+    assert code == 0
+    with open(counter) as f:
+        assert f.read() == "xxx"
+    assert "another starts in 0.1 s" in caplog.text  # after the kill
+    assert "another starts in 0.2 s" in caplog.text  # the failed restart: twice as long
+
+
+@pytest.mark.parametrize(("then", "runs"), [("always", 1 + MAX_FAILED_RESTARTS), ("config", 2)])
+def test_a_worker_that_cannot_start_again_is_given_up(tmp_path: Path, then: str, runs: int) -> None:
+    """Restarts that keep failing at once end after MAX_FAILED_RESTARTS; a worker
+    whose config file is broken is not restarted at all. With no worker left the
+    supervisor exits 1, which is what a service manager sees."""
+    counter = str(tmp_path / "runs")
+    assert supervise_flaky(counter, then, stop_after_runs=None) == 1
+    with open(counter) as f:
+        assert len(f.read()) == runs
