@@ -503,6 +503,39 @@ def test_a_client_gone_during_a_move_frees_the_move(standins: Any, ferry: Any) -
     assert proxy.loop.call(lambda: migrator.streams) == {}
 
 
+def _under_way(
+    standins: Any, ferry: Any, n: int, prewarm: bool = False
+) -> tuple[list[tuple[Any, Any]], Any, Any, Any, str]:
+    """`n` stand-ins behind a lite Ferry (round robin, admin token "t") and one
+    stream of 300 tokens five tokens in: the stand-ins, Ferry, its migrator, the
+    client's stream and the name of the instance it runs on."""
+    sites = standins(n, itl_s=0.02)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin", "migration_prewarm": prewarm},
+    )
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=300, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    name, _ = _busy(sites)
+    return sites, proxy, proxy.site.app[MIGRATOR], stream, name
+
+
+def _admin(proxy: Any, path: str, method: str = "POST") -> None:
+    request = urllib.request.Request(
+        proxy.url + path,
+        data=b"" if method == "POST" else None,
+        method=method,
+        headers={"Authorization": "Bearer t"},
+    )
+    urllib.request.urlopen(request, timeout=5).close()
+
+
 def test_a_move_that_starts_after_its_stream_ended_gives_up_at_once(
     standins: Any, ferry: Any
 ) -> None:
@@ -510,20 +543,7 @@ def test_a_move_that_starts_after_its_stream_ended_gives_up_at_once(
     `migration_max_concurrent`) while its client hangs up. When its turn comes it
     must end at once: nothing is left to answer its order, and a move that waits
     forever holds its slot and its drain round, so no drain would run again."""
-    sites = standins(2, itl_s=0.02)
-    proxy = ferry(
-        [site.url for _, site in sites],
-        instances_migration="lite",
-        scheduler={"policy": "round_robin", "migration_prewarm": False},
-    )
-    migrator = proxy.site.app[MIGRATOR]
-    stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=200, stream=True
-    )
-    for i, _ in enumerate(stream):
-        if i == 5:
-            break
-    name, _ = _busy(sites)
+    _, proxy, migrator, stream, name = _under_way(standins, ferry, 2)
     [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
     stream.close()
     wait_until(lambda: proxy.loop.call(lambda: migrator.streams) == {})
@@ -542,33 +562,13 @@ def test_a_move_whose_destination_left_while_it_waited_chooses_again(
     """A drain plans each move's destination, then the move may wait for a slot;
     an instance removed meanwhile is no destination (it raised KeyError in the
     pre-warm): the move chooses again and the stream goes on there."""
-    sites = standins(3, itl_s=0.02)
-    proxy = ferry(
-        [site.url for _, site in sites],
-        instances_migration="lite",
-        admin_token="t",
-        scheduler={"policy": "round_robin"},
-    )
-    migrator = proxy.site.app[MIGRATOR]
-    stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=300, stream=True
-    )
-    for i, _ in enumerate(stream):
-        if i == 5:
-            break
-    name, _ = _busy(sites)
+    _, proxy, migrator, stream, name = _under_way(standins, ferry, 3, prewarm=True)
     gone, kept = [f"i{n}" for n in range(3) if f"i{n}" != name]
-    request = urllib.request.Request(
-        f"{proxy.url}/admin/instances/{gone}",
-        method="DELETE",
-        headers={"Authorization": "Bearer t"},
-    )
-    urllib.request.urlopen(request, timeout=5).close()
+    _admin(proxy, f"/admin/instances/{gone}", "DELETE")
     wait_until(lambda: gone not in proxy.loop.call(lambda: set(proxy.cluster.instances)))
     [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
-    assert proxy.loop.run(migrator.move(live, gone, "drain")) is True
-    rest = "".join(c.choices[0].text for c in stream)
-    assert rest == " tok" * 294
+    assert proxy.loop.run(migrator.move(live, gone, "drain", prewarm=True)) is True
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
     assert proxy.loop.call(lambda: live.instance) == kept
 
 
@@ -578,31 +578,9 @@ def test_kv_staged_on_a_destination_the_cut_over_passes_by_is_released(
     """A full-mode copy staged KV on a destination that stopped being one before
     the cut-over (drained here): the stream goes on elsewhere, and the staged
     blocks are released at once rather than held for the reservation's lease."""
-    sites = standins(3, itl_s=0.02)
-    proxy = ferry(
-        [site.url for _, site in sites],
-        instances_migration="lite",
-        admin_token="t",
-        scheduler={"policy": "round_robin", "migration_prewarm": False},
-    )
-    migrator = proxy.site.app[MIGRATOR]
-    stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=300, stream=True
-    )
-    for i, _ in enumerate(stream):
-        if i == 5:
-            break
-    name, _ = _busy(sites)
+    sites, proxy, migrator, stream, name = _under_way(standins, ferry, 3)
     staged, other = [n for n in range(3) if f"i{n}" != name]
-    urllib.request.urlopen(
-        urllib.request.Request(
-            f"{proxy.url}/admin/instances/i{staged}/drain",
-            data=b"",
-            method="POST",
-            headers={"Authorization": "Bearer t"},
-        ),
-        timeout=5,
-    ).close()
+    _admin(proxy, f"/admin/instances/i{staged}/drain")
     [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
     load = {"dest": f"i{staged}", "mig_id": "m1", "num_tokens": 8}
 
@@ -620,14 +598,7 @@ def test_kv_staged_on_a_destination_the_cut_over_passes_by_is_released(
 def test_a_drain_round_that_fails_does_not_end_the_drain(standins: Any, ferry: Any) -> None:
     """A round that raises (a bug, state no check foresaw) loses that round, not
     the drain: the next round moves the stream."""
-    sites = standins(2, itl_s=0.02)
-    proxy = ferry(
-        [site.url for _, site in sites],
-        instances_migration="lite",
-        admin_token="t",
-        scheduler={"policy": "round_robin", "migration_prewarm": False},
-    )
-    migrator = proxy.site.app[MIGRATOR]
+    _, proxy, migrator, stream, name = _under_way(standins, ferry, 2)
     rounds = migrator._drain_round
     failed: list[int] = []
 
@@ -638,20 +609,7 @@ def test_a_drain_round_that_fails_does_not_end_the_drain(standins: Any, ferry: A
         rounds()
 
     migrator._drain_round = flaky_round
-    stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=300, stream=True
-    )
-    for i, _ in enumerate(stream):
-        if i == 5:
-            break
-    name, _ = _busy(sites)
-    drain = urllib.request.Request(
-        proxy.url + f"/admin/instances/{name}/drain?migrate=true",
-        data=b"",
-        method="POST",
-        headers={"Authorization": "Bearer t"},
-    )
-    urllib.request.urlopen(drain, timeout=5).close()  # its first round fails in the call
+    _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")  # its first round fails
     assert "".join(c.choices[0].text for c in stream) == " tok" * 294
     assert len(failed) == 2
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in metrics(proxy.url)
