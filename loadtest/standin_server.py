@@ -55,6 +55,9 @@ class StandIn:
         # tests: False ends a finished stream without `data: [DONE]`, as some
         # OpenAI-compatible servers do
         self.send_done = True
+        # tests: how events are framed: "lf" as vLLM, "crlf" as sse-starlette
+        # (llama-cpp-python and others), "nospace": `data:` with no space after it
+        self.framing = "lf"
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
         # tests: give the stream up after n tokens as vLLM does when it shuts down
@@ -385,9 +388,7 @@ class StandIn:
                 choice.update(finish_reason="abort", token_ids=[] if ids else None)
                 choice["delta" if chat else "text"] = {"content": ""} if chat else ""
                 n = i  # nothing follows this chunk
-            await resp.write(
-                b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-            )
+            await resp.write(self._frame(json.dumps(chunk, separators=(",", ":")).encode()))
             if i + 1 >= n:
                 break
         if self.break_after is not None and self.break_after >= n:
@@ -400,11 +401,16 @@ class StandIn:
             chunk = {"id": rid, "created": int(time.time()), "model": self.model, "choices": []}
             chunk["object"] = "chat.completion.chunk" if chat else "text_completion"
             chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(self._frame(json.dumps(chunk).encode()))
         if self.send_done:
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(self._frame(b"[DONE]"))
         await resp.write_eof()
         return resp
+
+    def _frame(self, data: bytes) -> bytes:
+        """One event as this server frames it (`framing`)."""
+        head = b"data:" if self.framing == "nospace" else b"data: "
+        return head + data + (b"\r\n\r\n" if self.framing == "crlf" else b"\n\n")
 
     def _whole(self, chat: bool, n: int, ids: bool) -> dict[str, Any]:
         text = " tok" * n

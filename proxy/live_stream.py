@@ -266,7 +266,7 @@ class LiveStream:
                     if not data:
                         break
                     self.timing.read()
-                    self._pending += data
+                    self._pending = sse.joined(self._pending, data)
                 events, self._pending = sse.split(self._pending)
                 out: list[bytes] = []
                 for event in events:

@@ -183,7 +183,15 @@ class Relay:
                         tried.add(name)
                         continue
                     return response
-                live = self._live(call, body, path, priority, wants_ids, tag, timing, record)
+                # A server that answers a stream request whole (it ignored
+                # `stream`) is answered whole; anything but JSON is taken as a
+                # stream, as it came.
+                answered_whole = upstream.content_type == "application/json"
+                live = (
+                    None
+                    if answered_whole
+                    else self._live(call, body, path, priority, wants_ids, tag, timing, record)
+                )
                 if live is not None:
                     self.migrator.register(live)
                     try:
@@ -196,7 +204,7 @@ class Relay:
                 elif body is None and upstream.content_type == "text/event-stream":
                     # A pass-through event stream (a streamed /v1/responses): byte for byte.
                     response, outcome = await self._pipe(request, upstream, call, _as_is)
-                elif body is not None and stream:
+                elif body is not None and stream and not answered_whole:
                     response, outcome = await self._stream(
                         request, upstream, call, wants_ids, timing
                     )
@@ -388,7 +396,7 @@ class Relay:
             The bytes go on as they came (the ids nulled in one pass over them), not
             split and framed again event by event: this runs for every chunk."""
             nonlocal pending, done
-            buffer = pending + data if pending else data
+            buffer = sse.joined(pending, data)
             end = buffer.rfind(b"\n\n") + 2
             if end < 2:
                 pending = buffer
@@ -444,15 +452,16 @@ class Relay:
     def _account_event(self, event: bytes, call: Call, timing: sse.TokenTiming) -> bool:
         """Credit one event's tokens to the ledger and the timing; whether it
         carried token-id fields (the engine reports them)."""
-        if not event.startswith(b"data: {"):  # [DONE], comments, other fields
+        data = sse.data_of(event)
+        if data is None or not data.startswith(b"{"):  # [DONE], comments, other fields
             return False
-        prompt, generated, seen = token_ids.scan(event)
+        prompt, generated, seen = token_ids.scan(data)
         token = generated > 0
         if not seen:  # an engine that reports no token ids: estimate them
-            prompt, generated, token = token_ids.estimate(event[6:], call.entry.generated_tokens)
+            prompt, generated, token = token_ids.estimate(data, call.entry.generated_tokens)
         if prompt is not None:
             self.cluster.ledger.set_prompt_tokens(call.entry, prompt)
-            self._index_prompt(call.instance, event, seen)
+            self._index_prompt(call.instance, data, seen)
         if generated:
             self.cluster.ledger.add_generated(call.entry, generated)
         if token:

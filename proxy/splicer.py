@@ -163,13 +163,14 @@ class Splicer:
     # -- upstream events ---------------------------------------------------------
     def feed(self, event: bytes) -> Fed:
         """One SSE event of the current upstream (without its blank line)."""
-        if event.startswith(b"data: [DONE]"):
+        data = sse.data_of(event)
+        if data is not None and data.startswith(b"[DONE]"):
             self.finished = True
             return Fed(sse.DONE, finished=True)
-        if not event.startswith(b"data: {"):
+        if data is None or not data.startswith(b"{"):
             return Fed(event + b"\n\n")
         try:
-            chunk = sse.loads(event[6:])
+            chunk = sse.loads(data)
         except (ValueError, RecursionError):
             return Fed(event + b"\n\n")
         if not isinstance(chunk, dict):
@@ -179,7 +180,8 @@ class Splicer:
                 return Fed(broken=True)
             self.finished = True
             return Fed(event + b"\n\n" + sse.DONE, finished=True)
-        choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
+        listed = chunk.get("choices")
+        choices = [c for c in listed if isinstance(c, dict)] if isinstance(listed, list) else []
         if any(c.get("finish_reason") == "abort" for c in choices):
             return Fed(stopped_by_source=True) if self.expect_source_stop else Fed(broken=True)
         if any(c.get("finish_reason") for c in choices):

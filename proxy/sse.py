@@ -66,6 +66,29 @@ def error_event(status: int, message: str) -> bytes:
     return event(error_body(status, message))
 
 
+def joined(pending: bytes, data: bytes) -> bytes:
+    """`pending` (bytes not yet a whole event) and `data` read after them, with
+    CRLF line ends made LF, so that events split on a blank line alike: SSE
+    allows both, and sse-starlette (llama-cpp-python and other servers) sends
+    CRLF. vLLM's bytes hold no CR and are not copied again."""
+    buffer = pending + data if pending else data
+    if b"\r" in data or pending.endswith(b"\r"):
+        buffer = buffer.replace(b"\r\n", b"\n")
+    return buffer
+
+
+def data_of(event: bytes) -> bytes | None:
+    """An event's data as SSE reads it: its `data:` lines, a space after the
+    colon dropped, joined by newlines; None for an event without one (a comment,
+    other fields only)."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]  # vLLM's every event: one line
+    lines = [line[5:] for line in event.split(b"\n") if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
+
+
 def split(buffer: bytes) -> tuple[list[bytes], bytes]:
     """Whole events in `buffer` (without their blank line), and the unfinished rest."""
     events = []

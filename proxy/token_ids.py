@@ -109,7 +109,8 @@ def estimate(data: bytes, counted: int) -> Estimate:
     if not isinstance(obj, dict):
         return Estimate(None, 0, False)
     chars, has_text = 0, False
-    for choice in obj.get("choices") or ():
+    choices = obj.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         if isinstance(choice, dict):
             for part in (choice.get("delta"), choice.get("message"), choice):
                 n = _text_chars(part)

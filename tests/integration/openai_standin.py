@@ -46,6 +46,9 @@ class OpenAIStandIn:
         self.served = 0
         self.seen_bodies: list[dict[str, Any]] = []
         self.models_status = 200  # tests: `/v1/models` answers this status
+        # tests: event framing, "lf", "crlf" (sse-starlette's) or "nospace" (`data:{`)
+        self.framing = "lf"
+        self.ignore_stream = False  # tests: answer a stream request whole, as JSON
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -71,7 +74,7 @@ class OpenAIStandIn:
         self.running += 1
         self.served += 1
         try:
-            if body.get("stream"):
+            if body.get("stream") and not self.ignore_stream:
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream(request, chat, n, usage)
             await asyncio.sleep(self.itl_s * n)
@@ -103,13 +106,22 @@ class OpenAIStandIn:
                 "model": self.model,
                 "choices": [choice],
             }
-            await resp.write(_event(chunk))
+            await resp.write(self._frame(chunk))
         if usage:
             tail = {"id": rid, "model": self.model, "choices": [], "usage": _usage(n)}
-            await resp.write(_event(tail))
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(self._frame(tail))
+        await resp.write(self._frame("[DONE]"))
         await resp.write_eof()
         return resp
+
+    def _frame(self, obj: Any) -> bytes:
+        data = (
+            obj.encode()
+            if isinstance(obj, str)
+            else json.dumps(obj, separators=(",", ":")).encode()
+        )
+        head = b"data:" if self.framing == "nospace" else b"data: "
+        return head + data + (b"\r\n\r\n" if self.framing == "crlf" else b"\n\n")
 
     def _whole(self, chat: bool, n: int) -> dict[str, Any]:
         text = " tok" * n
@@ -130,10 +142,6 @@ class OpenAIStandIn:
 
 def _usage(n: int) -> dict[str, int]:
     return {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}
-
-
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _error(status: int, message: str) -> web.Response:

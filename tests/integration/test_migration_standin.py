@@ -752,3 +752,30 @@ def test_a_stream_a_continuation_would_get_wrong_finishes_where_it_is(
     assert sum(standin.served for standin, _ in sites) == 1  # never continued elsewhere
     label = "field not carried over" if "repetition_detection" in extra else "min_tokens not"
     assert f'ferry_non_migratable_requests_total{{reason="{label}' in metrics(proxy.url)
+
+
+@pytest.mark.parametrize("framing", ["crlf", "nospace"])
+def test_a_stream_framed_as_other_servers_frame_it_moves_and_ends_whole(
+    standins: Any, ferry: Any, framing: str
+) -> None:
+    """CRLF line ends and `data:` with no space are SSE too: a movable stream so
+    framed is read event by event, moves token-exactly, and ends cleanly."""
+    sites = standins(2, itl_s=0.02)
+    for standin, _ in sites:
+        standin.framing = framing
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    text = ""
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=60, stream=True
+    )
+    for i, chunk in enumerate(stream):
+        text += chunk.choices[0].text
+        if i == 5:
+            _drain(proxy, _busy(sites)[0])
+    assert text == " tok" * 60
+    assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in metrics(proxy.url)

@@ -8,6 +8,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -148,3 +149,51 @@ def test_health_follows_v1_models(generic: Any, ferry: Any) -> None:
     wait_until(lambda: proxy.view("i0").healthy)
     with client(proxy) as api:
         assert api.completions.create(model="generic", prompt="x", max_tokens=2).choices
+
+
+@pytest.mark.parametrize("framing", ["crlf", "nospace"])
+def test_streams_framed_as_other_servers_frame_them_are_relayed_and_counted(
+    generic: Any, ferry: Any, framing: str
+) -> None:
+    """SSE lets a server end lines with CRLF (sse-starlette does: llama-cpp-python
+    and others) and drop the space after `data:`. Such a stream reaches the
+    client whole, ends cleanly, and its tokens are counted as it goes."""
+    [(standin, site)] = generic(1, itl_s=0.02)
+    standin.framing = framing
+    proxy = front(ferry, [(standin, site)])
+    with client(proxy) as api:
+        stream = api.completions.create(model="generic", prompt="hi", max_tokens=40, stream=True)
+        chunks = iter(stream)
+        text = "".join(next(chunks).choices[0].text for _ in range(20))
+        [entry] = proxy.loop.call(lambda: list(proxy.cluster.ledger.entries("i0")))
+        assert entry.generated_tokens >= 19  # counted as it came, not at the end
+        text += "".join(c.choices[0].text for c in chunks)
+        assert text == " tok" * 40
+        messages: Any = [{"role": "user", "content": "x"}]
+        chat = api.chat.completions.create(
+            model="generic",
+            messages=messages,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts = list(chat)
+        assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == " tok" * 5
+        assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == 5
+    text_ = urllib.request.urlopen(proxy.url + "/metrics", timeout=5).read().decode()
+    assert 'ferry_requests_total{instance="i0",outcome="ok"} 2.0' in text_
+
+
+def test_a_server_that_answers_a_stream_request_whole_is_passed_on_whole(
+    generic: Any, ferry: Any
+) -> None:
+    [(standin, site)] = generic(1, itl_s=0.001)
+    standin.ignore_stream = True
+    proxy = front(ferry, [(standin, site)])
+    answer = httpx.post(
+        proxy.url + "/v1/completions",
+        json={"model": "generic", "prompt": "hi", "max_tokens": 3, "stream": True},
+    )
+    assert answer.status_code == 200
+    assert answer.headers["Content-Type"].startswith("application/json")
+    assert answer.json()["choices"][0]["text"] == " tok" * 3
