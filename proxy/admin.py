@@ -19,7 +19,6 @@ API refuses every call: an open drain button is worse than none.
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy import client_auth
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.fleet import Fleet, FleetError
@@ -109,8 +109,7 @@ def add_routes(
                 "admin API is disabled: set admin_token in the config or FERRY_ADMIN_TOKEN",
                 code="admin_disabled",
             )
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if not client_auth.authorized(request.headers.get("Authorization", ""), (token,)):
             return error_response(401, "missing or wrong admin bearer token", code="invalid_token")
         return None
 

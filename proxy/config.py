@@ -406,10 +406,16 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
     if entry.get("migration") is False:
         entry["migration"] = "off"
     inst = _section(InstanceConfig, entry, where, required=("name", "url"))
-    if not inst.name or "/" in inst.name:
-        raise ConfigError(f"{where}.name: must be non-empty and contain no '/'")
+    if not isinstance(inst.name, str) or not _INSTANCE_NAME.fullmatch(inst.name):
+        raise ConfigError(
+            f"{where}.name: must be ASCII letters, digits and . _ : - @ [ ] only, not"
+            f" starting with . (got {inst.name!r})"
+        )
     if not _http_url(inst.url):
-        raise ConfigError(f"{where}.url: must be an http(s) base URL (got {inst.url!r})")
+        raise ConfigError(
+            f"{where}.url: must be an http(s) base URL, without user, query or fragment"
+            f" (got {inst.url!r})"
+        )
     if inst.engine not in ENGINES:
         raise ConfigError(
             f"{where}.engine: must be one of {', '.join(ENGINES)} (got {inst.engine!r})"
@@ -443,17 +449,36 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
     for key, value in headers.items():
         if not _HEADER_NAME.fullmatch(key):
             raise ConfigError(f"{where}.headers: {key!r} is not a header name")
+        if key.lower() in _FRAMING_HEADERS:
+            raise ConfigError(f"{where}.headers: {key!r} is the HTTP client's to set")
         _check_header_value(value, f"{where}.headers.{key}")
     return replace(inst, api_key=api_key, headers=headers)
 
 
-def _http_url(url: str) -> bool:
+def _http_url(url: Any) -> bool:
+    """A base URL paths are appended to: credentials go in `api_key` or
+    `headers` (kept out of logs and the admin API), and a query or fragment
+    would swallow the paths."""
+    if not isinstance(url, str) or url != url.strip() or any(c.isspace() for c in url):
+        return False
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (raises on a port out of range)
     except ValueError:  # "http://[::1", "http://host:99999"
         return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname)
+    plain = not (parts.username or parts.password or parts.query or parts.fragment)
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and plain and "#" not in url
+
+
+# An instance's name: in metrics labels, the admin API's paths, log lines and a
+# response header, so printable ASCII and path-safe. '@' and brackets for the
+# names discovery gives (name@address:port, name@[v6]:port), which a PATCH reads.
+_INSTANCE_NAME = re.compile(r"[A-Za-z0-9_:@\[\]-][A-Za-z0-9._:@\[\]-]*")
+# Headers that frame the request, which the HTTP client sets: an instance's
+# `headers` replacing them would break every call to it.
+_FRAMING_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "host", "connection", "content-encoding", "upgrade"}
+)
 
 
 # RFC 9110's token, the characters a header's name may have.

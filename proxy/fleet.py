@@ -121,7 +121,11 @@ class Fleet:
         kind = op.get("op") if isinstance(op, dict) else None
         fields = FLEET_OPS.get(kind) if isinstance(kind, str) else None
         if fields is None or not all(f in op for f in fields):
-            raise FleetError(400, f"not a fleet change: {op!r}", "invalid_request")
+            raise FleetError(400, f"not a fleet change (op {kind!r})", "invalid_request")
+        if "name" in fields and not isinstance(op["name"], str):
+            raise FleetError(
+                400, f"not a fleet change ({kind}: name {op['name']!r})", "invalid_request"
+            )
         if kind == "add":
             self.add_raw(op["instance"])
         elif kind == "patch":

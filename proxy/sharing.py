@@ -161,6 +161,7 @@ class Sharing:
         self._outbox: list[tuple[str, int, str, bool, str]] = []
         self._announced: list[dict[str, Any]] = []  # fleet changes made here, to send
         self._gone: list[str] = []  # members whose records expired, to drop from the set
+        self._member_bytes: dict[str, Any] = {}  # each member's name as Redis holds it
         self._last_round: float | None = None  # clock() of the last good round
         self._lease_until = -1.0  # clock() until which the lease is surely ours
         self._failing = False
@@ -262,7 +263,7 @@ class Sharing:
         pipe.set(self._load_prefix + self.name, encode(record), px=ttl_ms)
         pipe.sadd(self._members_key, self.name)
         if gone:  # before SMEMBERS, which then no longer names them
-            pipe.srem(self._members_key, *gone)
+            pipe.srem(self._members_key, *(self._member_bytes.get(g, g) for g in gone))
         pipe.smembers(self._members_key)
         pipe.xrange(self._fleet_key, count=1)  # the oldest change kept: was one trimmed unseen?
         pipe.xrange(self._fleet_key, min=f"({self._fleet_seen}", count=100)
@@ -291,7 +292,10 @@ class Sharing:
             del results[2]  # SREM's answer
         _, _, members, oldest, changes, moves, _, held, holder = results[:9]
         texts = results[9] if known else []
-        self._read({_text(m) for m in members}, dict(zip(known, texts, strict=True)))
+        # (A name that is not UTF-8 is no process's: read with replacement, it has
+        # no record, so it is dropped as gone, by the bytes it was stored as.)
+        self._member_bytes = {_text(m): m for m in members}
+        self._read(set(self._member_bytes), dict(zip(known, texts, strict=True)))
         # From the round's start: the lease was renewed no earlier than that.
         self._lease_until = started + self.settings.lease_ttl_s if held else -1.0
         self.lease_holder = None if holder is None else _text(holder)
@@ -381,13 +385,20 @@ class Sharing:
     def _apply_change(self, fields: dict[str, str]) -> None:
         if fields.get("origin") == self.name:
             return  # made here already
+        origin = fields.get("origin")
         try:
-            self.fleet.apply_op(json.loads(fields.get("op", "")))
-            log.info("fleet change from %s applied: %s", fields.get("origin"), fields.get("op"))
+            op = json.loads(fields.get("op", ""))
+            self.fleet.apply_op(op)
+            # The kind and the name only: an added instance's api_key and headers
+            # stay out of the logs.
+            name = op.get("name") or op["instance"].get("name")  # an add names it within
+            log.info("fleet change from %s applied: %s %s", origin, op["op"], name)
         except (ValueError, FleetError) as exc:
             # A peer's change that does not fit here (an instance this process
             # never had, one its file already adds): the rest of the fleet goes on.
-            log.warning("fleet change from %s not applied here: %s", fields.get("origin"), exc)
+            log.warning("fleet change from %s not applied here: %s", origin, exc)
+        except Exception:  # noqa: BLE001 - another writer's record must not stop sharing
+            log.exception("fleet change from %s not applied here: malformed", origin)
 
     def _apply_move(self, raw: str) -> None:
         try:
@@ -532,9 +543,10 @@ def _history(raw: Any) -> list[dict[str, Any]]:
     """An instance's compacted changes as stored; a malformed value counts as none."""
     try:
         entries = json.loads(_text(raw)) if raw is not None else []
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     ok = isinstance(entries, list) and all(
-        isinstance(e, dict) and isinstance(e.get("op"), dict) for e in entries
+        isinstance(e, dict) and isinstance(e.get("op"), dict) and isinstance(e["op"].get("op"), str)
+        for e in entries
     )
     return entries if ok else []

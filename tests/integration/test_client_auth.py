@@ -88,6 +88,10 @@ def test_every_client_route_asks_for_the_key_and_probes_do_not(keyed: tuple[Any,
         assert httpx.request(method, proxy.url + path, json=body, headers=key).status_code != 401
     for path in ("/health", "/livez", "/readyz", "/metrics"):
         assert httpx.get(proxy.url + path).status_code == 200, path
+    # A header that is not UTF-8 is a wrong key, not a server error, on both.
+    raw = {"Authorization": b"Bearer \xff\xfe"}
+    for path in ("/v1/models", "/admin/instances"):
+        assert httpx.get(proxy.url + path, headers=raw).status_code == 401, path
     # /admin has its own token: a client key does not open it, nor is it asked there.
     assert httpx.get(proxy.url + "/admin/instances", headers=key).status_code == 401
     admin = {"Authorization": "Bearer admin"}

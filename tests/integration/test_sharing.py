@@ -327,7 +327,7 @@ def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
 
 
 def test_garbage_in_the_shared_keys_does_not_end_the_sharing(
-    ferries: Any, redis_server: str, redis_prefix: str
+    ferries: Any, standins: Any, redis_server: str, redis_prefix: str
 ) -> None:
     """Another writer's data in Ferry's keys (a member name that is not UTF-8,
     a move of the wrong shape): each round still runs, so a fleet change made
@@ -341,14 +341,28 @@ def test_garbage_in_the_shared_keys_does_not_end_the_sharing(
     for process in (a, b):
         moves = f"{redis_prefix}:moves:{process.sharing()['process']}"
         client.rpush(moves, json.dumps([[1], {"not": "a name"}]), b"\xff")
-    time.sleep(3 * 0.05 + 0.5)  # rounds have read both
+    # Fleet changes of the wrong shape, in the log and in the compacted state a
+    # process starting later reads first.
+    bad_op = json.dumps({"op": "drain", "name": ["i0"], "migrate": False})
+    client.xadd(f"{redis_prefix}:fleet", {"origin": "elsewhere", "op": bad_op})
+    state = [{"origin": "elsewhere", "op": {"op": "undrain", "name": {"no": 1}}}]
+    client.hset(f"{redis_prefix}:fleet:state", "i1", json.dumps(state))
+    time.sleep(3 * 0.05 + 0.5)  # rounds have read them all
+    [c] = ferries(1)
     b.admin("/admin/instances/i0/drain", "POST")
-    wait_until(lambda: a.rows()["i0"]["draining"], timeout=3)
+    wait_until(lambda: a.rows()["i0"]["draining"] and c.rows()["i0"]["draining"], timeout=3)
+    # An added instance's key reaches the peers, not their logs.
+    [(_, extra)] = standins(1)
+    a.admin("/admin/instances", "POST", {"name": "i2", "url": extra.url, "api_key": "sk-sekrit"})
+    wait_until(lambda: "i2" in b.rows() and "i2" in c.rows(), timeout=3)
     streams = Streams(a.url, 2, tokens=40)
     wait_until(lambda: b.inflight() == 2, timeout=3)
     streams.join()
     assert not streams.errors and streams.texts == [" tok" * 40] * 2
-    assert "Traceback" not in a.log.read_text() + b.log.read_text()
+    logs = a.log.read_text() + b.log.read_text() + c.log.read_text()
+    assert "sk-sekrit" not in logs
+    assert "applied: add i2" in b.log.read_text()
+    assert b.log.read_text().count("-not-utf8") <= 1  # dropped once, not every round
 
 
 def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(

@@ -76,6 +76,30 @@ def test_client_keys_from_yaml_or_environment() -> None:
         (base(api_keys=["k\n"]), r"^api_keys\[0\]: must be a key: not empty, no spaces"),
         (base(api_keys=["${NOPE}"]), r"^api_keys\[0\]: environment variable NOPE is not set"),
         (base(api_keys=None), r"^api_keys: must be a non-empty list of strings"),
+        *(
+            (
+                base(instances=[{"name": name, "url": "http://h:1"}]),
+                r"^instances\[0\]\.name: must be",
+            )
+            for name in ("", "a/b", "a b", "a\nb", "\ud800", "é", ".", "..", 7)
+        ),
+        *(
+            (base(instances=[{"name": "a", "url": url}]), r"^instances\[0\]\.url: must be an http")
+            for url in (
+                "http://user:pw@h:1",
+                "http://h:1/?q=1",
+                "http://h:1/#f",
+                "http://h:1\n",
+                " http://h:1",
+                "ftp://h:1",
+            )
+        ),
+        (
+            base(
+                instances=[{"name": "a", "url": "http://h:1", "headers": {"Content-Length": "1"}}]
+            ),
+            r"^instances\[0\]\.headers: 'Content-Length' is the HTTP client's to set",
+        ),
         (base(instances=[{"url": "http://h:1"}]), r"^instances\[0\]\.name: is required"),
         (base(instances=[{"name": "a", "url": "h:1"}]), r"^instances\[0\]\.url: must be an http"),
         (
