@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import time
 from typing import Any, NoReturn
@@ -58,6 +59,7 @@ class StandIn:
         # tests: how events are framed: "lf" as vLLM, "crlf" as sse-starlette
         # (llama-cpp-python and others), "nospace": `data:` with no space after it
         self.framing = "lf"
+        self.gzip_whole = False  # tests: compress a whole answer though asked for identity
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
         # tests: give the stream up after n tokens as vLLM does when it shuts down
@@ -334,6 +336,10 @@ class StandIn:
                 await resp.write(json.dumps(self._whole(chat, n, ids)).encode()[:20])
                 transport.abort()
                 return resp
+            if self.gzip_whole:
+                data = gzip.compress(json.dumps(self._whole(chat, n, ids)).encode())
+                headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+                return web.Response(body=data, headers=headers)
             return web.json_response(self._whole(chat, n, ids))
         finally:
             self.running -= 1

@@ -356,6 +356,8 @@ class Relay:
         }
         if "Retry-After" in upstream.headers:
             headers["Retry-After"] = upstream.headers["Retry-After"]
+        if "Content-Encoding" in upstream.headers:  # compressed though asked not to be
+            headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
         response = web.Response(status=status, body=raw, headers=headers)
         return response, outcome
 
@@ -533,5 +535,5 @@ def _upstream_failed(instance: str, exc: BaseException) -> web.Response:
 def _message_of(raw: bytes) -> str:
     try:
         return str(json.loads(raw)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return raw[:200].decode(errors="replace")

@@ -193,8 +193,9 @@ class Splicer:
         return self._continued(chunk, choices)
 
     def _original(self, chunk: dict[str, Any], choices: list[dict[str, Any]], raw: bytes) -> Fed:
-        if self.origin is None and "id" in chunk:
-            self.origin = Origin(str(chunk["id"]), chunk.get("created", 0), chunk.get("model", ""))
+        if self.origin is None:  # (a server may send no id: a move still needs an origin)
+            origin_id = str(chunk.get("id", ""))
+            self.origin = Origin(origin_id, chunk.get("created", 0), chunk.get("model", ""))
         if self.origin is not None and chunk.get("system_fingerprint"):
             self.origin.system_fingerprint = chunk["system_fingerprint"]
         prompt = chunk.get("prompt_token_ids")

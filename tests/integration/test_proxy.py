@@ -498,3 +498,15 @@ def test_the_last_instance_serving_a_model_is_not_ejected(standins: Any, ferry: 
         status, _, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
         assert status == 200  # retried on i1 where i0 failed
     assert not proxy.view("i0").dispatchable
+
+
+def test_a_whole_answer_compressed_against_the_ask_reaches_the_client_readable(
+    standins: Any, ferry: Any
+) -> None:
+    """Ferry asks instances for identity; one that compresses anyway has its
+    Content-Encoding passed on with the bytes, so the client can read them."""
+    [(standin, site)] = standins(1)
+    standin.gzip_whole = True
+    proxy = ferry([site.url])
+    out = client(proxy).completions.create(model="standin", prompt="x", max_tokens=3)
+    assert out.choices[0].text == " tok" * 3

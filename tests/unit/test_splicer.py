@@ -413,3 +413,13 @@ def test_a_stream_over_ends_with_the_usage_no_upstream_sent() -> None:
     sent.feed(b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":2}}')
     assert sent.closing() == b"data: [DONE]\n\n"
     assert Splicer({}, "completions", wants_ids=False).closing() == b"data: [DONE]\n\n"
+
+
+def test_a_stream_whose_server_sends_no_id_can_still_go_on_elsewhere() -> None:
+    splicer = Splicer({}, "completions", wants_ids=False)
+    first = b'data: {"prompt_token_ids":[1,2],"choices":[{"index":0,"text":"a","token_ids":[5]}]}'
+    assert splicer.feed(first).tokens == 1
+    splicer.join(Join(keep=1, skip=0))  # raised AssertionError: no origin
+    chunk = b'data: {"id":"cmpl-9","choices":[{"index":0,"text":"b","token_ids":[6]}]}'
+    out = json.loads(splicer.feed(chunk).data[6:])
+    assert out["id"] == "" and out["choices"][0]["text"] == "b"
