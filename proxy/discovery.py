@@ -50,7 +50,8 @@ def diff(owned: Iterable[str], removing: Iterable[str], wanted: Iterable[str]) -
     """What to do so that the names of one source match `wanted`.
 
     `owned`: the source's names still in the fleet; `removing`: those of them
-    already draining towards removal."""
+    draining towards removal, which the source does not remove again, and takes
+    back only if `wanted` names them."""
     owned_set, removing_set, wanted_set = set(owned), set(removing), set(wanted)
     return Change(
         added=tuple(sorted(wanted_set - owned_set)),
@@ -73,6 +74,11 @@ class Discovery:
         self.resolver = resolver
         self.sleep = sleep
         self._owned: list[set[str]] = [set() for _ in sources]
+        # Names this source is removing (their address left DNS), and names an
+        # operator removed (the admin API, here or on a peer): those stay out
+        # while their address stays in DNS, or a bad pod could not be evicted.
+        self._removing: list[set[str]] = [set() for _ in sources]
+        self._evicted: list[set[str]] = [set() for _ in sources]
         self._tasks: list[asyncio.Task[None]] = []
 
     async def refresh_all(self) -> None:
@@ -94,9 +100,21 @@ class Discovery:
             )
             return None
         wanted = {source.instance(a).name: source.instance(a) for a in addresses}
-        owned = self._owned[index]
-        owned &= set(self.fleet.cluster.instances)  # removals that finished
-        change = diff(owned, owned & self.fleet.removing, wanted)
+        owned, mine, evicted = self._owned[index], self._removing[index], self._evicted[index]
+        present, removing = set(self.fleet.cluster.instances), self.fleet.removing
+        evicted |= {n for n in owned if (n not in present or n in removing) and n not in mine}
+        evicted -= {n for n in owned if n in present and n not in removing}  # undrained
+        evicted &= set(wanted)  # out of DNS: forgotten, and added again when back
+        owned &= present  # removals that finished
+        mine &= owned & removing
+        # A configured instance at the same address is that engine already.
+        configured = {s.url for n, s in self.fleet.cluster.instances.items() if n not in owned}
+        wanted = {
+            n: i
+            for n, i in wanted.items()
+            if n not in evicted and i.url.rstrip("/") not in configured
+        }
+        change = diff(owned, mine | evicted, wanted)
         for name in change.added:
             try:
                 self.fleet.add(wanted[name])
@@ -106,8 +124,10 @@ class Discovery:
             owned.add(name)
         for name in change.restored:
             self.fleet.undrain(name)
+            mine.discard(name)
         for name in change.removed:
             self.fleet.remove(name, migrate=True)
+            mine.add(name)
         self.fleet.discovered = frozenset().union(*self._owned)
         if change.added or change.restored or change.removed:
             log.info(

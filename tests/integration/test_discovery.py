@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from loadtest.standin_server import StandIn
 from proxy.config import InstanceConfig
 from proxy.fleet import FleetError
 from proxy.server import FLEET
-from tests.helpers import Ferry, LoopThread, Site, start_site, wait_until
+from tests.helpers import Ferry, LoopThread, Site, call_json, start_site, wait_until
 from tests.integration.test_fleet import join, streams
 
 HOSTS = Path("/etc/hosts")
@@ -124,3 +125,43 @@ def run_discovery(
     with pytest.raises(FleetError, match="DNS discovery found"):
         proxy.loop.call(fleet.apply, clash)
     assert set(proxy.cluster.instances) == {name_a, name_b}  # "other" was not added
+
+
+def test_an_evicted_instance_stays_out_while_dns_names_it(
+    hosts: Any, loop_thread: LoopThread, ferry: Any
+) -> None:
+    """An operator removes a discovered instance (a bad pod): it is not added
+    back while its address stays in DNS, and is once the address left and came
+    back. An address a configured instance already serves is not added twice."""
+    a, b = StandIn(itl_s=0.01), StandIn(itl_s=0.01)
+    site_a = loop_thread.run(start_site(a.app(), handler_cancellation=True))
+    sites: list[Site] = [site_a]
+    try:
+        sites.append(
+            loop_thread.run(
+                start_site(b.app(), handler_cancellation=True, host="127.0.0.2", port=site_a.port)
+            )
+        )
+        port = site_a.port
+        name_a, name_b = f"pool@127.0.0.1:{port}", f"pool@127.0.0.2:{port}"
+        hosts(["127.0.0.1", "127.0.0.2"])
+        source = {"dns": NAME, "port": port, "refresh_s": 0.1, "name": "pool"}
+        proxy: Ferry = ferry([site_a.url], discovery=[source], admin_token="t")
+        assert set(proxy.cluster.instances) == {"i0", name_b}  # not name_a: i0 is that engine
+
+        code, _ = call_json(
+            f"{proxy.url}/admin/instances/{name_b}", "DELETE", None, {"Authorization": "Bearer t"}
+        )
+        assert code == 202
+        wait_until(lambda: name_b not in proxy.cluster.instances)
+        time.sleep(0.5)  # five refreshes that still find it in DNS
+        assert set(proxy.cluster.instances) == {"i0"}
+
+        hosts(["127.0.0.1"])
+        time.sleep(0.4)  # refreshes without it: forgotten
+        hosts(["127.0.0.1", "127.0.0.2"])
+        wait_until(lambda: name_b in proxy.cluster.instances)
+        assert name_a not in proxy.cluster.instances
+    finally:
+        for site in sites:
+            loop_thread.run(site.runner.cleanup())
