@@ -595,6 +595,24 @@ def test_kv_staged_on_a_destination_the_cut_over_passes_by_is_released(
     assert sites[staged][0].seen_bodies == []  # no continuation went there
 
 
+def test_kv_staged_for_a_stream_that_ended_is_released(standins: Any, ferry: Any) -> None:
+    """A full-mode copy finished after its stream did (the client hung up): the
+    order is refused, and the KV staged for it is released, not held for the
+    reservation's lease."""
+    sites, proxy, migrator, stream, name = _under_way(standins, ferry, 2)
+    other = 1 if name == "i0" else 0
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    stream.close()
+    wait_until(lambda: proxy.loop.call(lambda: migrator.streams) == {})
+    load = {"dest": f"i{other}", "mig_id": "m2", "num_tokens": 8}
+
+    async def order() -> bool:
+        return await live.order_move(f"i{other}", "drain", load)
+
+    assert proxy.loop.run(order()) is False
+    wait_until(lambda: (wire.RELEASE, 404) in sites[other][0].answers)
+
+
 def test_a_drain_round_that_fails_does_not_end_the_drain(standins: Any, ferry: Any) -> None:
     """A round that raises (a bug, state no check foresaw) loses that round, not
     the drain: the next round moves the stream."""
