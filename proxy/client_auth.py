@@ -14,6 +14,7 @@ running configuration, so a reload rotates them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from collections.abc import Callable
@@ -61,9 +62,15 @@ def authorized(header: str, keys: tuple[str, ...]) -> bool:
         return False
     given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
     matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(given, hashlib.sha256(key.encode()).digest())
+    for digest in _digests(keys):
+        matched |= hmac.compare_digest(given, digest)
     return matched
+
+
+@functools.lru_cache(maxsize=8)
+def _digests(keys: tuple[str, ...]) -> tuple[bytes, ...]:
+    """The keys' digests, once per set of keys (a reload brings a new one)."""
+    return tuple(hashlib.sha256(key.encode()).digest() for key in keys)
 
 
 def describe(config: FerryConfig) -> str:

@@ -43,6 +43,7 @@ SESSION_HEADER = "x-session-id"  # a soft affinity (the body's `user` stands in 
 # Sent on as the client sent them; the request id and the trace context
 # (access_log.TRACE_HEADERS) go on every call, continuations included.
 _FORWARD_HEADERS = ("authorization", "openai-organization", "openai-project")
+_FORWARD_UNKEYED = _FORWARD_HEADERS[1:]
 # Outcomes that count against the instance (outlier ejection); a client's own
 # 4xx and a client hanging up never do.
 _INSTANCE_FAILURES = frozenset({"connect_error", "upstream_error", "upstream_5xx", "stream_broken"})
@@ -93,9 +94,9 @@ class Relay:
         stream = stream if body is None else bool(body.get("stream"))
         record = access_log.record_of(request)
         record.model, record.priority = model, priority.name.lower()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-        if request.get(client_auth.CHECKED):
-            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        # A client key Ferry checked is its own, not the engine's.
+        forward = _FORWARD_UNKEYED if request.get(client_auth.CHECKED) else _FORWARD_HEADERS
+        headers = {k: v for k, v in request.headers.items() if k.lower() in forward}
         headers.update(record.upstream_headers)
         # A body Ferry read goes on as the JSON it re-encodes; any other as it
         # came, Content-Type and all (a charset, a multipart boundary).
