@@ -198,13 +198,14 @@ class Splicer:
             self.origin = Origin(origin_id, chunk.get("created", 0), chunk.get("model", ""))
         if self.origin is not None and chunk.get("system_fingerprint"):
             self.origin.system_fingerprint = chunk["system_fingerprint"]
-        prompt = chunk.get("prompt_token_ids")
-        for choice in choices:
-            if not isinstance(prompt, list):
-                prompt = choice.get("prompt_token_ids")
         reported = None
-        if isinstance(prompt, list) and self.prompt_ids is None:
-            self.prompt_ids, reported = prompt, len(prompt)
+        if self.prompt_ids is None:  # the first chunk reports them
+            sent = [chunk.get("prompt_token_ids")] + [c.get("prompt_token_ids") for c in choices]
+            prompt = next((ids for ids in map(_ids, sent) if ids is not None), None)
+            if prompt is not None:
+                self.prompt_ids, reported = prompt, len(prompt)
+            elif any(sent):
+                self.unmovable = "token ids that are not integers"
         if self.endpoint == "chat" and _is_role_chunk(choices):
             if self._role_sent:
                 return Fed(prompt_tokens=reported)  # a start-over repeats it
@@ -212,7 +213,7 @@ class Splicer:
         new: list[int] = []
         texts = ""
         for choice in choices:
-            new.extend(choice.get("token_ids") or ())
+            new.extend(self._valid_ids(choice.get("token_ids")))
             delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             if isinstance(text, str):
@@ -233,7 +234,8 @@ class Splicer:
         new: list[int] = []
         texts = ""
         for choice in choices:
-            ids = self._drop_regenerated(list(choice.get("token_ids") or ()))
+            ids = self._valid_ids(choice.get("token_ids"))
+            ids = self._drop_regenerated(list(ids))
             text = choice.get("text") or ""
             if self._skip:
                 text, self._skip = text[self._skip :], max(0, self._skip - len(text))
@@ -244,6 +246,16 @@ class Splicer:
         if not new and not any(c["text"] or c.get("finish_reason") for c in choices):
             return Fed()  # only regenerated tokens: nothing the client lacks
         return Fed(sse.event(self._client_chunk(choices)), len(new))
+
+    def _valid_ids(self, value: Any) -> list[int]:
+        """A choice's token ids; none, and the stream can no longer move, where
+        the engine sent something else (a continuation needs them exact)."""
+        ids = _ids(value)
+        if ids is None:
+            if value:
+                self.unmovable = "token ids that are not integers"
+            return []
+        return ids
 
     def _credit(self, new: list[int], text: str) -> None:
         self.generated.extend(new)
@@ -341,6 +353,13 @@ class Splicer:
 # Where vLLM's reasoning parsers put a chat stream's thoughts (the name changed
 # across versions).
 _REASONING = ("reasoning_content", "reasoning")
+
+
+def _ids(value: Any) -> list[int] | None:
+    """`value` if it is a list of token ids, else None."""
+    if isinstance(value, list) and all(type(i) is int for i in value):
+        return value
+    return None
 
 
 def _is_role_chunk(choices: list[dict[str, Any]]) -> bool:

@@ -423,3 +423,22 @@ def test_a_stream_whose_server_sends_no_id_can_still_go_on_elsewhere() -> None:
     chunk = b'data: {"id":"cmpl-9","choices":[{"index":0,"text":"b","token_ids":[6]}]}'
     out = json.loads(splicer.feed(chunk).data[6:])
     assert out["id"] == "" and out["choices"][0]["text"] == "b"
+
+
+@pytest.mark.parametrize("ids", ["abc", 7, [1, "2"], [1.0], [None], {"0": 1}, [True]], ids=repr)
+def test_token_ids_that_are_not_integers_pin_the_stream_and_the_text_goes_on(ids: Any) -> None:
+    """An engine that says it is vLLM but sends ids of another type (it raised
+    TypeError, cutting the client's stream): the text still reaches the client,
+    and the stream stays where it is, since a continuation needs exact ids."""
+    splicer = Splicer({}, "completions", wants_ids=True)
+    first = {"id": "c", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "a"}]}
+    first["choices"][0]["token_ids"] = ids
+    fed = splicer.feed(b"data: " + json.dumps(first).encode())
+    assert json.loads(fed.data[6:])["choices"][0]["text"] == "a"
+    assert fed.tokens == 0 and splicer.generated == []
+    assert splicer.unmovable == "token ids that are not integers"
+    bad_prompt = Splicer({}, "completions", wants_ids=True)
+    chunk = {"id": "c", "prompt_token_ids": ["x"], "choices": [{"index": 0, "text": "a"}]}
+    assert bad_prompt.feed(b"data: " + json.dumps(chunk).encode()).prompt_tokens is None
+    assert bad_prompt.prompt_ids is None
+    assert bad_prompt.unmovable == "token ids that are not integers"
