@@ -7,6 +7,7 @@ greedy decoding in float32 (see shared/notes/vllm-cpu-facts.md).
 
     python -m loadtest.tiny_model --out .ferry/tiny-llama
     python -m loadtest.tiny_model --corpus cjk          # -> .ferry/tiny-cjk
+    python -m loadtest.tiny_model --corpus sentencepiece  # -> .ferry/tiny-sp
 
 The "cjk" variant trains its byte-level BPE on Chinese, Japanese and emoji text
 as well as English, with a vocabulary small enough that many tokens are pieces
@@ -17,6 +18,8 @@ later id completes the character: the case where detokenization has to hold
 text back (and where a continuation's first text can go wrong). Its weights
 get 60 optimizer steps on that text (tens of seconds on a CPU), because random
 weights loop on lone bytes; fitted, it continues the corpus in valid CJK text.
+The "sentencepiece" variant is the same text and model with Llama 2's kind of
+tokenizer: characters it did not learn are spelled one token per byte.
 
     python -m loadtest.tiny_model --corpus cjk --check 今天天气很好 --check "The quick"
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -62,7 +66,11 @@ _CJK_CORPUS = "\n".join(_CJK_LINES * 40)
 CORPORA = {
     "ascii": (_CORPUS, 384, Path(".ferry/tiny-llama"), 0),
     "cjk": (_CJK_CORPUS, 640, Path(".ferry/tiny-cjk"), 60),
+    "sentencepiece": (_CJK_CORPUS, 640, Path(".ferry/tiny-sp"), 60),
 }
+# Characters the "sentencepiece" tokenizer learns; the rest of the corpus's
+# characters are spelled in byte tokens (<0xE4>...), as Llama 2's and Mistral's.
+_SP_ALPHABET = 120
 
 
 def build(
@@ -76,7 +84,9 @@ def build(
     """Write the model and tokenizer into `out` (idempotent) and return it.
 
     `corpus` picks the tokenizer's training text: "ascii" (the default, English
-    only) or "cjk" (adds Chinese, Japanese and emoji; see the module docstring).
+    only) or "cjk" (adds Chinese, Japanese and emoji; see the module docstring),
+    both byte-level BPE (GPT-2's, Qwen's, Llama 3's kind); or "sentencepiece",
+    the CJK text with Llama 2's kind of tokenizer (`_sentencepiece`).
     """
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
@@ -86,16 +96,19 @@ def build(
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     special = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([text], trainer=trainer)
+    if corpus == "sentencepiece":
+        tok = _sentencepiece(text, vocab_size, special)
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=special,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        tok.train_from_iterator([text], trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
@@ -123,6 +136,42 @@ def build(
     model.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     return out
+
+
+def _sentencepiece(text: str, vocab_size: int, special: list[str]) -> Any:
+    """A tokenizer built as `transformers` converts Llama 2's SentencePiece one:
+    words marked with U+2581 instead of a space (one prepended to the text), BPE
+    with byte fallback (a character outside the vocabulary becomes one token per
+    UTF-8 byte, <0xE4> <0xBB> <0x8A>), and a decoder that strips the space the
+    text starts with. Its decoding of a continuation differs from byte-level
+    BPE's: a leading space depends on where decoding starts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    # Pieces learned word by word (SentencePiece's split_by_whitespace), read
+    # without splitting (as transformers' conversion of Llama's tokenizer).
+    learner.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first", split=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, limit_alphabet=_SP_ALPHABET
+    )
+    learner.train_from_iterator([text], trainer=trainer)
+    learned = json.loads(learner.to_str())["model"]
+    vocab: dict[str, int] = learned["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens(special)
+    return tok
 
 
 def _fit(model: object, ids: list[int], steps: int, seq: int = 128, batch: int = 16) -> None:
@@ -185,7 +234,7 @@ def split_cuts(model_dir: Path, prompt: str, max_new_tokens: int = 200) -> list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", choices=sorted(CORPORA), default="ascii")
-    parser.add_argument("--out", type=Path, help="default: .ferry/tiny-llama, or .ferry/tiny-cjk")
+    parser.add_argument("--out", type=Path, help="default: the corpus's folder under .ferry/")
     parser.add_argument(
         "--check", metavar="PROMPT", action="append", help="print split_cuts for PROMPT"
     )

@@ -1,9 +1,12 @@
 """Moved streams give exactly the unmoved run's ids and text, at random cuts, on real vLLM.
 
-The servers run the CJK test model: a float32 tiny Llama whose byte-level BPE
-tokenizer splits Chinese, Japanese and emoji characters across tokens, so that
-its greedy output has token boundaries inside characters (where vLLM holds text
-back, and where a naive continuation gets its text wrong). Each trial streams
+The servers run a CJK test model: a float32 tiny Llama whose tokenizer splits
+Chinese, Japanese and emoji characters across tokens, so that its greedy output
+has token boundaries inside characters (where vLLM holds text back, and where a
+naive continuation gets its text wrong). Every test runs with each of the two
+kinds of tokenizer models ship: byte-level BPE (GPT-2's, Qwen's, Llama 3's) and
+SentencePiece-style with byte fallback (Llama 2's, Mistral's), whose decoder
+drops the space its text starts with. Each trial streams
 one request through Ferry, drains its instance with migration at a random
 token count, and compares ids and text with the unmoved run, for completions
 and chat, in lite mode (with and without pre-warm) and in full mode.
@@ -24,7 +27,7 @@ from typing import Any
 import openai
 import pytest
 
-from loadtest.tiny_model import build_cjk
+from loadtest.tiny_model import CORPORA, build
 from loadtest.vllm_servers import VLLMServer
 from tests.e2e.conftest import shim_pair
 
@@ -41,10 +44,13 @@ TRIALS = 12  # per mode; three modes: 36 cuts
 MOVE_BOUND_S = 2.0  # drain call to cut-over done, on a busy 2-core machine
 
 
-@pytest.fixture(scope="module")
-def cjk_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
-    model = build_cjk(ROOT / ".ferry" / "tiny-cjk")
-    yield from shim_pair(model, tmp_path_factory.mktemp("vllm-cjk-logs"))
+@pytest.fixture(scope="module", params=["cjk", "sentencepiece"])
+def cjk_pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[VLLMServer]]:
+    corpus = request.param
+    model = build(ROOT / CORPORA[corpus][2], corpus=corpus)
+    yield from shim_pair(model, tmp_path_factory.mktemp(f"vllm-{corpus}-logs"))
 
 
 class Cuts(logging.Handler):
