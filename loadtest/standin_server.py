@@ -328,7 +328,8 @@ class StandIn:
         try:
             if body.get("stream"):
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return await self._stream(request, chat, n, ids, usage)
+                choices = body.get("n") if type(body.get("n")) is int else 1
+                return await self._stream(request, chat, n, ids, usage, choices)
             await asyncio.sleep(self.ttft_s + self.itl_s * n)
             if self.break_whole and transport is not None:
                 resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -346,7 +347,7 @@ class StandIn:
             self._live.discard(transport)  # type: ignore[arg-type]
 
     async def _stream(
-        self, request: web.Request, chat: bool, n: int, ids: bool, usage: bool
+        self, request: web.Request, chat: bool, n: int, ids: bool, usage: bool, choices: int = 1
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await asyncio.sleep(self.headers_delay_s)
@@ -394,6 +395,12 @@ class StandIn:
                 choice.update(finish_reason="abort", token_ids=[] if ids else None)
                 choice["delta" if chat else "text"] = {"content": ""} if chat else ""
                 n = i  # nothing follows this chunk
+            for c in range(1, choices):  # n > 1: choice c is c tokens shorter
+                if i < n - c:
+                    last_c = "length" if i == n - c - 1 else None
+                    other = {**choice, "index": c, "finish_reason": last_c}
+                    data = json.dumps({**chunk, "choices": [other]}, separators=(",", ":"))
+                    await resp.write(self._frame(data.encode()))
             await resp.write(self._frame(json.dumps(chunk, separators=(",", ":")).encode()))
             if i + 1 >= n:
                 break

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+
+log = logging.getLogger("ferry.errors")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -52,8 +55,9 @@ def error_response(
 
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn aiohttp's own HTTP errors (404 route, 405, 413) and a body it cannot
-    read (a Content-Encoding that does not decode) into the OpenAI shape."""
+    """Turn aiohttp's own HTTP errors (404 route, 405, 413), a body it cannot
+    read (a Content-Encoding that does not decode) and Ferry's own faults into
+    the OpenAI shape."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -63,6 +67,15 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except web.RequestPayloadError as exc:
         why = getattr(exc.__cause__, "message", None) or str(exc)
         return error_response(400, f"request body could not be read: {why}")
+    except ConnectionResetError:
+        raise  # the client is gone: nothing to answer
+    except Exception as exc:
+        # A fault of Ferry's own: logged whole; the client gets the OpenAI shape
+        # (aiohttp would answer text/plain), unless its answer had begun.
+        log.exception("%s %s failed", request.method, request.path)
+        if request.writer.output_size:
+            raise
+        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
 def _keep_headers(exc: web.HTTPException) -> dict[str, str]:

@@ -207,7 +207,7 @@ class Relay:
                     response, outcome = await self._pipe(request, upstream, call, _as_is)
                 elif body is not None and stream and not answered_whole:
                     response, outcome = await self._stream(
-                        request, upstream, call, wants_ids, timing
+                        request, upstream, call, wants_ids, timing, StreamEnd.of(body)
                     )
                 else:
                     try:
@@ -386,19 +386,16 @@ class Relay:
         call: Call,
         wants_ids: bool,
         timing: sse.TokenTiming,
+        ending: StreamEnd,
     ) -> tuple[web.StreamResponse, str]:
         """A stream that cannot move: relay its events as they come."""
         pending = b""
-        # Its [DONE] or a finish reason came: a body that ends before either was
-        # cut short. (A finish is enough: some OpenAI-compatible servers send no
-        # [DONE], or frame it otherwise.)
-        done = False
 
         def relay(data: bytes) -> bytes:
             """The whole events received so far, accounted for, as the client gets them.
             The bytes go on as they came (the ids nulled in one pass over them), not
             split and framed again event by event: this runs for every chunk."""
-            nonlocal pending, done
+            nonlocal pending
             buffer = sse.joined(pending, data)
             end = buffer.rfind(b"\n\n") + 2
             if end < 2:
@@ -408,10 +405,11 @@ class Relay:
             seen = False
             for event in whole.split(b"\n\n")[:-1]:
                 seen = self._account_event(event, call, timing) or seen
-            done = done or _finished(whole)
+            if not ending.done:
+                ending.read(whole)
             return token_ids.hide(whole) if seen and not wants_ids else whole
 
-        return await self._pipe(request, upstream, call, relay, timing, lambda: done)
+        return await self._pipe(request, upstream, call, relay, timing, lambda: ending.done)
 
     async def _pipe(
         self,
@@ -472,15 +470,44 @@ class Relay:
         return seen
 
 
-def _finished(events: bytes) -> bool:
-    """Whether a stream's end is in these bytes: its [DONE] event, or a finish
-    reason that is not null. Substring searches: half a regex's cost per chunk."""
-    return (
-        b'"finish_reason":"' in events
-        or b'"finish_reason": "' in events
-        or b"data: [DONE]" in events
-        or b"data:[DONE]" in events
-    )
+class StreamEnd:
+    """Whether a stream has ended, so that a body that stops before is known to
+    be cut short: its [DONE] came, or else a finish reason for every choice it
+    has (n per prompt) and the usage chunk if the client asked for one. (Some
+    OpenAI-compatible servers send no [DONE].) Substring searches on the bytes:
+    half a regex's cost per chunk."""
+
+    __slots__ = ("choices", "done", "finishes", "wants_usage")
+
+    def __init__(self, choices: int, wants_usage: bool) -> None:
+        self.choices, self.wants_usage = choices, wants_usage
+        self.finishes = 0
+        self.done = False
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> StreamEnd:
+        n = body.get("n")
+        prompt = body.get("prompt")
+        # A completion's list of prompts (strings, or lists of ids) streams n choices for each.
+        prompts = (
+            len(prompt)
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+            else 1
+        )
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        return cls((n if type(n) is int and n > 0 else 1) * max(prompts, 1), wants_usage)
+
+    def read(self, events: bytes) -> None:
+        """Take in whole events."""
+        if b"data: [DONE]" in events or b"data:[DONE]" in events:
+            self.done = True
+            return
+        self.finishes += events.count(b'"finish_reason":"') + events.count(b'"finish_reason": "')
+        if self.finishes >= self.choices:
+            if self.wants_usage and not (b'"usage":{' in events or b'"usage": {' in events):
+                return  # the usage chunk comes after every choice's finish
+            self.done = True
 
 
 def _note_end(

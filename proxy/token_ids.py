@@ -81,7 +81,10 @@ def prompt_ids(data: bytes) -> list[int] | None:
     for match in _IDS.finditer(data):
         if match.group(1) == b"prompt_token_ids":
             ids = match.group(2)
-            return [int(t) for t in ids.split(b",")] if ids.strip() else []
+            try:
+                return [int(t) for t in ids.split(b",")] if ids.strip() else []
+            except ValueError:  # not integers: an engine that is not what it says
+                return None
     return None
 
 

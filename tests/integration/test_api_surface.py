@@ -275,3 +275,49 @@ def test_a_null_stream_is_no_stream(standins: Any, ferry: Any) -> None:
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " tok" * 2
     answer = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": "yes"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream"
+
+
+@pytest.mark.parametrize("case", ["n=2", "usage"])
+def test_a_stream_cut_after_some_of_its_ends_ends_with_an_error_event(
+    standins: Any, ferry: Any, case: str
+) -> None:
+    """A finish reason ends one choice, not the stream: an instance that dies
+    after choice 1 finished but before choice 0 did, or after the last token but
+    before the usage chunk the client asked for, cut the stream short (it ended
+    cleanly, as if whole, and the rest was lost without a word)."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    body: dict[str, Any] = {"model": "standin", "prompt": "x", "max_tokens": 4, "stream": True}
+    if case == "n=2":
+        body["n"] = 2
+        standin.break_after = 3  # choice 1 (3 tokens) has finished, choice 0 has not
+    else:
+        body["stream_options"] = {"include_usage": True}
+        standin.break_after = 4  # every token sent, then dead before the usage chunk
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body) as answer:
+        events = [e for e in answer.read().decode().split("\n\n") if e]
+    finishes = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finishes.count("length") == 1  # choice 1's, or the only choice's
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert "broke the stream" in error["message"] and error["type"] == "upstream_error"
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in metrics
+
+
+def test_a_stream_of_several_choices_is_whole_when_each_has_finished(
+    standins: Any, ferry: Any
+) -> None:
+    """n > 1 from a server that sends no [DONE]: whole once every choice finished."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.send_done = False
+    proxy = ferry([site.url])
+    chunks = client(proxy).completions.create(
+        model="standin", prompt="x", n=2, max_tokens=4, stream=True
+    )
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: " tok" * 4, 1: " tok" * 3}
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_requests_total{instance="i0",outcome="ok"} 1.0' in metrics

@@ -64,3 +64,13 @@ def test_hide_nulls_the_id_arrays_and_leaves_every_other_byte() -> None:
     cut = b'data: {"token_ids":[1,2\n\ndata: {"token_ids":[3]}'
     assert token_ids.hide(cut) == b'data: {"token_ids":[1,2\n\ndata: {"token_ids":null}'
     assert token_ids.scan(cut) == (None, 1, True)
+
+
+def test_prompt_ids_that_are_not_integers_are_none() -> None:
+    """A server that says it is vLLM but reports `[true,false]` (it raised
+    ValueError, and the request got a bare 500)."""
+    assert token_ids.prompt_ids(b'{"prompt_token_ids":[1, 2]}') == [1, 2]
+    assert token_ids.prompt_ids(b'{"prompt_token_ids":[]}') == []
+    assert token_ids.prompt_ids(b'{"prompt_token_ids":[true,false]}') is None
+    assert token_ids.prompt_ids(b'{"prompt_token_ids":[1.5]}') is None
+    assert token_ids.prompt_ids(b'{"text":"x"}') is None

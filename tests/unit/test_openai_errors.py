@@ -1,0 +1,50 @@
+"""Ferry's own faults reach the client in the OpenAI shape, never as aiohttp's
+text/plain 500; one whose answer had begun is left to cut the connection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from proxy.errors import openai_errors
+
+
+async def broken(request: web.Request) -> web.StreamResponse:
+    raise KeyError("a fault of the proxy's own")
+
+
+async def broken_midway(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse()
+    await response.prepare(request)
+    await response.write(b"data: 1\n\n")
+    raise KeyError("after the answer began")
+
+
+def test_a_fault_of_ferrys_own_is_an_openai_error(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> tuple[int, dict[str, dict[str, str]], str, bool]:
+        app = web.Application(middlewares=[openai_errors])
+        app.router.add_get("/broken", broken)
+        app.router.add_get("/midway", broken_midway)
+        async with TestClient(TestServer(app)) as client:
+            answer = await client.get("/broken")
+            status, body = answer.status, await answer.json()
+            midway = await client.get("/midway")
+            try:
+                text = (await midway.read()).decode()
+                cut = False
+            except aiohttp.ClientPayloadError:
+                text, cut = "", True
+            return status, body, text, cut
+
+    with caplog.at_level(logging.ERROR, "ferry.errors"):
+        status, body, text, cut = asyncio.run(scenario())
+    assert status == 500
+    assert body["error"]["code"] == "internal_error" and "KeyError" in body["error"]["message"]
+    assert "proxy's own" not in body["error"]["message"]  # the detail goes to the log only
+    assert "GET /broken failed" in caplog.text and "a fault of the proxy's own" in caplog.text
+    assert cut and "error" not in text  # no second answer after the first began
