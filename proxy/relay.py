@@ -30,6 +30,7 @@ from proxy.errors import error_response
 from proxy.live_stream import LiveStream, Request
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
+from proxy.openai_request import PRIORITY_HEADER
 from proxy.placement import Placement
 from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
@@ -40,10 +41,19 @@ from proxy.upstream import Call, Upstreams
 log = logging.getLogger("ferry.relay")
 
 SESSION_HEADER = "x-session-id"  # a soft affinity (the body's `user` stands in without it)
-# Sent on as the client sent them; the request id and the trace context
+# A client's headers go on as it sent them (vLLM reads some: X-Vllm-Priority,
+# X-Session-ID, X-data-parallel-rank), but for these: hop-by-hop ones (RFC 9110
+# 7.6.1), those of the body and its encoding (Ferry sends its own body and asks
+# for identity), and Ferry's own. Its request id and trace context
 # (access_log.TRACE_HEADERS) go on every call, continuations included.
-_FORWARD_HEADERS = ("authorization", "openai-organization", "openai-project")
-_FORWARD_UNKEYED = _FORWARD_HEADERS[1:]
+_NOT_FORWARDED = frozenset(
+    {
+        "connection", "keep-alive", "proxy-connection", "proxy-authorization", "te",
+        "trailer", "transfer-encoding", "upgrade", "host", "expect",
+        "content-length", "content-type", "content-encoding", "accept-encoding",
+        access_log.REQUEST_ID, *access_log.TRACE_HEADERS, PRIORITY_HEADER,
+    }
+)  # fmt: skip
 # Outcomes that count against the instance (outlier ejection); a client's own
 # 4xx and a client hanging up never do.
 _INSTANCE_FAILURES = frozenset({"connect_error", "upstream_error", "upstream_5xx", "stream_broken"})
@@ -94,9 +104,7 @@ class Relay:
         stream = stream if body is None else bool(body.get("stream"))
         record = access_log.record_of(request)
         record.model, record.priority = model, priority.name.lower()
-        # A client key Ferry checked is its own, not the engine's.
-        forward = _FORWARD_UNKEYED if request.get(client_auth.CHECKED) else _FORWARD_HEADERS
-        headers = {k: v for k, v in request.headers.items() if k.lower() in forward}
+        headers = forwarded_headers(request)
         headers.update(record.upstream_headers)
         # A body Ferry read goes on as the JSON it re-encodes; any other as it
         # came, Content-Type and all (a charset, a multipart boundary).
@@ -191,7 +199,7 @@ class Relay:
                 live = (
                     None
                     if answered_whole
-                    else self._live(call, body, path, priority, wants_ids, tag, timing, record)
+                    else self._live(call, body, path, priority, wants_ids, tag, timing, headers)
                 )
                 if live is not None:
                     self.migrator.register(live)
@@ -293,7 +301,7 @@ class Relay:
         wants_ids: bool,
         tag: str | None,
         timing: sse.TokenTiming,
-        record: access_log.AccessRecord,
+        headers: dict[str, str],
     ) -> LiveStream | None:
         """A movable stream, or None where migration does not apply (a move
         continues from the token ids, so the engine must report them)."""
@@ -317,7 +325,7 @@ class Relay:
             path,
             priority,
             str(body.get("model", "")),
-            headers=record.upstream_headers,
+            headers=headers,  # the client's (its key included) on every continuation
             context=self.cluster.context_length(name, str(body.get("model", ""))),
         )
         return LiveStream(
@@ -468,6 +476,17 @@ class Relay:
         if token:
             timing.token(call.instance)
         return seen
+
+
+def forwarded_headers(request: web.Request) -> dict[str, str]:
+    """The client's headers an instance is sent (`_NOT_FORWARDED`)."""
+    dropped = _NOT_FORWARDED
+    if "Connection" in request.headers:  # and the headers it names, hop-by-hop too
+        named = request.headers.getall("Connection")
+        dropped = dropped | {t.strip().lower() for v in named for t in v.split(",")}
+    if request.get(client_auth.CHECKED):  # a client key Ferry checked is its own
+        dropped = dropped | {"authorization"}
+    return {k: v for k, v in request.headers.items() if k.lower() not in dropped}
 
 
 class StreamEnd:

@@ -212,9 +212,13 @@ def build_app(
 
     app[SHARING] = admin.SharingStatus()
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/completions", _openai_handler("completions"))
-    app.router.add_post("/v1/chat/completions", _openai_handler("chat"))
-    app.router.add_get("/v1/models", _models)
+    # The same with a trailing slash: sent on as it came, vLLM would answer
+    # with a redirect to itself, past the proxy.
+    for slash in ("", "/"):
+        app.router.add_post("/v1/completions" + slash, _openai_handler("completions"))
+        app.router.add_post("/v1/chat/completions" + slash, _openai_handler("chat"))
+        app.router.add_get("/v1/models" + slash, _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     for path in ENGINE_ROUTES:
         app.router.add_post(path, _passthrough)
@@ -332,7 +336,7 @@ def _openai_handler(endpoint: str) -> Any:
             return error_response(exc.status, exc.message, param=exc.param)
         return await request.app[RELAY].forward(
             request,
-            request.path,
+            _engine_path(request),
             parsed.body,
             raw,
             model=parsed.model,
@@ -355,7 +359,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         return error_response(exc.status, exc.message, param=exc.param)
     return await request.app[RELAY].forward(
         request,
-        request.path,
+        _engine_path(request),
         None,
         raw,
         model=body.model,
@@ -366,13 +370,37 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
     )
 
 
+def _engine_path(request: web.Request) -> str:
+    """The path an engine is sent: without a trailing slash, which vLLM would
+    answer with a redirect to its own address."""
+    path = request.path
+    return path.rstrip("/") if path.endswith("/") and path != "/" else path
+
+
 async def _models(request: web.Request) -> web.Response:
+    cards = list(_model_cards(request.app[CLUSTER]).values())
+    return web.json_response({"object": "list", "data": cards})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """One model's card (OpenAI's `GET /v1/models/{model}`; vLLM has none)."""
+    model = request.match_info["model"]
+    card = _model_cards(request.app[CLUSTER]).get(model)
+    if card is None:
+        return error_response(
+            404, f"model {model!r} is not served here", code="model_not_found", param="model"
+        )
+    return web.json_response(card)
+
+
+def _model_cards(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    """The models healthy instances serve, by id, each as its first instance reports it."""
     cards: dict[str, dict[str, Any]] = {}
-    for state in request.app[CLUSTER].instances.values():
+    for state in cluster.instances.values():
         if state.healthy:
             for card in state.model_cards:
                 cards.setdefault(str(card["id"]), card)
-    return web.json_response({"object": "list", "data": list(cards.values())})
+    return cards
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -139,7 +139,7 @@ class Upstreams:
             try:
                 call.response = await self.session.request(
                     method, url, data=data, headers=headers, params=params,
-                    timeout=timeout, trace_request_ctx=stages,
+                    timeout=timeout, trace_request_ctx=stages, allow_redirects=False,
                 )  # fmt: skip
             except aiohttp.ClientConnectorError:
                 raise
@@ -149,7 +149,8 @@ class Upstreams:
                 # of that kind says nothing about the instance. Once more on
                 # another connection before calling it unreachable.
                 call.response = await self.session.request(
-                    method, url, data=data, headers=headers, params=params, timeout=timeout
+                    method, url, data=data, headers=headers, params=params, timeout=timeout,
+                    allow_redirects=False,
                 )  # fmt: skip
         except sse.CONNECT_ERRORS as exc:
             call.close()

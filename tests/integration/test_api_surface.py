@@ -321,3 +321,58 @@ def test_a_stream_of_several_choices_is_whole_when_each_has_finished(
     assert texts == {0: " tok" * 4, 1: " tok" * 3}
     metrics = httpx.get(proxy.url + "/metrics").text
     assert 'ferry_requests_total{instance="i0",outcome="ok"} 1.0' in metrics
+
+
+def test_a_clients_headers_go_on_but_hop_by_hop_and_ferrys_own(standins: Any, ferry: Any) -> None:
+    """vLLM reads headers of its own (X-Vllm-Priority, X-Session-ID,
+    X-data-parallel-rank): they reach it as the client sent them (they were
+    dropped). Hop-by-hop headers, those a Connection header names, the body's
+    and Ferry's own do not."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    body = {"model": "standin", "prompt": "x", "max_tokens": 2}
+    sent_headers = {
+        "X-Vllm-Priority": "-5",
+        "X-Session-ID": "s1",
+        "X-data-parallel-rank": "1",
+        "X-Custom": "kept",
+        "Connection": "keep-alive, X-Hop",
+        "X-Hop": "dropped",
+        "x-ferry-priority": "high",
+        "Keep-Alive": "timeout=5",
+        "Accept-Encoding": "gzip",
+    }
+    answer = httpx.post(proxy.url + "/v1/completions/", json=body, headers=sent_headers)
+    assert answer.status_code == 200, answer.text
+    seen = {k.lower(): v for k, v in standin.seen_headers[-1].items()}
+    for name in ("x-vllm-priority", "x-session-id", "x-data-parallel-rank", "x-custom"):
+        assert seen[name] == sent_headers[next(k for k in sent_headers if k.lower() == name)]
+    for name in ("x-hop", "x-ferry-priority", "keep-alive"):
+        assert name not in seen, name
+    assert seen["accept-encoding"] == "identity" and seen["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions/", "/v1/chat/completions/"])
+def test_a_trailing_slash_is_the_same_endpoint(standins: Any, ferry: Any, path: str) -> None:
+    """`/v1/completions/` went on as it came, to an engine that redirects it to
+    itself (followed past the proxy, unparsed and unbilled): it is the endpoint."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    body: dict[str, Any] = {"model": "standin", "max_tokens": 3, "stream": True}
+    body |= {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    answer = httpx.post(proxy.url + path, json=body)
+    assert answer.status_code == 200 and "[DONE]" in answer.text
+    assert standin.seen_bodies[-1]["return_token_ids"] is True  # parsed as the endpoint
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_generation_tokens_total{instance="i0",model="standin"} 3.0' in metrics
+    bad = httpx.post(proxy.url + path, json={"model": "standin"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_one_model_is_retrieved_as_openais_sdk_asks(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1, itl_s=0.001)
+    api = client(ferry([site.url]))
+    assert api.models.retrieve("standin").id == "standin"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        api.models.retrieve("nope")
+    assert [m.id for m in api.models.list()] == ["standin"]

@@ -33,12 +33,22 @@ def test_a_stream_that_breaks_resumes_on_the_other_instance(standins: Any, ferry
     broken.break_after = 10
     proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
     chunks = list(
-        api(proxy.url).completions.create(model="standin", prompt="hi", max_tokens=40, stream=True)
+        api(proxy.url).completions.create(
+            model="standin",
+            prompt="hi",
+            max_tokens=40,
+            stream=True,
+            extra_headers={"X-Session-ID": "s1", "Authorization": "Bearer engine-key"},
+        )
     )
     assert "".join(c.choices[0].text for c in chunks) == " tok" * 40
     assert len({c.id for c in chunks}) == 1  # one stream, one id
     continued = healthy.seen_bodies[-1]
     assert continued["prompt"] == [1, 2, 3] + [7] * 10 and continued["max_tokens"] == 30
+    # The continuation is sent the client's headers, as its first call was (an
+    # engine that checks the client's key refused it).
+    sent = {k.lower(): v for k, v in healthy.seen_headers[-1].items()}
+    assert sent["x-session-id"] == "s1" and sent["authorization"] == "Bearer engine-key"
     assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
 
 
