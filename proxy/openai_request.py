@@ -37,6 +37,16 @@ _FIELD_KINDS: dict[str, tuple[type, str]] = {
 }
 
 
+# Flags Ferry reads itself. vLLM reads a flag as pydantic does (`"true"`, `1`,
+# `"off"`...): Ferry takes the same, as true or false, so that it reads them
+# as the engine will (`"false"` is a truthy string).
+_FLAGS = ("stream", "echo", "ignore_eos", "include_stop_str_in_output", "return_token_ids",
+          "use_beam_search")  # fmt: skip
+_STREAM_FLAGS = ("include_usage", "continuous_usage_stats")
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
 class BadRequest(ValueError):
     def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
@@ -85,16 +95,39 @@ def parse(
             )
         estimate = sum(_text_tokens(m.get("content")) for m in messages if isinstance(m, dict))
     else:
-        if "prompt" not in body:
+        if "prompt" not in body and "prompt_embeds" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
-        estimate = _prompt_tokens(body["prompt"])
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
+        estimate = _prompt_tokens(body.get("prompt"))
+    _read_flags(body, _FLAGS, "")
+    if isinstance(body.get("stream_options"), dict):
+        body["stream_options"] = dict(body["stream_options"])
+        _read_flags(body["stream_options"], _STREAM_FLAGS, "stream_options.")
     for key, (kind, name) in _FIELD_KINDS.items():
         value = body.get(key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise BadRequest(f"'{key}' must be {name}", param=key)
     return OpenAIRequest(body, model, priority, max(1, estimate))
+
+
+def _read_flags(body: dict[str, Any], names: tuple[str, ...], where: str) -> None:
+    """Each flag set in `body` made a bool in place, read as vLLM reads it."""
+    for name in names:
+        value = body.get(name)
+        if value is None or isinstance(value, bool):
+            continue
+        flag = _flag(value)
+        if flag is None:
+            raise BadRequest(f"'{where}{name}' must be a boolean", param=where + name)
+        body[name] = flag
+
+
+def _flag(value: Any) -> bool | None:
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        return True if word in _TRUE else False if word in _FALSE else None
+    return None
 
 
 def parse_passthrough(raw: bytes, content_type: str) -> PassThrough:
@@ -107,7 +140,7 @@ def parse_passthrough(raw: bytes, content_type: str) -> PassThrough:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
-    return PassThrough(model, body.get("stream") is True)
+    return PassThrough(model, _flag(body.get("stream")) is True)
 
 
 def read_object(raw: bytes) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from proxy import token_ids
@@ -26,7 +28,9 @@ def test_parses_completions_and_chat() -> None:
         (b'{"model": 3, "prompt": "x"}', "completions", None, "'model' is required"),
         (b'{"model": "m"}', "completions", None, "'prompt' is required"),
         (b'{"model": "m"}', "chat", None, "'messages' is required"),
-        (b'{"model": "m", "prompt": "x", "stream": "yes"}', "completions", None, "'stream'"),
+        (b'{"model": "m", "prompt": "x", "stream": "maybe"}', "completions", None, "'stream'"),
+        (b'{"model": "m", "prompt": "x", "stream": 2}', "completions", None, "'stream'"),
+        (b'{"model": "m", "prompt": "x", "echo": []}', "completions", None, "'echo'"),
         (b'{"model": "m", "prompt": "x"}', "completions", "urgent", "x-ferry-priority"),
     ],
 )
@@ -108,6 +112,35 @@ def test_fields_ferry_reads_must_have_their_type(raw: bytes, param: str) -> None
     assert caught.value.param == param
     nulls = b'{"model": "m", "prompt": "x", "n": null, "stream_options": null}'
     assert parse(nulls, "completions", None).model == "m"
+
+
+@pytest.mark.parametrize(
+    ("value", "flag"),
+    [("true", True), ("False", False), (1, True), (0, False), (1.0, True), ("on", True),
+     ("no", False), (" yes ", True), (True, True)],
+)  # fmt: skip
+def test_flags_are_read_as_vllm_reads_them(value: object, flag: bool) -> None:
+    """vLLM (pydantic) takes `"stream": "true"` as a stream, and `"false"`, a
+    truthy string, as none: Ferry reads each flag it reads the same, and sends
+    it on as a boolean (it refused them, or read `"false"` as true)."""
+    options = {"include_usage": value, "continuous_usage_stats": value}
+    body = {"model": "m", "prompt": "x", "stream": value, "echo": value, "stream_options": options}
+    req = parse(json.dumps(body).encode(), "completions", None)
+    assert req.body["stream"] is flag and req.body["echo"] is flag
+    assert req.body["stream_options"] == {"include_usage": flag, "continuous_usage_stats": flag}
+    with pytest.raises(BadRequest) as caught:
+        parse(json.dumps({**body, "stream_options": {"include_usage": "x"}}).encode(), "chat", None)
+    assert caught.value.param == "messages"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(BadRequest) as caught:
+        parse(json.dumps({**chat, "stream_options": {"include_usage": "x"}}).encode(), "chat", None)
+    assert caught.value.param == "stream_options.include_usage"
+
+
+def test_a_completion_of_prompt_embeds_needs_no_prompt() -> None:
+    """vLLM takes `prompt_embeds` in place of `prompt`."""
+    req = parse(b'{"model": "m", "prompt_embeds": "AAAA"}', "completions", None)
+    assert req.prompt_estimate == 1
 
 
 def test_completions_and_chat_take_json_only() -> None:
