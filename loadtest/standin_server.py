@@ -101,6 +101,7 @@ class StandIn:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/audio/transcriptions", self._transcribe)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         for path in POOLING_ROUTES:
@@ -175,6 +176,16 @@ class StandIn:
             f'num_gpu_blocks="{self.kv_blocks}"}} 1.0\n'
         )
         return web.Response(text=text)
+
+    async def _transcribe(self, request: web.Request) -> web.Response:
+        """A Whisper server's route: a multipart form with the audio file."""
+        form = await request.post()
+        self.served += 1
+        audio = form.get("file")
+        size = len(audio.file.read()) if isinstance(audio, web.FileField) else 0
+        return web.json_response(
+            {"text": f"{self.model} heard {size} bytes for {form.get('model')}"}
+        )
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         await self._body(request)

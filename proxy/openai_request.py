@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,9 @@ from proxy.policy import Priority
 
 PRIORITY_HEADER = "x-ferry-priority"
 JSON = "application/json"
+MULTIPART = "multipart/form-data"
+# A form's part named `model` (not `filename="model"`): its header line.
+_MODEL_PART = re.compile(rb'(?im)^content-disposition:[^\r\n]*;\s*name="?model"?\s*(?:;|\r|$)')
 
 # Characters per token when a prompt arrives as text. Byte-level BPE vocabularies
 # average 3-4; the estimate only lasts until the engine reports the exact count.
@@ -130,10 +134,13 @@ def _flag(value: Any) -> bool | None:
     return None
 
 
-def parse_passthrough(raw: bytes, content_type: str) -> PassThrough:
+def parse_passthrough(raw: bytes, content_type: str, boundary: str | None = None) -> PassThrough:
     """A body Ferry sends on unchanged. A JSON one is read (strictly, as by
-    `parse`) for its `model`; any other (a multipart upload, none at all) is
-    not read and goes to any instance."""
+    `parse`) for its `model`, a multipart form (an audio upload) for its field
+    `model` (`boundary`: the Content-Type's); any other, or none, goes to any
+    instance."""
+    if raw and content_type == MULTIPART and boundary:
+        return PassThrough(form_model(raw, boundary), False)
     if not raw or content_type != JSON:
         return PassThrough(None, False)
     body = read_object(raw)
@@ -141,6 +148,28 @@ def parse_passthrough(raw: bytes, content_type: str) -> PassThrough:
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
     return PassThrough(model, _flag(body.get("stream")) is True)
+
+
+def form_model(raw: bytes, boundary: str) -> str | None:
+    """The value of the field `model` in a multipart/form-data body (RFC 7578),
+    or None. Only the parts' headers are searched: a file is skipped over,
+    never copied."""
+    dash = b"--" + boundary.encode("latin-1", "replace")
+    delimiter = b"\r\n" + dash
+    at = 0 if raw.startswith(dash) else raw.find(delimiter) + 2  # past any preamble
+    if at == 1:
+        return None  # no delimiter at all
+    while True:
+        head = at + len(dash)
+        head_end = raw.find(b"\r\n\r\n", head)
+        if raw.startswith(b"--", head) or head_end < 0:
+            return None  # the closing delimiter, or a cut body
+        end = raw.find(delimiter, head_end + 4)
+        if end < 0:
+            return None
+        if _MODEL_PART.search(raw, head, head_end + 2):
+            return raw[head_end + 4 : end].decode("utf-8", "replace")
+        at = end + 2
 
 
 def read_object(raw: bytes) -> dict[str, Any]:

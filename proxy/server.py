@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.helpers import parse_mimetype
 
 from proxy import access_log, admin, client_auth, openai_request, sse, tracing, ttft_stages
 from proxy.cluster import Cluster
@@ -354,7 +355,10 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     raw = await request.read()
     try:
-        body = openai_request.parse_passthrough(raw, request.content_type)
+        boundary = None
+        if request.content_type == openai_request.MULTIPART:
+            boundary = parse_mimetype(request.headers["Content-Type"]).parameters.get("boundary")
+        body = openai_request.parse_passthrough(raw, request.content_type, boundary)
     except openai_request.BadRequest as exc:
         return error_response(exc.status, exc.message, param=exc.param)
     return await request.app[RELAY].forward(

@@ -376,3 +376,22 @@ def test_one_model_is_retrieved_as_openais_sdk_asks(standins: Any, ferry: Any) -
     with pytest.raises(openai.NotFoundError, match="not served here"):
         api.models.retrieve("nope")
     assert [m.id for m in api.models.list()] == ["standin"]
+
+
+def test_a_multipart_upload_goes_to_an_instance_serving_its_model(
+    standins: Any, ferry: Any
+) -> None:
+    """An audio upload (multipart form) names its model in a form field: it goes
+    to an instance serving that model (it went to any), file and all."""
+    (alpha, alpha_site), (beta, beta_site) = (
+        standins(1, model="alpha")[0],
+        standins(1, model="beta")[0],
+    )
+    proxy = ferry([alpha_site.url, beta_site.url], scheduler={"policy": "round_robin"})
+    api = client(proxy)
+    for _ in range(4):
+        heard = api.audio.transcriptions.create(model="beta", file=("a.wav", b"RIFF" * 1000))
+        assert heard.text == "beta heard 4000 bytes for beta"
+    assert (alpha.served, beta.served) == (0, 4)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        api.audio.transcriptions.create(model="gamma", file=("a.wav", b"RIFF"))

@@ -3,9 +3,19 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy import token_ids
-from proxy.openai_request import MAX_DEPTH, BadRequest, parse, parse_passthrough, read_object
+from proxy.openai_request import (
+    MAX_DEPTH,
+    MULTIPART,
+    BadRequest,
+    form_model,
+    parse,
+    parse_passthrough,
+    read_object,
+)
 from proxy.policy import Priority
 
 
@@ -163,3 +173,46 @@ def test_a_passed_through_body_is_read_for_its_model_only_when_json() -> None:
     assert caught.value.param == "model"
     with pytest.raises(BadRequest, match="JSON object"):
         parse_passthrough(b'["m"]', "application/json")
+
+
+def multipart(fields: list[tuple[str, bytes, str | None]], boundary: str) -> bytes:
+    """A form as `requests`/httpx write one: (name, value, filename) parts."""
+    out = b""
+    for name, value, filename in fields:
+        disposition = f'form-data; name="{name}"'
+        if filename is not None:
+            disposition += f'; filename="{filename}"'
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n".encode()
+        if filename is not None:
+            out += b"Content-Type: application/octet-stream\r\n"
+        out += b"\r\n" + value + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+@given(
+    audio=st.binary(max_size=300),
+    model=st.text(max_size=12).filter(lambda m: "\r" not in m),
+    before=st.booleans(),
+    cut=st.integers(0, 10_000),
+)
+def test_a_forms_model_is_found_past_any_file(
+    audio: bytes, model: str, before: bool, cut: int
+) -> None:
+    """The form's `model` field, wherever it is, whatever bytes the file holds
+    (a boundary look-alike, CRLFs, a part named "model" in a file name); a cut
+    body gives the model or None, never an error."""
+    boundary = "b0undary"
+    decoy = b'\r\n--b0undar\r\nContent-Disposition: form-data; name="model"\r\n\r\nno\r\n'
+    file = ("file", decoy + audio, "model")
+    fields = (
+        [("model", model.encode(), None), file]
+        if before
+        else [file, ("model", model.encode(), None)]
+    )
+    fields.insert(0, ("language", b"en", None))
+    raw = multipart(fields, boundary)
+    assert form_model(raw, boundary) == model
+    assert parse_passthrough(raw, MULTIPART, boundary).model == model
+    assert form_model(raw[:cut], boundary) in (model, None)
+    assert form_model(raw, "other") is None
+    assert parse_passthrough(raw, MULTIPART, None).model is None  # no boundary: any instance
