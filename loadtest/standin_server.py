@@ -92,6 +92,7 @@ class StandIn:
         # tests: a streamed /v1/responses waits for this after its first delta
         self.responses_gate: asyncio.Event | None = None
         self.answers: list[tuple[str, int]] = []  # (path, status) of each POST answered
+        self.cookie: str | None = None  # tests: set as a cookie on every answer (a gateway's)
         self._live: set[asyncio.BaseTransport] = set()
 
     def app(self) -> web.Application:
@@ -125,6 +126,8 @@ class StandIn:
         if request.method == "POST":  # recorded before the client can see the answer
             self.answers.append((request.path, response.status))
             self.seen_headers.append(dict(request.headers))
+        if self.cookie is not None:  # (headers are made before this hook: not set_cookie)
+            response.headers.add("Set-Cookie", f"session={self.cookie}; Path=/")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         """The JSON object a route takes, or a 4xx as vLLM answers it (it checks

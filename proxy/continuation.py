@@ -154,10 +154,12 @@ def _structured(body: dict[str, Any]) -> bool:
 
 
 def _wants_logprobs(body: dict[str, Any], endpoint: str) -> bool:
+    """Chat's flag (`parse` made it a bool), or a completion's count of any
+    kind (vLLM reads `"2"` and `2.0` as 2, and 0 still returns the token's)."""
     value = body.get("logprobs")
     if endpoint == "chat":
         return value is True
-    return isinstance(value, int) and not isinstance(value, bool)
+    return value is not None
 
 
 # vLLM's default budget of a completion (a chat has none: it runs to the end of

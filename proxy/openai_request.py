@@ -22,8 +22,10 @@ from proxy.policy import Priority
 PRIORITY_HEADER = "x-ferry-priority"
 JSON = "application/json"
 MULTIPART = "multipart/form-data"
-# A form's part named `model` (not `filename="model"`): its header line.
-_MODEL_PART = re.compile(rb'(?im)^content-disposition:[^\r\n]*;\s*name="?model"?\s*(?:;|\r|$)')
+# A form part's Content-Disposition, and its parameters: `; key=value`, the
+# value a token or a quoted string.
+_DISPOSITION = re.compile(rb"(?im)^content-disposition:([^\r\n]*)")
+_PARAMETER = re.compile(rb';\s*([^\s=;]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;\s]*)')
 
 # Characters per token when a prompt arrives as text. Byte-level BPE vocabularies
 # average 3-4; the estimate only lasts until the engine reports the exact count.
@@ -102,7 +104,7 @@ def parse(
         if "prompt" not in body and "prompt_embeds" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
         estimate = _prompt_tokens(body.get("prompt"))
-    _read_flags(body, _FLAGS, "")
+    _read_flags(body, _FLAGS + (("logprobs",) if endpoint == "chat" else ()), "")
     if isinstance(body.get("stream_options"), dict):
         body["stream_options"] = dict(body["stream_options"])
         _read_flags(body["stream_options"], _STREAM_FLAGS, "stream_options.")
@@ -151,25 +153,38 @@ def parse_passthrough(raw: bytes, content_type: str, boundary: str | None = None
 
 
 def form_model(raw: bytes, boundary: str) -> str | None:
-    """The value of the field `model` in a multipart/form-data body (RFC 7578),
-    or None. Only the parts' headers are searched: a file is skipped over,
-    never copied."""
+    """The value of the field `model` in a multipart/form-data body (RFC 7578;
+    the last, if several, as Starlette reads it), or None. Only the parts'
+    headers are searched: a file is skipped over, never copied."""
     dash = b"--" + boundary.encode("latin-1", "replace")
     delimiter = b"\r\n" + dash
     at = 0 if raw.startswith(dash) else raw.find(delimiter) + 2  # past any preamble
     if at == 1:
         return None  # no delimiter at all
+    model = None
     while True:
         head = at + len(dash)
         head_end = raw.find(b"\r\n\r\n", head)
         if raw.startswith(b"--", head) or head_end < 0:
-            return None  # the closing delimiter, or a cut body
+            return model  # the closing delimiter, or a cut body
         end = raw.find(delimiter, head_end + 4)
         if end < 0:
-            return None
-        if _MODEL_PART.search(raw, head, head_end + 2):
-            return raw[head_end + 4 : end].decode("utf-8", "replace")
+            return model
+        if _field_name(raw[head:head_end]) == b"model":
+            model = raw[head_end + 4 : end].decode("utf-8", "replace")
         at = end + 2
+
+
+def _field_name(head: bytes) -> bytes | None:
+    """A part's name, from its Content-Disposition's parameters (a quoted one
+    may hold `;` and `name=`)."""
+    line = _DISPOSITION.search(head)
+    if line is None:
+        return None
+    for key, value in _PARAMETER.findall(line.group(1)):
+        if key.lower() == b"name":
+            return value[1:-1].replace(b'\\"', b'"') if value.startswith(b'"') else value
+    return None
 
 
 def read_object(raw: bytes) -> dict[str, Any]:

@@ -215,7 +215,14 @@ class Relay:
                     response, outcome = await self._pipe(request, upstream, call, _as_is)
                 elif body is not None and stream and not answered_whole:
                     response, outcome = await self._stream(
-                        request, upstream, call, wants_ids, timing, StreamEnd.of(body)
+                        request,
+                        upstream,
+                        call,
+                        wants_ids,
+                        timing,
+                        StreamEnd.of(
+                            body, "chat" if path.endswith("/chat/completions") else "completions"
+                        ),
                     )
                 else:
                     try:
@@ -325,7 +332,9 @@ class Relay:
             path,
             priority,
             str(body.get("model", "")),
-            headers=headers,  # the client's (its key included) on every continuation
+            # The client's (its key included) on every continuation; a rank is
+            # the first instance's (vLLM refuses one past its own ranks).
+            headers={k: v for k, v in headers.items() if k.lower() != "x-data-parallel-rank"},
             context=self.cluster.context_length(name, str(body.get("model", ""))),
         )
         return LiveStream(
@@ -356,6 +365,10 @@ class Relay:
         if status >= 500:
             message = f"instance {call.instance} answered HTTP {status}: {_message_of(raw)}"
             return error_response(502, message, code="upstream_error"), "upstream_5xx"
+        if 300 <= status < 400:  # not followed: to where, past the proxy?
+            where = upstream.headers.get("Location", "nowhere")
+            message = f"instance {call.instance} answered HTTP {status}, a redirect to {where}"
+            return error_response(502, message, code="upstream_error"), "upstream_error"
         outcome = "ok" if status < 400 else "upstream_429" if status == 429 else "upstream_4xx"
         if status == 200 and not passthrough:
             raw = self._account_whole(raw, call, wants_ids)
@@ -492,9 +505,9 @@ def forwarded_headers(request: web.Request) -> dict[str, str]:
 class StreamEnd:
     """Whether a stream has ended, so that a body that stops before is known to
     be cut short: its [DONE] came, or else a finish reason for every choice it
-    has (n per prompt) and the usage chunk if the client asked for one. (Some
-    OpenAI-compatible servers send no [DONE].) Substring searches on the bytes:
-    half a regex's cost per chunk."""
+    has (n per prompt) and, if the client asked for it, the usage chunk (no
+    choices) that follows them. Some OpenAI-compatible servers send no [DONE].
+    Substring searches on the bytes: half a regex's cost per chunk."""
 
     __slots__ = ("choices", "done", "finishes", "wants_usage")
 
@@ -504,29 +517,44 @@ class StreamEnd:
         self.done = False
 
     @classmethod
-    def of(cls, body: dict[str, Any]) -> StreamEnd:
+    def of(cls, body: dict[str, Any], endpoint: str) -> StreamEnd:
         n = body.get("n")
-        prompt = body.get("prompt")
-        # A completion's list of prompts (strings, or lists of ids) streams n choices for each.
-        prompts = (
-            len(prompt)
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
-            else 1
-        )
+        choices = n if type(n) is int and n > 0 else 1
+        if endpoint == "completions":  # n choices for each prompt, and each prompt_embeds
+            choices *= max(_prompts(body.get("prompt")) + _prompts(body.get("prompt_embeds")), 1)
         options = body.get("stream_options")
-        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return cls((n if type(n) is int and n > 0 else 1) * max(prompts, 1), wants_usage)
+        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        return cls(choices, wants_usage)
 
     def read(self, events: bytes) -> None:
-        """Take in whole events."""
-        if b"data: [DONE]" in events or b"data:[DONE]" in events:
+        """Take in whole events (each one's blank line included)."""
+        if _done_in(events):
             self.done = True
             return
         self.finishes += events.count(b'"finish_reason":"') + events.count(b'"finish_reason": "')
         if self.finishes >= self.choices:
-            if self.wants_usage and not (b'"usage":{' in events or b'"usage": {' in events):
-                return  # the usage chunk comes after every choice's finish
+            # (With `continuous_usage_stats` every chunk has a usage: the last one has no choices.)
+            if self.wants_usage and not (b'"choices":[]' in events or b'"choices": []' in events):
+                return
             self.done = True
+
+
+def _prompts(value: Any) -> int:
+    """Prompts in a completion's `prompt` (or `prompt_embeds`): a list of them, one, or none."""
+    if value is None:
+        return 0
+    return (
+        len(value) if isinstance(value, list) and value and isinstance(value[0], str | list) else 1
+    )
+
+
+def _done_in(events: bytes) -> bool:
+    """A [DONE] event among these (not the words in some text)."""
+    return (
+        events.startswith((b"data: [DONE]", b"data:[DONE]"))
+        or b"\n\ndata: [DONE]" in events
+        or b"\n\ndata:[DONE]" in events
+    )
 
 
 def _note_end(

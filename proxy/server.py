@@ -121,11 +121,14 @@ def build_app(
         # The tracing signal marks when each call has its connection (the TTFT breakdown).
         # Bodies are relayed and read as they come, never decompressed (a cost per
         # chunk), so instances are asked for none: a gateway in front of one that
-        # compresses would otherwise send bytes Ferry passes on unlabelled.
+        # compresses would otherwise send bytes Ferry passes on unlabelled. A
+        # cookie an instance (or a gateway before it) sets is no one's to keep:
+        # a session's jar would send it on with every client's calls.
         async with aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,
             headers={"Accept-Encoding": "identity"},
+            cookie_jar=aiohttp.DummyCookieJar(),
             trace_configs=[ttft_stages.trace_config()],
         ) as session:
             placement = Placement(cluster, _policy(sched), metrics, random.Random(sched.seed))

@@ -273,7 +273,7 @@ def test_a_null_stream_is_no_stream(standins: Any, ferry: Any) -> None:
     body = {"model": "standin", "prompt": "x", "max_tokens": 2, "stream": None}
     answer = httpx.post(proxy.url + "/v1/completions", json=body)
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " tok" * 2
-    answer = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": "yes"})
+    answer = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": "maybe"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream"
 
 
@@ -395,3 +395,35 @@ def test_a_multipart_upload_goes_to_an_instance_serving_its_model(
     assert (alpha.served, beta.served) == (0, 4)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         api.audio.transcriptions.create(model="gamma", file=("a.wav", b"RIFF"))
+
+
+def test_a_cookie_an_instance_sets_is_not_sent_with_other_clients_calls(
+    standins: Any, ferry: Any
+) -> None:
+    """Ferry's client session kept the cookies instances set and sent them on
+    with every later call, whoever made it."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.cookie = "alice"
+    # By a name: aiohttp's jar keeps no cookie an IP address sets.
+    proxy = ferry([site.url.replace("127.0.0.1", "localhost")])
+    body = {"model": "standin", "prompt": "x", "max_tokens": 1}
+    first = httpx.post(proxy.url + "/v1/completions", json=body)
+    assert first.status_code == 200
+    second = httpx.post(proxy.url + "/v1/completions", json=body)
+    assert second.status_code == 200
+    assert "cookie" not in {k.lower() for k in standin.seen_headers[-1]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_redirect_from_an_instance_is_not_followed(
+    standins: Any, ferry: Any, stream: bool
+) -> None:
+    """An instance that redirects (a misconfigured URL, a trailing slash) is
+    not followed past the proxy, nor passed on as a redirect to nowhere."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.fail_status = 307
+    proxy = ferry([site.url])
+    body = {"model": "standin", "prompt": "x", "max_tokens": 1, "stream": stream}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body)
+    assert answer.status_code == 502, answer.text
+    assert "a redirect" in answer.json()["error"]["message"]

@@ -38,7 +38,11 @@ def test_a_stream_that_breaks_resumes_on_the_other_instance(standins: Any, ferry
             prompt="hi",
             max_tokens=40,
             stream=True,
-            extra_headers={"X-Session-ID": "s1", "Authorization": "Bearer engine-key"},
+            extra_headers={
+                "X-Session-ID": "s1",
+                "Authorization": "Bearer engine-key",
+                "X-data-parallel-rank": "1",
+            },
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == " tok" * 40
@@ -49,6 +53,9 @@ def test_a_stream_that_breaks_resumes_on_the_other_instance(standins: Any, ferry
     # engine that checks the client's key refused it).
     sent = {k.lower(): v for k, v in healthy.seen_headers[-1].items()}
     assert sent["x-session-id"] == "s1" and sent["authorization"] == "Bearer engine-key"
+    assert "x-data-parallel-rank" not in sent  # the first instance's rank, not this one's
+    first = {k.lower(): v for k, v in broken.seen_headers[-1].items()}
+    assert first["x-data-parallel-rank"] == "1"
     assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
 
 

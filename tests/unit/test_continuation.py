@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import json
+
 from proxy import continuation as cont
+from proxy.openai_request import parse
 
 
 def test_what_cannot_move_exactly() -> None:
@@ -41,6 +44,12 @@ def test_grammars_and_logprobs_do_not_move() -> None:
     assert cont.not_migratable({**chat, "logprobs": False}, "chat") is None
     assert cont.not_migratable({**base, "logprobs": 0}, "completions") == "logprobs"
     assert cont.not_migratable({**base, "logprobs": None}, "completions") is None
+    for count in ("2", 2.0):  # vLLM reads both as 2
+        assert cont.not_migratable({**base, "logprobs": count}, "completions") == "logprobs"
+    # Chat's flag as vLLM reads it: `parse` makes 1 and "true" true.
+    said = {**chat, "messages": [{"role": "user", "content": "x"}], "logprobs": 1}
+    lax = parse(json.dumps(said).encode(), "chat", None).body
+    assert cont.not_migratable(lax, "chat") == "logprobs"
 
 
 def test_the_budget_is_read_as_vllm_reads_it() -> None:

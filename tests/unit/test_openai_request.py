@@ -216,3 +216,22 @@ def test_a_forms_model_is_found_past_any_file(
     assert form_model(raw[:cut], boundary) in (model, None)
     assert form_model(raw, "other") is None
     assert parse_passthrough(raw, MULTIPART, None).model is None  # no boundary: any instance
+
+
+def test_a_forms_model_is_read_as_starlette_reads_it() -> None:
+    """A quoted file name may hold `; name=model`; names are case-sensitive,
+    spaces may surround `=`, and of two `model` fields the last counts."""
+
+    def part(disposition: bytes, value: bytes) -> bytes:
+        return (
+            b"--B\r\nContent-Disposition: form-data; " + disposition + b"\r\n\r\n" + value + b"\r\n"
+        )
+
+    trick = part(b'filename="x; name=model"; name="file"', b"audio") + part(b'name="model"', b"m1")
+    assert form_model(trick + b"--B--\r\n", "B") == "m1"
+    assert form_model(part(b'name = "model"', b"m2") + b"--B--\r\n", "B") == "m2"
+    assert form_model(part(b"name=model", b"m3") + b"--B--\r\n", "B") == "m3"
+    assert form_model(part(b'name="MODEL"', b"m4") + b"--B--\r\n", "B") is None
+    both = part(b'name="model"', b"first") + part(b'name="model"', b"last") + b"--B--\r\n"
+    assert form_model(both, "B") == "last"
+    assert form_model(part(b'name="a\\"b"', b"x") + b"--B--\r\n", "B") is None

@@ -23,13 +23,16 @@ def finish(index: int) -> bytes:
         ({"prompt": [[1, 2], [3]]}, 2),
         ({"prompt": [1, 2, 3]}, 1),  # one prompt of token ids
         ({"prompt": []}, 1),
+        ({"prompt_embeds": ["AA", "BB"]}, 2),
+        ({"prompt": "x", "prompt_embeds": "AA"}, 2),
         ({"messages": [], "n": 2}, 2),
+        ({"messages": [], "prompt": ["x", "y"]}, 1),  # chat reads no prompt
         ({"prompt": "x", "n": "2"}, 1),  # the engine refuses it; nothing to wait for
         ({"prompt": "x", "n": 0}, 1),
     ],
 )
 def test_a_stream_waits_for_a_finish_of_each_choice(body: dict[str, Any], choices: int) -> None:
-    ending = StreamEnd.of(body)
+    ending = StreamEnd.of(body, "chat" if "messages" in body else "completions")
     for index in range(choices):
         assert not ending.done
         ending.read(finish(index))
@@ -37,15 +40,30 @@ def test_a_stream_waits_for_a_finish_of_each_choice(body: dict[str, Any], choice
 
 
 def test_done_ends_any_stream_and_usage_is_waited_for_when_asked() -> None:
-    ending = StreamEnd.of({"prompt": "x", "n": 2})
+    ending = StreamEnd.of({"prompt": "x", "n": 2}, "completions")
     ending.read(b"data:[DONE]\n\n")
     assert ending.done
-    usage = StreamEnd.of({"prompt": "x", "stream_options": {"include_usage": True}})
+    asked = {"prompt": "x", "stream_options": {"include_usage": True}}
+    usage = StreamEnd.of(asked, "completions")
     usage.read(finish(0))
     assert not usage.done
-    usage.read(b'data: {"choices":[],"usage": {"prompt_tokens":1}}\n\n')
+    usage.read(b'data: {"choices":[],"usage":{"prompt_tokens":1}}\n\n')
     assert usage.done
-    # A null finish reason, or a usage of null, is no end.
-    other = StreamEnd.of({"prompt": "x", "stream_options": {"include_usage": True}})
-    other.read(b'data: {"choices":[{"finish_reason":null}],"usage":null}\n\n')
-    assert not other.done
+    # A null finish reason is no end, nor is the usage every chunk carries with
+    # `continuous_usage_stats`, the last choice's finish included.
+    asked["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    continuous = StreamEnd.of(asked, "completions")
+    continuous.read(b'data: {"choices":[{"finish_reason":null}],"usage":{"a":1}}\n\n')
+    continuous.read(b'data: {"choices":[{"finish_reason":"stop"}],"usage":{"a":1}}\n\n')
+    assert not continuous.done
+    continuous.read(b'data: {"choices":[],"usage":{"a":1}}\n\ndata: [DONE]\n\n')
+    assert continuous.done
+
+
+def test_done_in_the_text_is_no_end() -> None:
+    ending = StreamEnd.of({"prompt": "x"}, "completions")
+    ending.read(b'data: {"choices":[{"text":"\\n\\ndata: [DONE]","finish_reason":null}]}\n\n')
+    ending.read(b'data: {"choices":[{"text":"data: [DONE]"}]}\n\n')
+    assert not ending.done
+    ending.read(b'data: {"choices":[]}\n\ndata: [DONE]\n\n')
+    assert ending.done
