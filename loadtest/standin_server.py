@@ -93,6 +93,11 @@ class StandIn:
         self.responses_gate: asyncio.Event | None = None
         self.answers: list[tuple[str, int]] = []  # (path, status) of each POST answered
         self.cookie: str | None = None  # tests: set as a cookie on every answer (a gateway's)
+        # tests: a whole answer carries this many bytes more (a field "pad")
+        self.pad_whole_bytes = 0
+        # tests: after n tokens, an event that never ends: bytes with no line end
+        # for as long as the client reads them
+        self.endless_after: int | None = None
         self._live: set[asyncio.BaseTransport] = set()
 
     def app(self) -> web.Application:
@@ -355,7 +360,10 @@ class StandIn:
                 data = gzip.compress(json.dumps(self._whole(chat, n, ids)).encode())
                 headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
                 return web.Response(body=data, headers=headers)
-            return web.json_response(self._whole(chat, n, ids))
+            whole = self._whole(chat, n, ids)
+            if self.pad_whole_bytes:
+                whole["pad"] = "x" * self.pad_whole_bytes
+            return web.json_response(whole)
         finally:
             self.running -= 1
             self._live.discard(transport)  # type: ignore[arg-type]
@@ -396,6 +404,10 @@ class StandIn:
                 assert request.transport is not None
                 request.transport.abort()  # an instance dying mid-stream
                 return resp
+            if self.endless_after is not None and i == self.endless_after:
+                await resp.write(b'data: {"choices":[{"text":"')
+                while True:
+                    await resp.write(b"x" * 65536)
             if self.end_after is not None and i == self.end_after:
                 await resp.write(b'data: {"choices":[{"ind')  # and half an event
                 await resp.write_eof()

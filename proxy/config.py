@@ -190,6 +190,16 @@ class ServerConfig:
     # A client that reads nothing of its stream for this long is gone (nginx's
     # `send_timeout`): its request ends and frees its instance; 0 turns it off.
     client_send_timeout_s: float = 60.0
+    # A client connection idle between requests is closed after this long
+    # (nginx's `keepalive_timeout`; aiohttp's own is an hour, so idle sockets
+    # could use up the process's file descriptors).
+    client_keepalive_s: float = 75.0
+    # A request body not read whole within this long gets 408 (nginx's
+    # `client_body_timeout`): a client sending a byte a second holds nothing for ever.
+    client_body_timeout_s: float = 60.0
+    # The largest whole answer, or one event of a stream, read from an instance:
+    # past it, the answer is a 502, not the whole of Ferry's memory.
+    max_answer_bytes: int = 256 * 1024 * 1024
     retry_after_s: int = 1  # told to clients with 503
     # On SIGTERM: /readyz turns 503 at once, new requests are still served for
     # `shutdown_delay_s` (load balancers notice), then in-flight requests get up
@@ -657,6 +667,10 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.upstream_idle_timeout_s: must be 0 (off) or positive")
     if s.client_send_timeout_s < 0:
         raise ConfigError("server.client_send_timeout_s: must be 0 (off) or positive")
+    if s.client_keepalive_s <= 0 or s.client_body_timeout_s <= 0:
+        raise ConfigError("server.client_keepalive_s, client_body_timeout_s: must be positive")
+    if s.max_answer_bytes < 1024 * 1024:
+        raise ConfigError("server.max_answer_bytes: must be at least 1 MiB")
     if s.shutdown_delay_s < 0 or s.shutdown_grace_s < 0:
         raise ConfigError("server.shutdown_delay_s, shutdown_grace_s: must not be negative")
 

@@ -31,7 +31,7 @@ from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
 from proxy.policy import Priority
 from proxy.splicer import MAX_BACKOFF, Fed, Join, Splicer, plan_join
-from proxy.upstream import Call, Upstreams
+from proxy.upstream import Call, Upstreams, read_whole
 
 log = logging.getLogger("ferry.migration")
 
@@ -111,7 +111,8 @@ class LiveStream:
         # that ends needs no such word: its source answers the copy at once.
         self.copy_moot = asyncio.Event()
         self._order: MoveOrder | None = None
-        self._pending = b""  # bytes read from the current upstream, not yet relayed
+        # What was read from the current upstream of an event not yet whole.
+        self._events = sse.Events(upstreams.max_answer_bytes)
         self._pump: asyncio.Task[str] | None = None
         self._reading = False  # the pump waits for upstream bytes (safe to interrupt)
         self._ordered = asyncio.Event()
@@ -255,25 +256,23 @@ class LiveStream:
         splicer = self.splicer
         try:
             while True:
-                if b"\n\n" not in self._pending:
-                    if self._order is not None and not splicer.ended:
-                        return "move"
-                    self._reading = True
-                    try:
-                        data = await upstream.content.readany()
-                    finally:
-                        self._reading = False
-                    if not data:
-                        break
-                    self.timing.read()
-                    self._pending = sse.joined(self._pending, data)
-                events, self._pending = sse.split(self._pending)
+                if self._order is not None and not splicer.ended:
+                    return "move"
+                self._reading = True
+                try:
+                    data = await upstream.content.readany()
+                finally:
+                    self._reading = False
+                if not data:
+                    break
+                self.timing.read()
+                events = self._events.take(data).split(b"\n\n")[:-1]
                 out: list[bytes] = []
                 for event in events:
                     fed = splicer.feed(event)
                     self._account(fed)
                     if fed.stopped_by_source or fed.broken:
-                        self._pending = b""
+                        self._events.clear()
                         await self._write(response, out)
                         if fed.broken:
                             log.info("stream %s: %s gave it up", self.request.id, self.instance)
@@ -466,7 +465,7 @@ class LiveStream:
             return False
         if upstream.status != 200:
             try:
-                detail = (await upstream.read())[:300]
+                detail = (await read_whole(upstream, 65536))[:300]
             except (TimeoutError, aiohttp.ClientError) as exc:
                 detail = _why(exc).encode()  # it broke while it answered
             finally:
@@ -476,7 +475,7 @@ class LiveStream:
             return False
         self.call.close()  # vLLM aborts the request on the source
         self.call = call
-        self._pending = b""
+        self._events.clear()
         self.tag = kv_params.get(wire.TAG)
         if join is None:
             splicer.restart()

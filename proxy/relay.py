@@ -36,7 +36,7 @@ from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer
 from proxy.ttft_stages import TTFTStages
-from proxy.upstream import Call, Upstreams
+from proxy.upstream import Call, Upstreams, read_whole
 
 log = logging.getLogger("ferry.relay")
 
@@ -226,7 +226,7 @@ class Relay:
                     )
                 else:
                     try:
-                        await upstream.read()  # kept by aiohttp: _whole reads it again
+                        raw = await read_whole(upstream, self.upstreams.max_answer_bytes)
                     except sse.STREAM_ERRORS as exc:
                         # Headers came, the body broke: nothing reached the
                         # client, so another instance can answer, as when the
@@ -239,7 +239,7 @@ class Relay:
                         tried.add(name)
                         continue
                     response, outcome = await self._whole(
-                        upstream, call, wants_ids, passthrough=body is None
+                        upstream, call, wants_ids, passthrough=body is None, raw=raw
                     )
                 return response
             except asyncio.CancelledError:
@@ -356,11 +356,14 @@ class Relay:
         call: Call,
         wants_ids: bool,
         passthrough: bool,
+        raw: bytes | None = None,
     ) -> tuple[web.StreamResponse, str]:
-        try:
-            raw = await upstream.read()
-        except sse.STREAM_ERRORS as exc:
-            return _upstream_failed(call.instance, exc), "upstream_error"
+        """The instance's whole answer (`raw`, if read already) for the client."""
+        if raw is None:
+            try:
+                raw = await read_whole(upstream, self.upstreams.max_answer_bytes)
+            except sse.STREAM_ERRORS as exc:
+                return _upstream_failed(call.instance, exc), "upstream_error"
         status = upstream.status
         if status >= 500:
             message = f"instance {call.instance} answered HTTP {status}: {_message_of(raw)}"
@@ -410,19 +413,15 @@ class Relay:
         ending: StreamEnd,
     ) -> tuple[web.StreamResponse, str]:
         """A stream that cannot move: relay its events as they come."""
-        pending = b""
+        events = sse.Events(self.upstreams.max_answer_bytes)
 
         def relay(data: bytes) -> bytes:
             """The whole events received so far, accounted for, as the client gets them.
             The bytes go on as they came (the ids nulled in one pass over them), not
             split and framed again event by event: this runs for every chunk."""
-            nonlocal pending
-            buffer = sse.joined(pending, data)
-            end = buffer.rfind(b"\n\n") + 2
-            if end < 2:
-                pending = buffer
+            whole = events.take(data)
+            if not whole:
                 return b""
-            whole, pending = buffer[:end], buffer[end:]  # no copy when it ends an event
             seen = False
             for event in whole.split(b"\n\n")[:-1]:
                 seen = self._account_event(event, call, timing) or seen

@@ -14,6 +14,7 @@ of a few lines (see `adapters.vllm`), a few hundred microseconds per scrape.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -25,8 +26,13 @@ from adapters import MetricsParseError
 from migration_shim import wire
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
+from proxy.upstream import read_whole
 
 log = logging.getLogger("ferry.scraper")
+
+# An engine's page past this many bytes fails its scrape: vLLM's /metrics is
+# about 100 KB, and a page of gigabytes would fill Ferry's memory.
+MAX_PAGE_BYTES = 16 * 1024 * 1024
 
 
 class Scraper:
@@ -96,7 +102,7 @@ class Scraper:
             ) as resp:
                 if resp.status != 200:
                     raise MetricsParseError(f"GET {path} returned HTTP {resp.status}")
-                text = await resp.text()
+                text = (await read_whole(resp, MAX_PAGE_BYTES)).decode()
             snapshot = parse(text)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # ValueError: MetricsParseError, a body that is not UTF-8, a header
@@ -118,7 +124,7 @@ class Scraper:
             ) as resp:
                 if resp.status != 200:
                     return f"GET /v1/models returned HTTP {resp.status}"
-                body = await resp.json()
+                body = json.loads(await read_whole(resp, MAX_PAGE_BYTES))
             cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
         except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
             return f"GET /v1/models: {_describe(exc)}"
@@ -137,7 +143,7 @@ class Scraper:
                 state.url + wire.INFO, headers=state.config.auth_headers(), timeout=self.timeout
             ) as resp:
                 if resp.status == 200:
-                    info = await resp.json()
+                    info = json.loads(await read_whole(resp, MAX_PAGE_BYTES))
                 why = f"GET {wire.INFO}: HTTP {resp.status} (shim not loaded)"
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             why = _describe(exc)

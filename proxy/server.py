@@ -57,6 +57,7 @@ RELAY = web.AppKey("relay", Relay)
 MIGRATOR = web.AppKey("migrator", Migrator)
 SCRAPER = web.AppKey("scraper", Scraper)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)  # set on SIGTERM
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)  # server.client_body_timeout_s
 
 # vLLM's model-routed POST routes outside /v1 (vLLM 0.32's api_server).
 ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
@@ -112,6 +113,7 @@ def build_app(
     app[METRICS] = metrics
     app[sse.SEND_TIMEOUT] = config.server.client_send_timeout_s
     app[SHUTTING_DOWN] = asyncio.Event()
+    app[BODY_TIMEOUT_S] = config.server.client_body_timeout_s
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: every client stream holds one upstream connection.
@@ -328,8 +330,8 @@ def _migration_settings(config: FerryConfig) -> MigrationSettings:
 def _openai_handler(endpoint: str) -> Any:
     async def handler(request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
-        raw = await request.read()
         try:
+            raw = await _body(request)
             parsed = openai_request.parse(
                 raw,
                 endpoint,
@@ -356,8 +358,8 @@ def _openai_handler(endpoint: str) -> Any:
 async def _passthrough(request: web.Request) -> web.StreamResponse:
     """Any other call goes to an instance serving its `model`, if it names one."""
     arrived = time.monotonic()
-    raw = await request.read()
     try:
+        raw = await _body(request)
         boundary = None
         if request.content_type == openai_request.MULTIPART:
             boundary = parse_mimetype(request.headers["Content-Type"]).parameters.get("boundary")
@@ -375,6 +377,18 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         arrived=arrived,
         stream=body.stream,
     )
+
+
+async def _body(request: web.Request) -> bytes:
+    """The request's body, read whole; 408 for a client that takes longer than
+    `server.client_body_timeout_s` to send it."""
+    limit = request.app[BODY_TIMEOUT_S]
+    try:
+        async with asyncio.timeout(limit):
+            return await request.read()
+    except TimeoutError:
+        message = f"request body not received within {limit:g} s"
+        raise openai_request.BadRequest(message, status=408) from None
 
 
 def _engine_path(request: web.Request) -> str:
@@ -456,6 +470,7 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=config.server.shutdown_grace_s,
+        keepalive_timeout=config.server.client_keepalive_s,
     )
     await runner.setup()
     # Workers share the port (proxy/workers.py): the kernel spreads connections.

@@ -66,15 +66,60 @@ def error_event(status: int, message: str) -> bytes:
     return event(error_body(status, message))
 
 
-def joined(pending: bytes, data: bytes) -> bytes:
-    """`pending` (bytes not yet a whole event) and `data` read after them, with
-    CRLF line ends made LF, so that events split on a blank line alike: SSE
-    allows both, and sse-starlette (llama-cpp-python and other servers) sends
-    CRLF. vLLM's bytes hold no CR and are not copied again."""
-    buffer = pending + data if pending else data
-    if b"\r" in data or pending.endswith(b"\r"):
-        buffer = buffer.replace(b"\r\n", b"\n")
-    return buffer
+class AnswerTooLarge(aiohttp.ClientPayloadError):
+    """An instance's answer, or one event of its stream, past `max_answer_bytes`:
+    the call is given up as broken rather than held in memory."""
+
+
+class Events:
+    """An upstream stream's bytes, cut where events end: `take` gives what it
+    has of whole events (CRLF line ends made LF, so that events split on a blank
+    line alike: SSE allows both, and sse-starlette, in llama-cpp-python and
+    other servers, sends CRLF) and keeps the rest. An event that comes in many
+    reads is kept as its parts and joined once, when it ends (no copy of it per
+    read); one larger than `limit` bytes raises AnswerTooLarge. vLLM's reads
+    end where its events do: they go through without a copy."""
+
+    __slots__ = ("limit", "_parts", "_size")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def take(self, data: bytes) -> bytes:
+        """Whole events (each with its blank line), or b"" until one ends."""
+        if self._parts:
+            joint = self._parts[-1][-3:] + data[:3]  # a blank line across the reads
+            if not (_ends_event(data) or _ends_event(joint)):
+                self._keep(data)
+                return b""
+            data = b"".join((*self._parts, data))
+            self.clear()
+        buffer = data.replace(b"\r\n", b"\n") if b"\r" in data else data
+        end = buffer.rfind(b"\n\n") + 2
+        if end < 2:
+            self._keep(buffer)
+            return b""
+        if end < len(buffer):
+            self._keep(buffer[end:])
+            return buffer[:end]
+        return buffer
+
+    def clear(self) -> None:
+        self._parts, self._size = [], 0
+
+    def _keep(self, data: bytes) -> None:
+        self._parts.append(data)
+        self._size += len(data)
+        if self._size > self.limit:
+            size = self._size
+            self.clear()
+            raise AnswerTooLarge(f"an event of more than {size} bytes (max_answer_bytes)")
+
+
+def _ends_event(data: bytes) -> bool:
+    return b"\n\n" in (data.replace(b"\r\n", b"\n") if b"\r" in data else data)
 
 
 def data_of(event: bytes) -> bytes | None:
@@ -87,15 +132,6 @@ def data_of(event: bytes) -> bytes | None:
     if not lines:
         return None
     return b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
-
-
-def split(buffer: bytes) -> tuple[list[bytes], bytes]:
-    """Whole events in `buffer` (without their blank line), and the unfinished rest."""
-    events = []
-    while (cut := buffer.find(b"\n\n")) >= 0:
-        events.append(buffer[:cut])
-        buffer = buffer[cut + 2 :]
-    return events, buffer
 
 
 # How long a write may wait for a client that reads nothing (`server.

@@ -56,12 +56,27 @@ class Call:
         self.cluster.release(self.entry)
 
 
+async def read_whole(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """A whole answer's body; sse.AnswerTooLarge past `limit` bytes, said or read."""
+    if (response.content_length or 0) > limit:
+        raise sse.AnswerTooLarge(f"an answer of {response.content_length} bytes, over {limit}")
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await response.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise sse.AnswerTooLarge(f"an answer of more than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class Upstreams:
     def __init__(
         self, cluster: Cluster, session: aiohttp.ClientSession, server: ServerConfig
     ) -> None:
         self.cluster = cluster
         self.session = session
+        self.max_answer_bytes = server.max_answer_bytes
         # A whole (non-streamed) response may take as long as its generation.
         self.whole_timeout = aiohttp.ClientTimeout(
             total=None,

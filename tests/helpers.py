@@ -69,9 +69,15 @@ async def start_site(
     handler_cancellation: bool = False,
     host: str = "127.0.0.1",
     port: int = 0,
+    keepalive_timeout: float = 75.0,
 ) -> Site:
     """Serve `app` on `host:port` (0: a free port); `Site.url` names 127.0.0.1."""
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=handler_cancellation,
+        access_log=None,
+        keepalive_timeout=keepalive_timeout,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -207,7 +213,11 @@ class Ferry:
         self, loop: LoopThread, config: FerryConfig, load: Callable[[], FerryConfig] | None = None
     ) -> None:
         self.loop = loop
-        self.site = loop.run(start_site(build_app(config, load), handler_cancellation=True))
+        app = build_app(config, load)
+        keepalive = config.server.client_keepalive_s  # as `serve` runs it
+        self.site = loop.run(
+            start_site(app, handler_cancellation=True, keepalive_timeout=keepalive)
+        )
         self.url = self.site.url
         self.cluster = self.site.app[CLUSTER]
 

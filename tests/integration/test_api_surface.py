@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from typing import Any
 
 import httpx
@@ -427,3 +428,66 @@ def test_a_redirect_from_an_instance_is_not_followed(
     answer = httpx.post(proxy.url + "/v1/completions", json=body)
     assert answer.status_code == 502, answer.text
     assert "a redirect" in answer.json()["error"]["message"]
+
+
+def test_idle_and_slow_clients_are_let_go(standins: Any, ferry: Any) -> None:
+    """A connection idle after its request, or whose headers never end, is
+    closed after client_keepalive_s (aiohttp keeps one an hour: idle sockets
+    used up the file descriptors), and a body that never ends gets 408 after
+    client_body_timeout_s."""
+    [(_, site)] = standins(1, itl_s=0.001)
+    server = {"client_keepalive_s": 0.5, "client_body_timeout_s": 0.5}
+    proxy = ferry([site.url], server=server)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
+        idle.sendall(b"GET /livez HTTP/1.1\r\nHost: ferry\r\n\r\n")
+        assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)
+        assert idle.recv(4096) == b""  # closed by Ferry
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as headers_never_end:
+        headers_never_end.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fer")
+        assert headers_never_end.recv(4096) == b""  # closed within client_keepalive_s
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: ferry\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        started = time.monotonic()
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+            chunk = slow.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"request body not received within 0.5 s" in answer
+        assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_answers_past_max_answer_bytes_are_given_up(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """An instance's whole answer, or one stream event, past max_answer_bytes is
+    a 502 (or an error event), not gigabytes in Ferry's memory; a /metrics page
+    past 16 MiB fails its scrape."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url], instances_migration=migration, server={"max_answer_bytes": 1 << 20})
+    body = {"model": "standin", "prompt": "x", "max_tokens": 3}
+    standin.pad_whole_bytes = 1 << 21
+    whole = httpx.post(proxy.url + "/v1/completions", json=body)
+    assert whole.status_code == 502 and "over 1048576" in whole.json()["error"]["message"]
+    standin.pad_whole_bytes = 1 << 19  # under the cap: whole
+    assert len(httpx.post(proxy.url + "/v1/completions", json=body).content) > 1 << 19
+    standin.endless_after = 2
+    with httpx.stream("POST", proxy.url + "/v1/completions", json={**body, "stream": True}) as s:
+        events = [e for e in s.read().split(b"\n\n") if e]
+    assert len(events) == 3  # two tokens, then the error the endless event became
+    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert "broke" in error["message"] and error["type"] == "upstream_error"
+    standin.endless_after = None
+    labels = 'engine="0",model_name="standin"'
+    standin.metrics_body = (
+        f"vllm:num_requests_running{{{labels}}} 0.0\n" + "# pad\n" * (3 << 22)
+    ).encode()
+    wait_until(lambda: not proxy.view("i0").healthy, timeout=10)

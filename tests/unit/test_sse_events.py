@@ -1,0 +1,53 @@
+"""An upstream stream's bytes cut into whole events, however they were read."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.sse import AnswerTooLarge, Events
+
+EVENTS = [b'data: {"a":1}', b"data: \xe4\xbb\x8a\xf0\x9f\x9a\x80", b": comment", b"data: [DONE]"]
+
+
+@given(
+    framing=st.sampled_from([b"\n", b"\r\n"]),
+    cuts=st.lists(st.integers(0, 200), max_size=12),
+)
+def test_any_cut_of_a_stream_gives_the_same_events(framing: bytes, cuts: list[int]) -> None:
+    """Reads cut anywhere (inside a CRLF, a blank line, a UTF-8 character)
+    give the events, whole, in order, with LF line ends."""
+    stream = b"".join(e.replace(b"\n", framing) + framing * 2 for e in EVENTS)
+    events = Events(limit=1 << 20)
+    out = b""
+    at = 0
+    for cut in sorted({min(c, len(stream)) for c in cuts} | {len(stream)}):
+        out += events.take(stream[at:cut]) if cut > at else b""
+        at = cut
+    assert out.split(b"\n\n")[:-1] == EVENTS and out.endswith(b"\n\n")
+
+
+def test_one_event_past_the_limit_gives_the_stream_up() -> None:
+    """An event that never ends (a broken or hostile engine) is not held without bound."""
+    events = Events(limit=1000)
+    assert events.take(b"data: " + b"x" * 500) == b""
+    with pytest.raises(AnswerTooLarge):
+        events.take(b"x" * 600)
+    # Many events, each under the limit, are no matter.
+    events = Events(limit=1000)
+    for _ in range(100):
+        assert events.take(b"data: " + b"y" * 900 + b"\n\n")
+
+
+def test_an_event_read_in_many_pieces_is_joined_once() -> None:
+    """Pieces are kept as they came, not copied into one buffer per read (the
+    quadratic cost of a long event)."""
+    events = Events(limit=1 << 30)
+    piece = b"z" * 1024
+    events.take(b"data: ")
+    for _ in range(1000):
+        assert events.take(piece) == b""
+    assert len(events._parts) == 1001  # joined only when the event ends
+    whole = events.take(b"\n\n")
+    assert whole == b"data: " + piece * 1000 + b"\n\n" and not events._parts
