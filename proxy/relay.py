@@ -214,15 +214,9 @@ class Relay:
                     # A pass-through event stream (a streamed /v1/responses): byte for byte.
                     response, outcome = await self._pipe(request, upstream, call, _as_is)
                 elif body is not None and stream and not answered_whole:
+                    ending = StreamEnd.of(body, _endpoint(path))
                     response, outcome = await self._stream(
-                        request,
-                        upstream,
-                        call,
-                        wants_ids,
-                        timing,
-                        StreamEnd.of(
-                            body, "chat" if path.endswith("/chat/completions") else "completions"
-                        ),
+                        request, upstream, call, wants_ids, timing, ending
                     )
                 else:
                     try:
@@ -316,7 +310,7 @@ class Relay:
         state = self.cluster.instances[name]
         if body is None or state.config.migration == "off" or not state.adapter.returns_token_ids:
             return None
-        endpoint = "chat" if path.endswith("/chat/completions") else "completions"
+        endpoint = _endpoint(path)
         why = continuation.not_migratable(body, endpoint)
         if why is not None:
             if body.get("stream"):
@@ -488,6 +482,11 @@ class Relay:
         if token:
             timing.token(call.instance)
         return seen
+
+
+def _endpoint(path: str) -> str:
+    """ "chat" or "completions", for a path Ferry parses."""
+    return "chat" if path.endswith("/chat/completions") else "completions"
 
 
 def forwarded_headers(request: web.Request) -> dict[str, str]:
