@@ -80,17 +80,18 @@ class Events:
     read); one larger than `limit` bytes raises AnswerTooLarge. vLLM's reads
     end where its events do: they go through without a copy."""
 
-    __slots__ = ("limit", "_parts", "_size")
+    __slots__ = ("limit", "_parts", "_size", "_tail")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._parts: list[bytes] = []
         self._size = 0
+        self._tail = b""  # the last bytes kept: a blank line may begin in them
 
     def take(self, data: bytes) -> bytes:
         """Whole events (each with its blank line), or b"" until one ends."""
         if self._parts:
-            joint = self._parts[-1][-3:] + data[:3]  # a blank line across the reads
+            joint = self._tail + data[:3]  # a blank line across the reads
             if not (_ends_event(data) or _ends_event(joint)):
                 self._keep(data)
                 return b""
@@ -107,11 +108,12 @@ class Events:
         return buffer
 
     def clear(self) -> None:
-        self._parts, self._size = [], 0
+        self._parts, self._size, self._tail = [], 0, b""
 
     def _keep(self, data: bytes) -> None:
         self._parts.append(data)
         self._size += len(data)
+        self._tail = (self._tail + data[-3:])[-3:]
         if self._size > self.limit:
             size = self._size
             self.clear()

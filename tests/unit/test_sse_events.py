@@ -28,6 +28,15 @@ def test_any_cut_of_a_stream_gives_the_same_events(framing: bytes, cuts: list[in
     assert out.split(b"\n\n")[:-1] == EVENTS and out.endswith(b"\n\n")
 
 
+@pytest.mark.parametrize("framing", [b"\n", b"\r\n"])
+def test_a_stream_read_a_byte_at_a_time_gives_the_same_events(framing: bytes) -> None:
+    """(A blank line whose bytes came in three reads was missed.)"""
+    stream = b"".join(e.replace(b"\n", framing) + framing * 2 for e in EVENTS)
+    events = Events(limit=1 << 20)
+    out = b"".join(events.take(stream[i : i + 1]) for i in range(len(stream)))
+    assert out.split(b"\n\n")[:-1] == EVENTS and out.endswith(b"\n\n")
+
+
 def test_one_event_past_the_limit_gives_the_stream_up() -> None:
     """An event that never ends (a broken or hostile engine) is not held without bound."""
     events = Events(limit=1000)
