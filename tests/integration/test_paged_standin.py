@@ -148,9 +148,11 @@ def test_ferry_moves_a_stream_between_paged_engines_token_exactly(
     [(_, ids, _)] = got
     assert ids == unmoved
     # The destination was pre-warmed, then continued from prompt + generated ids.
-    continuation = dest.seen_bodies[-1]
+    # (Whether the pre-warm's blocks were cached by then is timing: a pre-warm
+    # is given up when the stream stalls, as it may on a busy machine.)
+    prewarm, continuation = dest.seen_bodies[-2:]
+    assert prewarm["max_tokens"] == 1 and prewarm["prompt"][: len(prompt)] == prompt
     assert continuation["prompt"][: len(prompt)] == prompt and len(continuation["prompt"]) > 20
-    assert dest.engine.cached_tokens > 0
 
 
 def test_a_move_whose_destination_is_removed_midway_goes_to_another(
