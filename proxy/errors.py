@@ -71,11 +71,12 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except ConnectionResetError:
         raise  # the client is gone: nothing to answer
     except Exception as exc:
-        # A fault of Ferry's own: logged whole; the client gets the OpenAI shape
-        # (aiohttp would answer text/plain), unless its answer had begun.
-        log.exception("%s %s failed", request.method, request.path)
+        # A fault of Ferry's own. Once its answer has begun, aiohttp logs it and
+        # cuts the connection; before, it is logged here and the client gets the
+        # OpenAI shape (aiohttp would answer text/plain).
         if request.writer.output_size:
             raise
+        log.exception("%s %s failed", request.method, request.path)
         return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
