@@ -19,7 +19,8 @@ text back (and where a continuation's first text can go wrong). Its weights
 get 60 optimizer steps on that text (tens of seconds on a CPU), because random
 weights loop on lone bytes; fitted, it continues the corpus in valid CJK text.
 The "sentencepiece" variant is the same text and model with Llama 2's kind of
-tokenizer: characters it did not learn are spelled one token per byte.
+tokenizer: characters it did not learn are spelled one token per byte, so it
+gets 150 steps (its text still holds stray bytes, which decode to U+FFFD).
 
     python -m loadtest.tiny_model --corpus cjk --check 今天天气很好 --check "The quick"
 """
@@ -27,7 +28,9 @@ tokenizer: characters it did not learn are spelled one token per byte.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +69,7 @@ _CJK_CORPUS = "\n".join(_CJK_LINES * 40)
 CORPORA = {
     "ascii": (_CORPUS, 384, Path(".ferry/tiny-llama"), 0),
     "cjk": (_CJK_CORPUS, 640, Path(".ferry/tiny-cjk"), 60),
-    "sentencepiece": (_CJK_CORPUS, 640, Path(".ferry/tiny-sp"), 60),
+    "sentencepiece": (_CJK_CORPUS, 640, Path(".ferry/tiny-sp"), 150),
 }
 # Characters the "sentencepiece" tokenizer learns; the rest of the corpus's
 # characters are spelled in byte tokens (<0xE4>...), as Llama 2's and Mistral's.
@@ -81,16 +84,26 @@ def build(
     max_positions: int = 2048,
     corpus: str = "ascii",
 ) -> Path:
-    """Write the model and tokenizer into `out` (idempotent) and return it.
+    """Write the model and tokenizer into `out` (once per recipe) and return it.
 
     `corpus` picks the tokenizer's training text: "ascii" (the default, English
     only) or "cjk" (adds Chinese, Japanese and emoji; see the module docstring),
     both byte-level BPE (GPT-2's, Qwen's, Llama 3's kind); or "sentencepiece",
     the CJK text with Llama 2's kind of tokenizer (`_sentencepiece`).
     """
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
     text, vocab_size, _, train_steps = CORPORA[corpus]
+    # A folder built by another version of this recipe is rebuilt: a stale
+    # model passes here and fails on a fresh machine.
+    recipe = {
+        "corpus": corpus,
+        "hidden": hidden,
+        "layers": layers,
+        "max_positions": max_positions,
+        "source": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+    }
+    stamp = out / "ferry-recipe.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return out
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -135,6 +148,7 @@ def build(
         _fit(model, fast(text)["input_ids"], train_steps)
     model.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    stamp.write_text(json.dumps(recipe))
     return out
 
 
@@ -151,8 +165,16 @@ def _sentencepiece(text: str, vocab_size: int, special: list[str]) -> Any:
     # Pieces learned word by word (SentencePiece's split_by_whitespace), read
     # without splitting (as transformers' conversion of Llama's tokenizer).
     learner.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first", split=True)
+    # The alphabet is chosen here, not by `limit_alphabet`: the trainer breaks
+    # ties between equally frequent characters in hash order, so the vocabulary
+    # (and the model fitted to it) would differ from one build to the next.
+    counts = Counter(text.replace(" ", "\u2581"))
+    alphabet = sorted(counts, key=lambda c: (-counts[c], c))[:_SP_ALPHABET]
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special, limit_alphabet=_SP_ALPHABET
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=alphabet,
+        limit_alphabet=_SP_ALPHABET,
     )
     learner.train_from_iterator([text], trainer=trainer)
     learned = json.loads(learner.to_str())["model"]
