@@ -88,6 +88,7 @@ class LiveStream:
         clock: Callable[[], float],
         max_resumes: int,
         tag: str | None,
+        blame: Callable[[str, str], None],
     ) -> None:
         self.request = request
         self.call = call
@@ -99,7 +100,14 @@ class LiveStream:
         self.clock = clock
         self.max_resumes = max_resumes
         self.tag = tag  # full mode: how the source's shim finds this request
+        # Holds a failure against an instance (outlier ejection): one the stream
+        # broke on and left, or one a continuation could not start on.
+        self.blame = blame
         self.resumes = 0
+        # Instances the stream broke on: no voluntary move takes it back there (a
+        # drain would otherwise bounce it onto a hung destination again and again).
+        self.failed_on: set[str] = set()
+        self._broke = "stream broken"  # why the current upstream broke, for `blame`
         # Each cut-over that took, for the access log: from, to, reason, tokens
         # generated before it, and the downtime once the first token after it came.
         self.moves: list[dict[str, Any]] = []
@@ -211,6 +219,7 @@ class LiveStream:
                     return response, "stream_broken"
                 preferred = order.destination if order is not None else None
                 self.copy_moot.set()
+                source, broke = self.instance, self._broke
                 self._order = failover = MoveOrder(preferred, "failover")
                 moved = await self._cut_over(failover, response)
                 self._order = None
@@ -219,7 +228,10 @@ class LiveStream:
                 if moved != "moved":
                     why = self.splicer.unmovable or "no instance could continue"
                     await self._fail(response, f"failover: {why}")
-                    return response, "stream_broken"
+                    return response, "stream_broken"  # the relay holds it against source
+                if not (self._source_stopped or order is not None and order.source_stopped):
+                    self.failed_on.add(source)
+                    self.blame(source, broke)
         except ConnectionResetError:
             return response, "client_disconnect"
         finally:
@@ -276,6 +288,7 @@ class LiveStream:
                         await self._write(response, out)
                         if fed.broken:
                             log.info("stream %s: %s gave it up", self.request.id, self.instance)
+                            self._broke = "the stream ended with a server error"
                             return "broken"
                         return "stopped"
                     out.append(fed.data)
@@ -286,6 +299,9 @@ class LiveStream:
                     return "done"
         except sse.STREAM_ERRORS as exc:
             log.info("stream %s on %s broke: %s", self.request.id, self.instance, _why(exc))
+            self._broke = f"stream broken: {_why(exc)}"
+            return "done" if splicer.finished else "broken"
+        self._broke = "the stream ended before it was whole"
         return "done" if splicer.finished else "broken"
 
     def _account(self, fed: Fed) -> None:
@@ -316,6 +332,8 @@ class LiveStream:
         """Start the continuation and switch to it: "moved", "failed" (the stream
         stays where it is), or "done" (nothing was left to generate)."""
         tried = {self.instance}
+        if order.reason != "failover":
+            tried |= self.failed_on
         try:
             return await self._continue(order, response, tried)
         finally:
@@ -461,6 +479,7 @@ class LiveStream:
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("continuation on %s failed: %s", dest, _why(exc))
+            self.blame(dest, f"continuation failed: {_why(exc)}")
             await self._release_kv(dest, kv_params)
             return False
         if upstream.status != 200:
@@ -471,6 +490,8 @@ class LiveStream:
             finally:
                 call.close()  # a client gone meanwhile too: nothing else releases it
             log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
+            if upstream.status >= 500:
+                self.blame(dest, f"continuation refused: HTTP {upstream.status}")
             await self._release_kv(dest, kv_params)
             return False
         self.call.close()  # vLLM aborts the request on the source

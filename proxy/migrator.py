@@ -283,14 +283,18 @@ class Migrator:
         if not stream.accepts_orders or stream.splicer.unmovable is not None:
             return False
         source = stream.instance
-        if destination is not None and destination not in self.placement.migration_instances():
+        # Where it broke before is no place to send it by choice (LiveStream.failed_on).
+        avoid = {source} | stream.failed_on if reason != "failover" else {source}
+        if destination is not None and (
+            destination not in self.placement.migration_instances() or destination in avoid
+        ):
             destination = None  # removed, drained or reconfigured while the move waited
         if destination is None:  # resolve now, so the destination can be pre-warmed
             destination = self.placement.destination(
                 stream.request.model,
                 stream.splicer.continuation_tokens() or stream.call.entry.prompt_tokens,
                 stream.request.priority,
-                {source},
+                avoid,
             )
         if destination is None:
             return await stream.order_move(None, reason)

@@ -274,11 +274,15 @@ class Relay:
         not to `blame`)."""
         self.metrics.requests.labels(name, outcome).inc()
         if outcome in _INSTANCE_FAILURES and blame:
-            if self.cluster.record_call_failure(name, error):
-                self.metrics.ejections.labels(name).inc()
-                log.warning("instance %s ejected after failed calls: %s", name, error)
+            self._blame(name, error)
         elif outcome in ("ok", "upstream_4xx"):
             self.cluster.record_call_success(name)
+
+    def _blame(self, name: str, error: str) -> None:
+        """Hold a failed call against its instance: enough in a row eject it."""
+        if self.cluster.record_call_failure(name, error):
+            self.metrics.ejections.labels(name).inc()
+            log.warning("instance %s ejected after failed calls: %s", name, error)
 
     def _upstream_body(
         self, name: str, body: dict[str, Any] | None, priority: Priority
@@ -342,6 +346,7 @@ class Relay:
             clock=self.clock,
             max_resumes=self.max_resumes,
             tag=tag,
+            blame=self._blame,
         )
 
     async def _whole(

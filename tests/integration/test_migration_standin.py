@@ -209,6 +209,72 @@ def test_a_stalled_stream_resumes_elsewhere(standins: Any, ferry: Any) -> None:
     assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
 
 
+def test_an_instance_that_breaks_every_stream_is_ejected_though_each_resumes(
+    standins: Any, ferry: Any
+) -> None:
+    """Failover saves each stream, and the instance that broke it is still held
+    to it: enough in a row eject it, as without migration."""
+    (broken, a), (_, b) = standins(2, itl_s=0.001)
+    broken.break_after = 3
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        scheduler={
+            "policy": "round_robin",
+            "eject_after_failures": 2,
+            "eject_base_s": 60,
+            "scrape_interval_s": 60,  # a good scrape clears the error read below
+        },
+    )
+    for _ in range(6):
+        chunks = list(
+            api(proxy.url).completions.create(
+                model="standin", prompt="hi", max_tokens=10, stream=True
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks) == " tok" * 10
+    assert len(broken.seen_bodies) == 2  # ejected after its second: none since
+    text = metrics(proxy.url)
+    assert 'ferry_ejections_total{instance="i0"} 1.0' in text
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 2.0' in text
+    assert "stream broken" in str(proxy.loop.call(lambda: proxy.cluster.instances["i0"].last_error))
+
+
+def test_a_drain_does_not_move_a_stream_back_to_where_it_broke(standins: Any, ferry: Any) -> None:
+    """A drain moved the stream to an instance that then hung; it came back by
+    failover, and the drain does not send it there again (each round would
+    stall it for the idle timeout until it ran out of resumes)."""
+    (_, a), (hung, b) = standins(2, itl_s=0.02)
+    hung.stall_after, hung.stall_s = 0, 5.0  # headers, then nothing
+    proxy = ferry(
+        [a.url],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"migration_max_resumes": 2},
+        server={"upstream_idle_timeout_s": 0.5},
+    )
+    admin = {"Authorization": "Bearer t"}
+    texts: list[str] = []
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=150, stream=True
+    )
+    reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
+    reader.start()
+    body = json.dumps({"name": "b", "url": b.url, "migration": "lite"}).encode()
+    added = urllib.request.Request(proxy.url + "/admin/instances", data=body, headers=admin)
+    urllib.request.urlopen(added, timeout=5).close()
+    wait_until(lambda: proxy.view("b").healthy, timeout=5)
+    drain = urllib.request.Request(
+        proxy.url + "/admin/instances/i0/drain?migrate=true", data=b"", headers=admin
+    )
+    urllib.request.urlopen(drain, timeout=5).close()
+    reader.join(30)
+    assert "".join(texts) == " tok" * 150  # whole, after one stall on b
+    streamed = [body for body in hung.seen_bodies if body.get("stream")]
+    assert len(streamed) == 1 and len(hung.seen_bodies) <= 2  # a pre-warm, a continuation
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+
+
 def test_a_stalled_stream_without_migration_ends_with_an_error_event(
     standins: Any, ferry: Any
 ) -> None:
