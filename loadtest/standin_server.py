@@ -62,6 +62,7 @@ class StandIn:
         self.gzip_whole = False  # tests: compress a whole answer though asked for identity
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
+        self.stall_pings_s: float | None = None  # ... with an SSE comment this often
         # tests: give the stream up after n tokens as vLLM does when it shuts down
         # or pauses: a chunk with finish_reason "abort" and no token, then [DONE]
         self.abort_after: int | None = None
@@ -399,7 +400,7 @@ class StandIn:
             choice["token_ids"] = [7] if ids else None
             chunk["choices"] = [choice]
             if self.stall_after is not None and i == self.stall_after:
-                await asyncio.sleep(self.stall_s)  # a hung engine: the socket stays open
+                await self._stall(resp)  # a hung engine: the socket stays open
             if self.break_after is not None and i == self.break_after:
                 assert request.transport is not None
                 request.transport.abort()  # an instance dying mid-stream
@@ -445,6 +446,15 @@ class StandIn:
             await resp.write(self._frame(b"[DONE]"))
         await resp.write_eof()
         return resp
+
+    async def _stall(self, resp: web.StreamResponse) -> None:
+        if self.stall_pings_s is None:
+            await asyncio.sleep(self.stall_s)
+            return
+        until = asyncio.get_running_loop().time() + self.stall_s
+        while asyncio.get_running_loop().time() < until:  # as sse-starlette keeps a stream alive
+            await asyncio.sleep(self.stall_pings_s)
+            await resp.write(b": ping\n\n")
 
     def _frame(self, data: bytes) -> bytes:
         """One event as this server frames it (`framing`)."""

@@ -445,6 +445,8 @@ class Relay:
         response = await sse.open_response(request, call.instance)
         whole = True  # what the client has ends with a whole event
         content = upstream.content
+        idle_s = self.upstreams.stream_timeout.sock_read or 0.0
+        last_event = self.clock()  # the last event that was more than a comment
         try:
             # readany() itself, not iter_any(): one coroutine layer less per chunk.
             while data := await content.readany():
@@ -456,6 +458,10 @@ class Relay:
                     whole = out.endswith(b"\n\n")
                     if timing is not None:
                         timing.written()
+                    if not sse.only_comments(out):
+                        last_event = self.clock()
+                    elif idle_s and self.clock() - last_event > idle_s:
+                        raise sse.KeptAliveOnly(f"nothing but keep-alives for {idle_s:g}s")
             if complete is not None and not complete():
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except sse.STREAM_ERRORS as exc:
@@ -596,6 +602,8 @@ def _as_is(data: bytes) -> bytes:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, sse.KeptAliveOnly):
+        return f"{exc} (server.upstream_idle_timeout_s)"
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
         return (
             "no data within the upstream timeout (server.upstream_idle_timeout_s for"

@@ -32,6 +32,17 @@ STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyn
 
 DONE = b"data: [DONE]\n\n"
 
+
+class KeptAliveOnly(asyncio.TimeoutError):
+    """An upstream sent only SSE comments (keep-alive pings, as sse-starlette's
+    every 15 s) for as long as a silent socket may last: as hung as a silent one."""
+
+
+def only_comments(events: bytes) -> bool:
+    """Whole events that carry nothing but comments (one event a read, as pings come)."""
+    return events.startswith(b":")
+
+
 # A stream silent for STOPPED_GAPS of its usual token gaps, and at least
 # STOPPED_FLOOR_S, has stopped producing (`TokenTiming.stopped`): decode gaps
 # vary by a small factor with the batch, a preemption stops a stream for good.

@@ -275,6 +275,32 @@ def test_a_drain_does_not_move_a_stream_back_to_where_it_broke(standins: Any, fe
     assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
 
 
+@pytest.mark.parametrize("migration", ["lite", "off"])
+def test_a_stream_kept_alive_by_comments_alone_counts_as_stalled(
+    migration: str, standins: Any, ferry: Any
+) -> None:
+    """sse-starlette (llama-cpp-python's server) pings every 15 s: a hung engine
+    behind it never lets the socket go quiet, and the idle timeout is on events."""
+    (stalled, a), (_, b) = standins(2, itl_s=0.001)
+    stalled.stall_after, stalled.stall_s, stalled.stall_pings_s = 3, 20.0, 0.1
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration=migration,
+        scheduler={"policy": "round_robin"},
+        server={"upstream_idle_timeout_s": 0.5},
+    )
+    started = time.monotonic()
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=10, stream=True
+    )
+    if migration == "lite":
+        assert "".join(c.choices[0].text for c in stream) == " tok" * 10
+    else:
+        with pytest.raises(openai.APIError, match="keep-alives"):
+            list(stream)
+    assert time.monotonic() - started < 5
+
+
 def test_a_stalled_stream_without_migration_ends_with_an_error_event(
     standins: Any, ferry: Any
 ) -> None:
