@@ -57,6 +57,12 @@ class InstanceConfig:
     # high-priority request also overtakes the engine's own queue.
     engine_priority: bool = False
 
+    def same_server(self, other: InstanceConfig) -> bool:
+        """Both name one server the same way: listed twice, it would be billed
+        twice. (One URL with another `x-data-parallel-rank` header is another rank
+        of a vLLM data-parallel server: a server of its own to route to.)"""
+        return self.url.rstrip("/") == other.url.rstrip("/") and self.headers == other.headers
+
     def auth_headers(self) -> dict[str, str]:
         """The headers every call to this instance carries."""
         out = dict(self.headers)
@@ -403,6 +409,9 @@ def _instances(
         inst = parse_instance(item, f"instances[{i}]", env)
         if inst.name in names:
             raise ConfigError(f"instances[{i}].name: duplicate instance name {inst.name!r}")
+        twin = next((other for other in result if other.same_server(inst)), None)
+        if twin is not None:
+            raise ConfigError(f"instances[{i}].url: the server of instance {twin.name!r}")
         names.add(inst.name)
         result.append(inst)
     return tuple(result)

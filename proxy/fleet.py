@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from proxy.cluster import Cluster
@@ -141,9 +141,14 @@ class Fleet:
     def removing(self) -> frozenset[str]:
         return frozenset(self._removals)
 
-    def add(self, instance: InstanceConfig) -> None:
+    def add(self, instance: InstanceConfig, replacing: Container[str] = ()) -> None:
+        """Add `instance`; `replacing`: instances on their way out (a reload that
+        renames one), which may name the same server meanwhile."""
         if instance.name in self.cluster.instances:
             raise FleetError(409, f"an instance named {instance.name!r} exists", "instance_exists")
+        for name, state in self.cluster.instances.items():
+            if state.config.same_server(instance) and not (state.leaving or name in replacing):
+                raise FleetError(409, f"instance {name!r} is that server", "instance_exists")
         self.cluster.add(instance)
         self.scraper.watch(instance.name)
         self._changed()
@@ -230,9 +235,10 @@ class Fleet:
                 "instance_exists",
             )
         added, changed = [], []
+        going = set(current) - set(wanted)
         for name, instance in wanted.items():
             if name not in current:
-                self.add(instance)
+                self.add(instance, replacing=going)
                 added.append(name)
                 continue
             if name in self._removals:  # back in the file before it was gone

@@ -185,6 +185,9 @@ class Scraper:
                 next_models, config = 0.0, state.config
             if await self.look(name, with_models=started >= next_models):
                 next_models = started + self.models_refresh_s
+            elif not state.healthy:
+                # Down, perhaps restarting: what comes back may serve other models.
+                next_models = 0.0
             elapsed = self.clock() - started
             await asyncio.sleep(max(0.0, self.interval_s - elapsed))
 

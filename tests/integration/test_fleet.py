@@ -82,6 +82,9 @@ def test_add_patch_and_remove_with_streams_in_flight(standins: Any, ferry: Any) 
     wait_until(lambda: rows(proxy.url)["b"]["healthy"])
     code, err = send(proxy.url + "/admin/instances", "POST", {"name": "b", "url": site_b.url})
     assert code == 409 and err["error"]["code"] == "instance_exists"
+    # Another name for a server listed already: it would be billed twice.
+    code, err = send(proxy.url + "/admin/instances", "POST", {"name": "c", "url": site_b.url})
+    assert code == 409 and err["error"]["message"] == "instance 'b' is that server"
     code, err = send(proxy.url + "/admin/instances", "POST", {"name": "c", "url": "ftp://x"})
     assert code == 400 and err["error"]["message"].startswith("instance.url:")
     code, err = send(proxy.url + "/admin/instances", "POST", {"name": "c", "uri": "x"})
@@ -194,6 +197,12 @@ def test_reload_applies_the_file_and_refuses_a_bad_one(
         code, summary = send(proxy.url + "/admin/reload", "POST")
         assert code == 200 and summary["changed"] == ["b"] and not summary["scheduler_changed"]
         assert rows(proxy.url)["b"]["labels"] == {"new": "no"}
+
+        # Renamed: the new name is added while the old one is still there.
+        write([{"name": "b2", "url": site_b.url}], policy="round_robin")
+        code, summary = send(proxy.url + "/admin/reload", "POST")
+        assert code == 200 and summary["added"] == ["b2"] and summary["removed"] == ["b"]
+        wait_until(lambda: set(rows(proxy.url)) == {"b2"})
     finally:
         proxy.close()
 

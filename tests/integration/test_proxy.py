@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.helpers import Ferry, wait_until
+from tests.helpers import Ferry, start_site, wait_until
 
 
 def post(
@@ -471,6 +471,26 @@ def test_a_request_every_instance_fails_ejects_none(standins: Any, ferry: Any) -
     assert proxy.view("i0").dispatchable and proxy.view("i1").dispatchable
     status, _, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
     assert status == 200
+
+
+def test_an_instance_back_from_a_failure_is_asked_its_models_again(
+    standins: Any, ferry: Any, loop_thread: Any
+) -> None:
+    """A server restarted on its port may serve another model: a look at
+    `/v1/models` waits for no `models_refresh_s` once the instance was down."""
+    (restarted, site), (_, other) = standins(2, itl_s=0.001)
+    scheduler = {"scrape_interval_s": 0.05, "models_refresh_s": 60, "unhealthy_after_failures": 1}
+    proxy = ferry([site.url, other.url], scheduler=scheduler)
+    wait_until(lambda: proxy.view("i0").healthy)
+    loop_thread.run(site.runner.cleanup())  # the process stops...
+    wait_until(lambda: not proxy.view("i0").healthy)
+    restarted.model = "other"  # ... and another starts on its port
+    port = int(site.url.rsplit(":", 1)[1])
+    back = loop_thread.run(start_site(restarted.app(), port=port))
+    try:
+        wait_until(lambda: "other" in {m["id"] for m in get(proxy.url + "/v1/models")[1]["data"]})
+    finally:
+        loop_thread.run(back.runner.cleanup())
 
 
 def test_the_last_instance_serving_a_model_is_not_ejected(standins: Any, ferry: Any) -> None:

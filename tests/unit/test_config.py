@@ -133,6 +133,12 @@ def test_client_keys_from_yaml_or_environment() -> None:
             r"^instances\[1\]\.name: duplicate",
         ),
         (
+            base(
+                instances=[{"name": "a", "url": "http://h:1"}, {"name": "b", "url": "http://h:1/"}]
+            ),
+            r"^instances\[1\]\.url: the server of instance 'a'",
+        ),
+        (
             base(instances=[{"name": "a", "url": "http://h:1", "weight": 2}]),
             r"^instances\[0\]\.weight: unknown key; allowed: api_key, engine, engine_priority,"
             r" headers, kv_events, kv_events_replay, labels, migration, name, url",
@@ -377,3 +383,12 @@ def test_the_crowd_bound_reaches_the_policy_and_a_change_rebuilds_it() -> None:
     assert (policy.crowd_factor, policy.crowd_grace) == (3.0, 8.0)  # type: ignore[attr-defined]
     assert _policy_changed(loose, SchedulerConfig())
     assert not _policy_changed(loose, SchedulerConfig(prefix_crowd_factor=3, prefix_crowd_grace=8))
+
+
+def test_one_url_with_another_rank_header_is_another_instance() -> None:
+    """vLLM's data-parallel ranks behind one API server: routed to by header."""
+    ranks = [
+        {"name": f"r{n}", "url": "http://h:1", "headers": {"X-data-parallel-rank": str(n)}}
+        for n in range(2)
+    ]
+    assert [i.name for i in parse_config(base(instances=ranks)).instances] == ["r0", "r1"]
