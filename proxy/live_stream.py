@@ -365,6 +365,15 @@ class LiveStream:
             self.metrics.migrations.labels(order.reason, "not_migratable").inc()
             log.info("stream %s cannot go on elsewhere: %s", self.request.id, splicer.unmovable)
             return "failed"
+        join, _ = splicer.join_point()
+        if splicer.sampled and join.keep < len(splicer.generated) and order.reason != "failover":
+            # A join that steps back has the destination draw those tokens again,
+            # and sampled, they differ from the ones whose text the client has
+            # part of: a seam in the text. It waits for a cut in step (no text held
+            # back); failover, with nothing to wait for, takes the seam.
+            self.metrics.migrations.labels(order.reason, "not_migratable").inc()
+            log.info("stream %s not moved now: sampled, its text held back", self.request.id)
+            return "failed"
         self.timing.cut()
         preferred = order.destination
         ids = (splicer.prompt_ids or []) + splicer.generated

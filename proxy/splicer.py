@@ -139,6 +139,8 @@ class Splicer:
         # string may be forming, unless stop strings are included in the output.
         self.lookback = max((len(s) for s in stop_strings(body) if s), default=1) - 1
         self.hold = 0 if body.get("include_stop_str_in_output") else self.lookback
+        # Sampled, the tokens a join regenerates are drawn anew (see `Join`).
+        self.sampled = not _greedy(body)
         self.origin: Origin | None = None
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
@@ -353,6 +355,16 @@ class Splicer:
 # Where vLLM's reasoning parsers put a chat stream's thoughts (the name changed
 # across versions).
 _REASONING = ("reasoning_content", "reasoning")
+
+
+def _greedy(body: dict[str, Any]) -> bool:
+    """Whether the engine decodes greedily; without a temperature it samples
+    (vLLM's default is 1.0, or the model's generation config)."""
+    temperature, top_k = body.get("temperature"), body.get("top_k")
+    number = (int, float)
+    return (isinstance(temperature, number) and not isinstance(temperature, bool) and
+            temperature == 0) or (isinstance(top_k, int) and not isinstance(top_k, bool) and
+            top_k == 1)  # fmt: skip
 
 
 def _ids(value: Any) -> list[int] | None:

@@ -301,6 +301,36 @@ def test_a_stream_kept_alive_by_comments_alone_counts_as_stalled(
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8}])
+def test_a_sampled_stream_holding_text_back_is_not_moved_by_choice(
+    sampling: dict[str, Any], standins: Any, ferry: Any
+) -> None:
+    """A stop string makes vLLM hold text back, and a join then steps back: the
+    destination would draw those tokens anew. Greedy, they come out the same
+    (on real vLLM: tests/e2e); sampled, the client would get a seam, so the
+    stream stays where it is. (The stand-in holds no text back.)"""
+    (source, a), (_, b) = standins(2, itl_s=0.02)
+    proxy = ferry([a.url, b.url], instances_migration="lite", admin_token="t")
+    texts: list[str] = []
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=40, stream=True, stop=["zz"], **sampling
+    )
+    reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
+    reader.start()
+    wait_until(lambda: source.running == 1)
+    drain = urllib.request.Request(
+        proxy.url + "/admin/instances/i0/drain?migrate=true",
+        data=b"",
+        headers={"Authorization": "Bearer t"},
+    )
+    urllib.request.urlopen(drain, timeout=5).close()
+    reader.join(10)
+    assert "".join(texts) == " tok" * 40
+    assert 'ferry_migrations_total{outcome="not_migratable",reason="drain"} 1.0' in metrics(
+        proxy.url
+    )
+
+
 def test_a_stalled_stream_without_migration_ends_with_an_error_event(
     standins: Any, ferry: Any
 ) -> None:
