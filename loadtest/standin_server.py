@@ -63,6 +63,7 @@ class StandIn:
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
         self.stall_pings_s: float | None = None  # ... with an SSE comment this often
+        self.metrics_delay_s = 0.0  # tests: `/metrics` answers this late (a frozen process)
         # tests: give the stream up after n tokens as vLLM does when it shuts down
         # or pauses: a chunk with finish_reason "abort" and no token, then [DONE]
         self.abort_after: int | None = None
@@ -172,6 +173,7 @@ class StandIn:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.metrics_delay_s)
         if self.metrics_body is not None:
             return web.Response(body=self.metrics_body, content_type="text/plain")
         used = min(1.0, self.running * 4 / self.kv_blocks)

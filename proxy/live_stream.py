@@ -365,15 +365,17 @@ class LiveStream:
             self.metrics.migrations.labels(order.reason, "not_migratable").inc()
             log.info("stream %s cannot go on elsewhere: %s", self.request.id, splicer.unmovable)
             return "failed"
-        join, _ = splicer.join_point()
-        if splicer.sampled and join.keep < len(splicer.generated) and order.reason != "failover":
+        whole = False  # the join takes all of G (see `_in_step`)
+        if splicer.sampled and order.reason != "failover":
             # A join that steps back has the destination draw those tokens again,
             # and sampled, they differ from the ones whose text the client has
-            # part of: a seam in the text. It waits for a cut in step (no text held
+            # part of: a seam in the text. It moves only in step (no text held
             # back); failover, with nothing to wait for, takes the seam.
-            self.metrics.migrations.labels(order.reason, "not_migratable").inc()
-            log.info("stream %s not moved now: sampled, its text held back", self.request.id)
-            return "failed"
+            whole = await self._in_step(source)
+            if not whole:
+                self.metrics.migrations.labels(order.reason, "not_migratable").inc()
+                log.info("stream %s not moved now: sampled, its text held back", self.request.id)
+                return "failed"
         self.timing.cut()
         preferred = order.destination
         ids = (splicer.prompt_ids or []) + splicer.generated
@@ -395,7 +397,7 @@ class LiveStream:
             tried.add(dest)
             preferred = None
             load = order.load if order.load is not None and order.load["dest"] == dest else None
-            if await self._start(dest, load, cached.get(dest, 0)):
+            if await self._start(dest, load, cached.get(dest, 0), whole):
                 self.metrics.migrations.labels(order.reason, "ok").inc()
                 log.info(
                     "request %s moved %s -> %s (%s) after %d tokens",
@@ -437,9 +439,12 @@ class LiveStream:
         _RELEASES.add(task)
         task.add_done_callback(_RELEASES.discard)
 
-    async def _start(self, dest: str, load: dict[str, Any] | None, cached_tokens: int) -> bool:
+    async def _start(
+        self, dest: str, load: dict[str, Any] | None, cached_tokens: int, whole: bool = False
+    ) -> bool:
         """Send the stream on to `dest`; `cached_tokens` of it are probably in its
-        prefix cache (the index's guess, billed as shared, not as prefill ahead)."""
+        prefix cache (the index's guess, billed as shared, not as prefill ahead);
+        `whole`: from all the tokens generated, regenerating none."""
         splicer, request = self.splicer, self.request
         kv_params: dict[str, Any] = {}
         if self.upstreams.cluster.instances[dest].migration_mode == "full":
@@ -451,7 +456,7 @@ class LiveStream:
             path, body = request.path, {**request.body, "return_token_ids": True}
             tokens = self.call.entry.prompt_tokens
         else:
-            join = await self._plan_join(dest)
+            join = Join(len(splicer.generated), 0) if whole else await self._plan_join(dest)
             state = self.upstreams.cluster.instances.get(dest)
             if state is None or state.leaving:
                 # Removed while it was asked where to join; nothing billed it, so
@@ -527,6 +532,19 @@ class LiveStream:
         request = self.request
         prompt = len(self.splicer.prompt_ids or ())
         return continuation.budget(request.body, request.endpoint, prompt, request.context)
+
+    async def _in_step(self, instance: str) -> bool:
+        """Whether the client has all the text of the tokens generated: no stop
+        string may be forming (vLLM holds back those characters) and the text of
+        G, as `instance` decodes it, is what was sent (no character held back
+        half-made). A continuation from all of G then regenerates nothing."""
+        splicer = self.splicer
+        join, _ = splicer.join_point()
+        if join.keep == len(splicer.generated) and join.skip == 0:
+            return True
+        if splicer.lookback:
+            return False
+        return await self._detokenize(instance, splicer.generated) == splicer.sent
 
     async def _plan_join(self, dest: str) -> Join:
         """Where the continuation starts (see `splicer.Join`): from the stream's

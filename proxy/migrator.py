@@ -47,6 +47,11 @@ DRAIN_RETRY_S = 0.1
 # opportunistic, and a stream it waits behind may end before its turn.
 MOVE_RANKS = {"drain": 0, "priority": 0, "rebalance": 1}
 
+# A stream this silent on an instance that fails its scrapes is taken as hung
+# with it (a frozen process, a hung engine core): it fails over now, not after
+# `upstream_idle_timeout_s`. Decode gaps are milliseconds; one still producing stays.
+HUNG_AFTER_S = 1.0
+
 
 class MoveSlots:
     """At most `size` moves at once; waiters are served by rank, then arrival."""
@@ -243,6 +248,19 @@ class Migrator:
         refused = task.cancelled() or task.exception() is not None or not task.result()
         if refused and request_id in self.streams:
             self._drain_refused.add(request_id)
+
+    def leave_hung(self, instance: str) -> int:
+        """`instance` fails its scrapes: fail over its streams that went silent
+        too (see HUNG_AFTER_S); returns how many."""
+        hung = [
+            s
+            for s in self.streams_on(instance)
+            if not s.claimed and s.timing.silent_s() >= HUNG_AFTER_S
+        ]
+        for stream in hung:
+            log.info("stream %s silent on unhealthy %s: failing over", stream.request.id, instance)
+            self.submit(stream, None, "failover", prewarm=False)
+        return len(hung)
 
     def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
         """A high-priority request goes to `chosen`: move a lower one off if it

@@ -56,6 +56,8 @@ class Scraper:
         self.clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._unexpected: dict[str, str] = {}  # each instance's last unforeseen failure
+        # Told after each look that leaves an instance unhealthy (Migrator.leave_hung).
+        self.on_down: Callable[[str], object] | None = None
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
         """New intervals (a reload), used from each loop's next round."""
@@ -174,6 +176,9 @@ class Scraper:
             self._unexpected[name] = why
             self.metrics.scrape_errors.labels(name).inc()
             self.cluster.record_scrape_failure(name, why)
+        if self.on_down is not None and name in self.cluster.instances:
+            if not self.cluster.instances[name].healthy:
+                self.on_down(name)
         return read
 
     async def _run(self, name: str) -> None:

@@ -164,6 +164,7 @@ def build_app(
                 timeout_s=sched.scrape_timeout_s,
                 models_refresh_s=sched.models_refresh_s,
             )
+            scraper.on_down = migrator.leave_hung
             app[SCRAPER] = scraper
             events = KVEvents(cluster)
             rescheduler = Rescheduler(

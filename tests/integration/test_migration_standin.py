@@ -331,6 +331,39 @@ def test_a_sampled_stream_holding_text_back_is_not_moved_by_choice(
     )
 
 
+def test_streams_silent_on_an_instance_that_fails_its_scrapes_fail_over_at_once(
+    standins: Any, ferry: Any
+) -> None:
+    """A frozen process (SIGSTOP, a hung engine core) answers nothing: once its
+    scrapes fail, its silent streams move without waiting out the idle timeout."""
+    (frozen, a), (_, b) = standins(2, itl_s=0.01)
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        scheduler={
+            "policy": "round_robin",
+            "scrape_interval_s": 0.05,
+            "scrape_timeout_s": 0.2,
+            "unhealthy_after_failures": 2,
+        },
+        server={"upstream_idle_timeout_s": 60},
+    )
+    frozen.stall_after, frozen.stall_s = 10, 6.0
+    texts: list[str] = []
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=40, stream=True
+    )
+    reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
+    reader.start()
+    wait_until(lambda: len(texts) >= 10)
+    started = time.monotonic()
+    frozen.metrics_delay_s = 6.0
+    reader.join(10)
+    assert "".join(texts) == " tok" * 40
+    assert time.monotonic() - started < 5
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+
+
 def test_a_stalled_stream_without_migration_ends_with_an_error_event(
     standins: Any, ferry: Any
 ) -> None:
