@@ -48,6 +48,7 @@ from proxy.relay import Relay
 from proxy.rescheduler import Rescheduler
 from proxy.scraper import Scraper
 from proxy.upstream import Upstreams
+from proxy.workers import RESTARTED_WORKER
 
 log = logging.getLogger("ferry")
 
@@ -259,7 +260,7 @@ async def _shared_view(
     sharing.exposition = lambda: app[METRICS].render(app[CLUSTER])
     sharing.metrics_group = f"{socket.gethostname()}:{config.server.port}"
     try:
-        await sharing.start()
+        await sharing.start(alone_ok=os.environ.get(RESTARTED_WORKER) == "1")
         app[SHARING].describe = sharing.describe
         app[SHARING].merged_metrics = sharing.merged_metrics
         log.info("sharing the cluster view through %s as %s", config.redis_url, sharing.name)

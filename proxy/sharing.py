@@ -174,7 +174,10 @@ class Sharing:
         self._announcing: asyncio.Task[None] | None = None
 
     # -- the contract ---------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, alone_ok: bool = False) -> None:
+        """Join the shared view; SharingUnavailable if Redis cannot be reached,
+        unless `alone_ok` (a worker started again while Redis is down, beside
+        workers that carry on alone): it serves alone and joins once Redis is back."""
         self.fleet.announce = self._announce
         self.rescheduler.coordinator = self
         self.cluster.ledger.on_count = self._counted
@@ -184,7 +187,11 @@ class Sharing:
             await self.round()
             await self.round()
         except (RedisError, OSError) as exc:
-            raise SharingUnavailable(f"cannot share the cluster view through Redis: {exc}") from exc
+            if not alone_ok:
+                raise SharingUnavailable(
+                    f"cannot share the cluster view through Redis: {exc}"
+                ) from exc
+            self._went_wrong(exc)
         self._task = asyncio.create_task(self._run(), name="sharing")
         self._listener = asyncio.create_task(self._listen(), name="sharing-changes")
 

@@ -9,8 +9,9 @@ This parent only starts and watches them:
 - SIGHUP goes to every worker: each re-reads the file;
 - a worker that dies (killed, or crashed after it ran a while) is started
   again after `restart_delay_s`. Its streams broke with it: clients retry, and
-  its load leaves the shared view with its record's TTL. A restart that fails
-  at once (Redis down just then) is tried again, each wait twice the last, up
+  its load leaves the shared view with its record's TTL. A worker started
+  again while Redis is down serves alone until it is back, as the others do.
+  A restart that fails at once is tried again, each wait twice the last, up
   to MAX_RESTART_DELAY_S, MAX_FAILED_RESTARTS times in a row; a worker that
   cannot use the config file (edited badly since) is not restarted.
 
@@ -39,6 +40,9 @@ MAX_FAILED_RESTARTS = 6
 # A worker's exit status for a configuration it cannot use: never restarted,
 # as the same file would fail again (sysexits' EX_CONFIG).
 EXIT_CONFIG = 78
+# Set in the environment of a worker started again: it serves alone if Redis is
+# down just then, as the workers still running do (the first start refuses).
+RESTARTED_WORKER = "FERRY_RESTARTED_WORKER"
 
 
 def supervise(
@@ -67,7 +71,12 @@ def supervise(
 
     def start(index: int) -> None:
         process = context.Process(target=target, args=args, name=f"ferry-worker-{index}")
-        process.start()
+        if index in started_at:  # a spawned child takes the environment as it is now
+            os.environ[RESTARTED_WORKER] = "1"
+        try:
+            process.start()
+        finally:
+            os.environ.pop(RESTARTED_WORKER, None)
         workers[index], started_at[index] = process, time.monotonic()
         log.info("worker %d started (pid %s)", index, process.pid)
 

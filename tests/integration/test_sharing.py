@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.redis_server import start_redis
+from proxy.workers import RESTARTED_WORKER
 from tests.helpers import call_json, free_port, wait_until
 from tests.integration.test_shutdown import status
 
@@ -500,6 +501,27 @@ def test_an_unreachable_redis_fails_the_start(redis_server: str) -> None:
     result = run_serve("--redis", url, "--port", str(free_port()))
     assert result.returncode == 1
     assert "cannot share the cluster view through Redis" in result.stderr
+
+
+def test_a_worker_started_again_while_redis_is_down_serves_alone(redis_server: str) -> None:
+    """Its first start refuses (above); started again by `--workers`' supervisor
+    beside workers that carry on alone, it does as they do and joins later."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--backend", "http://127.0.0.1:9",
+         "--redis", url, "--port", str(port)],
+        env={**os.environ, RESTARTED_WORKER: "1"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: status(f"http://127.0.0.1:{port}/health") != 0, timeout=30)
+        assert process.poll() is None
+    finally:
+        process.terminate()
+        _, err = process.communicate(timeout=30)
+    assert "Redis unreachable, serving with this process's view alone" in err
 
 
 def test_a_round_that_swallows_its_cancel_still_lets_the_process_stop(
