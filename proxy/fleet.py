@@ -257,8 +257,15 @@ class Fleet:
             for f in dataclasses.fields(new.server)
             if getattr(new.server, f.name) != getattr(old.server, f.name)
         ]
-        if new.discovery != old.discovery:
-            restart.append("discovery")
+        # Read once, at the start: a reload that changes them changes nothing yet.
+        restart += [
+            key for key in ("discovery", "redis_url") if getattr(new, key) != getattr(old, key)
+        ]
+        restart += [
+            f"sharing.{f.name}"
+            for f in dataclasses.fields(new.sharing)
+            if getattr(new.sharing, f.name) != getattr(old.sharing, f.name)
+        ]
         summary = {
             "added": added,
             "removed": removed,

@@ -198,6 +198,13 @@ def test_reload_applies_the_file_and_refuses_a_bad_one(
         assert code == 200 and summary["changed"] == ["b"] and not summary["scheduler_changed"]
         assert rows(proxy.url)["b"]["labels"] == {"new": "no"}
 
+        # What is read only at the start is named, not silently ignored.
+        path.write_text(
+            path.read_text().replace('"admin_token"', '"redis_url": "redis://h:1", "admin_token"')
+        )
+        code, summary = send(proxy.url + "/admin/reload", "POST")
+        assert code == 200 and summary["restart_required"] == ["redis_url"]
+
         # Renamed: the new name is added while the old one is still there.
         write([{"name": "b2", "url": site_b.url}], policy="round_robin")
         code, summary = send(proxy.url + "/admin/reload", "POST")
