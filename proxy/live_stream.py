@@ -266,8 +266,7 @@ class LiveStream:
         upstream = self.call.response
         assert upstream is not None
         splicer = self.splicer
-        idle_s = self.upstreams.stream_timeout.sock_read or 0.0
-        last_event = self.clock()  # the last event that was more than a comment
+        keep_alive = sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
         try:
             while True:
                 if self._order is not None and not splicer.ended:
@@ -283,10 +282,7 @@ class LiveStream:
                 whole = self._events.take(data)
                 if not whole:
                     continue
-                if not sse.only_comments(whole):
-                    last_event = self.clock()
-                elif idle_s and self.clock() - last_event > idle_s:
-                    raise sse.KeptAliveOnly(f"nothing but keep-alives for {idle_s:g}s")
+                keep_alive.saw(whole)
                 events = whole.split(b"\n\n")[:-1]
                 out: list[bytes] = []
                 for event in events:

@@ -445,8 +445,7 @@ class Relay:
         response = await sse.open_response(request, call.instance)
         whole = True  # what the client has ends with a whole event
         content = upstream.content
-        idle_s = self.upstreams.stream_timeout.sock_read or 0.0
-        last_event = self.clock()  # the last event that was more than a comment
+        keep_alive = sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
         try:
             # readany() itself, not iter_any(): one coroutine layer less per chunk.
             while data := await content.readany():
@@ -458,10 +457,7 @@ class Relay:
                     whole = out.endswith(b"\n\n")
                     if timing is not None:
                         timing.written()
-                    if not sse.only_comments(out):
-                        last_event = self.clock()
-                    elif idle_s and self.clock() - last_event > idle_s:
-                        raise sse.KeptAliveOnly(f"nothing but keep-alives for {idle_s:g}s")
+                    keep_alive.saw(out)
             if complete is not None and not complete():
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except sse.STREAM_ERRORS as exc:

@@ -38,9 +38,19 @@ class KeptAliveOnly(asyncio.TimeoutError):
     every 15 s) for as long as a silent socket may last: as hung as a silent one."""
 
 
-def only_comments(events: bytes) -> bool:
-    """Whole events that carry nothing but comments (one event a read, as pings come)."""
-    return events.startswith(b":")
+class KeepAliveWatch:
+    """Raises KeptAliveOnly once whole events have been nothing but comments
+    (one event a read, as pings come) for `idle_s` (0: never)."""
+
+    def __init__(self, idle_s: float, clock: Callable[[], float]) -> None:
+        self.idle_s, self.clock = idle_s, clock
+        self.last_event = clock()  # the last event that was more than a comment
+
+    def saw(self, events: bytes) -> None:
+        if not events.startswith(b":"):
+            self.last_event = self.clock()
+        elif self.idle_s and self.clock() - self.last_event > self.idle_s:
+            raise KeptAliveOnly(f"nothing but keep-alives for {self.idle_s:g}s")
 
 
 # A stream silent for STOPPED_GAPS of its usual token gaps, and at least
