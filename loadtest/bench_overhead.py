@@ -295,7 +295,8 @@ def measure(
                     spy.wait(60)
                 results[name] = result
             runs.append(results)
-        print_stages(f"http://127.0.0.1:{ferry_port}/metrics")
+        stages = ttft_stages(f"http://127.0.0.1:{ferry_port}/metrics")
+        print(f"ferry TTFT by stage, mean ms: {stages}")
         return runs
     finally:
         for proc in procs:
@@ -304,9 +305,9 @@ def measure(
             proc.wait(10)
 
 
-def print_stages(metrics_url: str) -> None:
+def ttft_stages(metrics_url: str) -> str:
     """Where Ferry's TTFT went, stage by stage (proxy/ttft_stages.py): the mean
-    over every stream of this scenario's runs, warm-up included."""
+    over every stream Ferry served so far, warm-up included."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
     sums: dict[str, float] = {}
@@ -318,7 +319,7 @@ def print_stages(metrics_url: str) -> None:
                 stage = line[len(prefix) :].split('"', 1)[0]
                 into[stage] = float(line.rsplit(" ", 1)[1])
     means = [f"{stage} {1e3 * sums[stage] / counts[stage]:.3f}" for stage in sums if counts[stage]]
-    print("ferry TTFT by stage, mean ms: " + ", ".join(means))
+    return ", ".join(means)
 
 
 def start_profile(pid: int, path: str) -> subprocess.Popen[bytes]:
