@@ -251,16 +251,20 @@ class Migrator:
 
     def leave_hung(self, instance: str) -> int:
         """`instance` fails its scrapes: fail over its streams that went silent
-        too (see HUNG_AFTER_S); returns how many."""
-        hung = [
-            s
-            for s in self.streams_on(instance)
-            if not s.claimed and s.timing.silent_s() >= HUNG_AFTER_S
-        ]
+        too (see HUNG_AFTER_S), and, unless one of its streams still produces,
+        give up the calls waiting that long on its answer (the relay tries them
+        elsewhere: nothing reached their clients). Returns how many of each."""
+        streams = self.streams_on(instance)
+        hung = [s for s in streams if not s.claimed and s.timing.silent_s() >= HUNG_AFTER_S]
         for stream in hung:
             log.info("stream %s silent on unhealthy %s: failing over", stream.request.id, instance)
             self.submit(stream, None, "failover", prewarm=False)
-        return len(hung)
+        waits = 0
+        if not any(s.timing.silent_s() < HUNG_AFTER_S for s in streams):
+            waits = self.upstreams.waits.give_up(instance, HUNG_AFTER_S)
+            if waits:
+                log.info("%d call(s) waiting on unhealthy %s: trying elsewhere", waits, instance)
+        return len(hung) + waits
 
     def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
         """A high-priority request goes to `chosen`: move a lower one off if it

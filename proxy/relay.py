@@ -36,7 +36,7 @@ from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer
 from proxy.ttft_stages import TTFTStages
-from proxy.upstream import Call, Upstreams, read_whole
+from proxy.upstream import Call, Upstreams
 
 log = logging.getLogger("ferry.relay")
 
@@ -220,7 +220,7 @@ class Relay:
                     )
                 else:
                     try:
-                        raw = await read_whole(upstream, self.upstreams.max_answer_bytes)
+                        raw = await self.upstreams.read_whole(call)
                     except sse.STREAM_ERRORS as exc:
                         # Headers came, the body broke: nothing reached the
                         # client, so another instance can answer, as when the
@@ -360,7 +360,7 @@ class Relay:
         """The instance's whole answer (`raw`, if read already) for the client."""
         if raw is None:
             try:
-                raw = await read_whole(upstream, self.upstreams.max_answer_bytes)
+                raw = await self.upstreams.read_whole(call)
             except sse.STREAM_ERRORS as exc:
                 return _upstream_failed(call.instance, exc), "upstream_error"
         status = upstream.status

@@ -135,7 +135,7 @@ def build_app(
             trace_configs=[ttft_stages.trace_config()],
         ) as session:
             placement = Placement(cluster, _policy(sched), metrics, random.Random(sched.seed))
-            upstreams = Upstreams(cluster, session, config.server)
+            upstreams = Upstreams(cluster, session, config.server, time.monotonic)
             kv = KVMigrator(cluster, upstreams, metrics, _full_mode(sched))
             migrator = Migrator(
                 cluster,

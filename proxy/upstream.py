@@ -7,12 +7,21 @@ connection closes) and releases the entry; it is idempotent, and nothing else
 releases ledger entries. A connect failure marks the instance unreachable until
 a scrape succeeds. Control calls (detokenize, pre-warm, the shim's routes) go
 through `post_json`.
+
+A call waiting for its answer (the headers; a whole answer's body) is `Waiting`
+on its instance until it has it. When the instance stops answering its scrapes
+(a frozen process, a hung engine core), `give_up` ends those waits at once with
+`InstanceStopped`: nothing reached the client yet, so the relay tries another
+instance, rather than wait out `upstream_read_timeout_s` (600 s) for an answer
+that is not coming.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any
 
 import aiohttp
@@ -56,6 +65,68 @@ class Call:
         self.cluster.release(self.entry)
 
 
+class InstanceStopped(aiohttp.ServerTimeoutError):
+    """A wait given up because its instance stopped answering its scrapes."""
+
+
+class Waiting:
+    """`async with` around a call's wait for its answer: registered under the
+    instance while it lasts, ended by `Waits.give_up` with `InstanceStopped`."""
+
+    __slots__ = ("_deadline", "_waits", "instance", "since")
+
+    def __init__(self, waits: Waits, instance: str) -> None:
+        self._waits, self.instance = waits, instance
+        self._deadline = asyncio.timeout(None)
+        self.since = 0.0
+
+    def give_up(self) -> None:
+        self._deadline.reschedule(asyncio.get_running_loop().time())
+
+    async def __aenter__(self) -> None:
+        await self._deadline.__aenter__()
+        self.since = self._waits.clock()
+        self._waits.on.setdefault(self.instance, set()).add(self)
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        waiting = self._waits.on.get(self.instance)
+        if waiting is not None:
+            waiting.discard(self)
+            if not waiting:
+                del self._waits.on[self.instance]
+        try:
+            await self._deadline.__aexit__(kind, exc, tb)
+        except TimeoutError as stopped:
+            if not self._deadline.expired():  # not ours: an aiohttp timeout
+                raise
+            message = f"instance {self.instance} stopped answering (it fails its scrapes)"
+            raise InstanceStopped(message) from stopped
+
+
+class Waits:
+    """The calls `Waiting` on each instance."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.on: dict[str, set[Waiting]] = {}
+
+    def __call__(self, instance: str) -> Waiting:
+        return Waiting(self, instance)
+
+    def give_up(self, instance: str, waited_s: float) -> int:
+        """End the waits on `instance` that began `waited_s` ago or more; how many."""
+        now = self.clock()
+        stale = [w for w in self.on.get(instance, ()) if now - w.since >= waited_s]
+        for waiting in stale:
+            waiting.give_up()
+        return len(stale)
+
+
 async def read_whole(response: aiohttp.ClientResponse, limit: int) -> bytes:
     """A whole answer's body; sse.AnswerTooLarge past `limit` bytes, said or read."""
     if (response.content_length or 0) > limit:
@@ -72,10 +143,15 @@ async def read_whole(response: aiohttp.ClientResponse, limit: int) -> bytes:
 
 class Upstreams:
     def __init__(
-        self, cluster: Cluster, session: aiohttp.ClientSession, server: ServerConfig
+        self,
+        cluster: Cluster,
+        session: aiohttp.ClientSession,
+        server: ServerConfig,
+        clock: Callable[[], float],
     ) -> None:
         self.cluster = cluster
         self.session = session
+        self.waits = Waits(clock)
         self.max_answer_bytes = server.max_answer_bytes
         # A whole (non-streamed) response may take as long as its generation.
         self.whole_timeout = aiohttp.ClientTimeout(
@@ -151,22 +227,23 @@ class Upstreams:
         timeout = self.stream_timeout if stream else self.whole_timeout
         url = self.url(call.instance) + path
         try:
-            try:
-                call.response = await self.session.request(
-                    method, url, data=data, headers=headers, params=params,
-                    timeout=timeout, trace_request_ctx=stages, allow_redirects=False,
-                )  # fmt: skip
-            except aiohttp.ClientConnectorError:
-                raise
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                # Most likely a pooled keep-alive connection the engine closed just
-                # as it was reused: the request never got there, and one failure
-                # of that kind says nothing about the instance. Once more on
-                # another connection before calling it unreachable.
-                call.response = await self.session.request(
-                    method, url, data=data, headers=headers, params=params, timeout=timeout,
-                    allow_redirects=False,
-                )  # fmt: skip
+            async with self.waits(call.instance):
+                try:
+                    call.response = await self.session.request(
+                        method, url, data=data, headers=headers, params=params,
+                        timeout=timeout, trace_request_ctx=stages, allow_redirects=False,
+                    )  # fmt: skip
+                except aiohttp.ClientConnectorError:
+                    raise
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                    # Most likely a pooled keep-alive connection the engine closed
+                    # just as it was reused: the request never got there, and one
+                    # failure of that kind says nothing about the instance. Once
+                    # more on another connection before calling it unreachable.
+                    call.response = await self.session.request(
+                        method, url, data=data, headers=headers, params=params,
+                        timeout=timeout, allow_redirects=False,
+                    )  # fmt: skip
         except sse.CONNECT_ERRORS as exc:
             call.close()
             self.cluster.mark_unreachable(call.instance, f"{type(exc).__name__}: {exc}")
@@ -175,6 +252,12 @@ class Upstreams:
             call.close()
             raise
         return call.response
+
+    async def read_whole(self, call: Call) -> bytes:
+        """The call's whole answer (`read_whole`), given up if its instance stops."""
+        assert call.response is not None
+        async with self.waits(call.instance):
+            return await read_whole(call.response, self.max_answer_bytes)
 
     async def post_json(
         self, instance: str, path: str, body: dict[str, Any], timeout_s: float = 10.0

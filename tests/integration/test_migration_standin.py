@@ -364,6 +364,89 @@ def test_streams_silent_on_an_instance_that_fails_its_scrapes_fail_over_at_once(
     assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
 
 
+def _frozen_pair(standins: Any, ferry: Any, migration: str) -> tuple[Any, Any, Any]:
+    """Two stand-ins behind Ferry, scraped fast enough that a freeze shows in
+    well under a second; the first one's answers can be held back."""
+    (frozen, a), (_, b) = standins(2, itl_s=0.01)
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration=migration,
+        scheduler={
+            "policy": "round_robin",
+            "scrape_interval_s": 0.05,
+            "scrape_timeout_s": 0.2,
+            "unhealthy_after_failures": 2,
+        },
+    )
+    return frozen, a, proxy
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_whole_requests_waiting_on_an_instance_that_fails_its_scrapes_go_elsewhere(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """A whole answer comes only at the end: on a frozen instance it would wait
+    out upstream_read_timeout_s (600 s). Once the scrapes fail, the wait is given
+    up and the request is answered by the other instance; migration is not needed,
+    since nothing reached the client."""
+    frozen, _, proxy = _frozen_pair(standins, ferry, migration)
+    frozen.ttft_s = 8.0  # past the deadline below
+    client = api(proxy.url)
+
+    def ask() -> str:
+        answer = client.completions.create(model="standin", prompt="hi", max_tokens=5)
+        return answer.choices[0].text
+
+    results: list[str] = []
+    askers = [threading.Thread(target=lambda: results.append(ask())) for _ in range(2)]
+    started = time.monotonic()
+    for asker in askers:  # round robin: one each
+        asker.start()
+    time.sleep(1.2)  # past HUNG_AFTER_S, then the freeze shows in its scrapes
+    frozen.metrics_delay_s = 6.0
+    for asker in askers:
+        asker.join(15)
+    assert results == [" tok" * 5] * 2
+    assert time.monotonic() - started < 5
+    assert 'ferry_retries_total{reason="upstream_error"} 1.0' in metrics(proxy.url)
+
+
+def test_a_wait_on_an_instance_whose_streams_still_produce_is_kept(
+    standins: Any, ferry: Any
+) -> None:
+    """Scrapes that fail while the instance streams tokens say the scrapes are
+    the trouble, not the instance: its whole requests keep waiting for it."""
+    frozen, _, proxy = _frozen_pair(standins, ferry, "lite")
+    frozen.itl_s = 0.05
+    client = api(proxy.url)
+    texts: list[str] = []
+    stream = client.completions.create(model="standin", prompt="hi", max_tokens=60, stream=True)
+    reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
+    reader.start()
+    wait_until(lambda: len(texts) >= 2)
+    frozen.ttft_s = 2.5  # slow, not frozen
+    answers: list[str] = []
+    whole = threading.Thread(
+        target=lambda: answers.append(
+            client.completions.create(model="standin", prompt="hi", max_tokens=1).choices[0].text
+        )
+    )
+    whole.start()  # round robin: the second request goes to the other instance...
+    whole.join(10)
+    whole = threading.Thread(
+        target=lambda: answers.append(
+            client.completions.create(model="standin", prompt="hi", max_tokens=1).choices[0].text
+        )
+    )
+    whole.start()  # ... and the third to the slow one
+    time.sleep(1.2)
+    frozen.metrics_delay_s = 3.0
+    whole.join(10)
+    reader.join(10)
+    assert answers == [" tok"] * 2 and "".join(texts) == " tok" * 60
+    assert "ferry_retries_total{" not in metrics(proxy.url)
+
+
 def test_a_stalled_stream_without_migration_ends_with_an_error_event(
     standins: Any, ferry: Any
 ) -> None:
