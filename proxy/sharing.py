@@ -33,6 +33,14 @@ merged patch, and the last drain or undrain), in the same transaction. A process
 that starts applies the hash, not the log; one that finds the log trimmed past
 the last change it applied (it was cut off from Redis that long) does the same.
 
+Each process also keeps the compacted changes it applied, and Redis a random
+`<prefix>:epoch`, set by the first round that finds none. An epoch that changes
+under a process says Redis lost its data (restarted without persistence,
+flushed): the hash is empty, and a process that starts now would not know of a
+drain made before. So each process that sees it writes back what it holds,
+merged under what the hash holds by then, and appends a `resync` to the log:
+every process, the one started meanwhile too, applies the hash again.
+
 Redis is a shared blackboard, not a dependency of each request: a request
 reads the view in memory, never Redis. If Redis cannot be reached the process
 goes on alone: after `ttl_s` without a good round its peers' totals are
@@ -142,6 +150,7 @@ class Sharing:
         self._members_key = f"{prefix}:members"
         self._fleet_key = f"{prefix}:fleet"
         self._fleet_state_key = f"{prefix}:fleet:state"
+        self._epoch_key = f"{prefix}:epoch"
         self._lease_key = f"{prefix}:lease"
         self._load_prefix = f"{prefix}:load:"
         self._moves_key = f"{prefix}:moves:{self.name}"
@@ -157,6 +166,11 @@ class Sharing:
         self._members: list[str] = []
         self._fleet_seen = "0"  # the last fleet change applied (a stream id)
         self._resync_due = True  # apply the compacted fleet state next round
+        # Each instance's compacted changes as applied here: written back if Redis
+        # loses them (the epoch changes).
+        self._fleet_state: dict[str, list[dict[str, Any]]] = {}
+        self._epoch: str | None = None  # Redis's, as last read
+        self._restore_due = False
         # Moves to send: (owner, id, destination, prewarm, reason).
         self._outbox: list[tuple[str, int, str, bool, str]] = []
         self._announced: list[dict[str, Any]] = []  # fleet changes made here, to send
@@ -258,6 +272,8 @@ class Sharing:
         )
         ttl_ms = int(self.settings.ttl_s * 1000)
         lease_ms = int(self.settings.lease_ttl_s * 1000)
+        if self._restore_due:
+            await self._restore()
         if self._resync_due:
             await self._resync()
         await self._flush_announced()
@@ -266,7 +282,7 @@ class Sharing:
         known = [m for m in self._members if m != self.name]
         started = self.clock()
         pipe = self.redis.pipeline(transaction=True)
-        # Answers read by position: these nine (and SREM's), the records, then writes.
+        # Answers read by position: these eleven (and SREM's), the records, then writes.
         pipe.set(self._load_prefix + self.name, encode(record), px=ttl_ms)
         pipe.sadd(self._members_key, self.name)
         if gone:  # before SMEMBERS, which then no longer names them
@@ -278,6 +294,8 @@ class Sharing:
         pipe.delete(self._moves_key)
         pipe.eval(_TAKE_OR_RENEW, 1, self._lease_key, self.name, lease_ms)
         pipe.get(self._lease_key)
+        pipe.setnx(self._epoch_key, secrets.token_hex(8))  # new each time: never the lost one
+        pipe.get(self._epoch_key)
         if known:
             pipe.mget([self._load_prefix + m for m in known])
         if self.exposition is not None and started - self._metrics_at >= METRICS_EVERY_S:
@@ -297,8 +315,9 @@ class Sharing:
         self._last_round = started
         if gone:
             del results[2]  # SREM's answer
-        _, _, members, oldest, changes, moves, _, held, holder = results[:9]
-        texts = results[9] if known else []
+        _, _, members, oldest, changes, moves, _, held, holder, _, epoch = results[:11]
+        texts = results[11] if known else []
+        self._check_epoch(None if epoch is None else _text(epoch))
         # (A name that is not UTF-8 is no process's: read with replacement, it has
         # no record, so it is dropped as gone, by the bytes it was stored as.)
         self._member_bytes = {_text(m): m for m in members}
@@ -395,7 +414,11 @@ class Sharing:
         origin = fields.get("origin")
         try:
             op = json.loads(fields.get("op", ""))
+            if op.get("op") == "resync":  # a peer wrote back what Redis lost
+                self._resync_due = True
+                return
             self.fleet.apply_op(op)
+            self._remember({"origin": origin, "op": op})
             # The kind and the name only: an added instance's api_key and headers
             # stay out of the logs.
             name = op.get("name") or op["instance"].get("name")  # an add names it within
@@ -460,6 +483,8 @@ class Sharing:
                         approximate=False,
                     )
                     await pipe.execute()
+                    if name is not None:
+                        self._remember(entry)
                     return
                 except WatchError:
                     continue  # another process changed the state meanwhile: again
@@ -474,9 +499,55 @@ class Sharing:
             for entry in _history(state[name]):
                 origin = str(entry.get("origin", ""))
                 self._apply_change({"origin": origin, "op": json.dumps(entry["op"])})
+            # Own changes were made here already, so the hash's story is this
+            # process's story of the instance, whoever made each change.
+            self._fleet_state[_text(name)] = _history(state[name])
         # No state but a log: written by an older Ferry, so replay it from the start.
         self._fleet_seen = _text(newest[0][0]) if state and newest else "0"
         self._resync_due = False
+
+    def _remember(self, entry: dict[str, Any]) -> None:
+        """Keep an applied change in this process's compacted state."""
+        name = op_instance(entry["op"])
+        if name is not None:
+            self._fleet_state[name] = compact(self._fleet_state.get(name, []), entry)
+
+    def _check_epoch(self, epoch: str | None) -> None:
+        """Redis's epoch, read this round: one that changed says it lost its data."""
+        if self._epoch is not None and epoch != self._epoch and self._fleet_state:
+            log.warning("Redis lost the shared state (restarted or flushed): writing it back")
+            self._restore_due = True
+        self._epoch = epoch
+
+    async def _restore(self) -> None:
+        """Write back this process's fleet state, under what the hash holds by now
+        (changes made since the loss come last, as they were made last), and have
+        every process apply it again."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(self._fleet_state_key)
+                    now = {
+                        _text(k): v for k, v in (await pipe.hgetall(self._fleet_state_key)).items()
+                    }
+                    pipe.multi()
+                    for name, history in self._fleet_state.items():
+                        merged = history
+                        for entry in _history(now.get(name)):
+                            merged = compact(merged, entry)
+                        pipe.hset(self._fleet_state_key, name, json.dumps(merged))
+                    op = json.dumps({"op": "resync"})
+                    pipe.xadd(
+                        self._fleet_key,
+                        {"origin": self.name, "op": op},
+                        maxlen=self.settings.fleet_log_length,
+                        approximate=False,
+                    )
+                    await pipe.execute()
+                    break
+                except WatchError:
+                    continue
+        self._restore_due = False
 
     def _went_wrong(self, exc: Exception) -> None:
         if not self._failing:

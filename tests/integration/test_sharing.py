@@ -452,6 +452,35 @@ def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:
     assert "the lease holder's plan" not in holder.log.read_text()
 
 
+def test_a_redis_that_lost_its_data_gets_the_fleet_state_back(
+    ferries: Any, redis_server: str, redis_prefix: str
+) -> None:
+    """Redis restarted without persistence (here: its keys deleted) forgets the
+    drains: the processes that made or applied them write them back, so one that
+    starts afterwards drains the same instances, and so does one that started
+    before they were written back."""
+    import redis
+
+    a, b = ferries(2)
+    a.admin("/admin/instances/i1/drain", "POST")
+    a.admin("/admin/instances/i0", "PATCH", {"labels": {"zone": "a"}})
+    wait_until(lambda: b.rows()["i1"]["draining"] and b.rows()["i0"]["labels"] == {"zone": "a"})
+    client = redis.Redis.from_url(redis_server)
+    try:
+        keys = list(client.scan_iter(f"{redis_prefix}:*"))
+        client.delete(*keys)
+        [c] = ferries(1)  # races the write-back: either way it ends drained
+        wait_until(lambda: c.rows()["i1"]["draining"], timeout=5)
+        assert c.rows()["i0"]["labels"] == {"zone": "a"} and not c.rows()["i0"]["draining"]
+        state = client.hgetall(f"{redis_prefix}:fleet:state")
+        assert b"drain" in state[b"i1"] and b"zone" in state[b"i0"]
+        [d] = ferries(1)
+        assert d.rows()["i1"]["draining"] and d.rows()["i0"]["labels"] == {"zone": "a"}
+        assert "Redis lost the shared state" in a.log.read_text()
+    finally:
+        client.close()
+
+
 def test_without_redis_each_process_goes_on_alone_until_it_is_back(
     ferries: Any, tmp_path: Path
 ) -> None:
