@@ -47,9 +47,9 @@ DRAIN_RETRY_S = 0.1
 # opportunistic, and a stream it waits behind may end before its turn.
 MOVE_RANKS = {"drain": 0, "priority": 0, "rebalance": 1}
 
-# A stream this silent on an instance that fails its scrapes is taken as hung
-# with it (a frozen process, a hung engine core): it fails over now, not after
-# `upstream_idle_timeout_s`. Decode gaps are milliseconds; one still producing stays.
+# An instance that fails its scrapes, whose streams have all been this quiet, is
+# taken as hung (a frozen process, a hung engine core): its streams fail over
+# now, not after `upstream_idle_timeout_s`. Decode gaps are milliseconds.
 HUNG_AFTER_S = 1.0
 
 
@@ -250,20 +250,21 @@ class Migrator:
             self._drain_refused.add(request_id)
 
     def leave_hung(self, instance: str) -> int:
-        """`instance` fails its scrapes: fail over its streams that went silent
-        too (see HUNG_AFTER_S), and, unless one of its streams still produces,
-        give up the calls waiting that long on its answer (the relay tries them
-        elsewhere: nothing reached their clients). Returns how many of each."""
+        """`instance` fails its scrapes. Unless one of its streams still produces
+        (then its scrapes fail, not the instance), fail over its streams, each
+        quiet for HUNG_AFTER_S (a first token not come counts from the arrival),
+        and give up the calls waiting that long on its answer: the relay tries
+        them elsewhere, as nothing reached their clients. Returns how many."""
         streams = self.streams_on(instance)
-        hung = [s for s in streams if not s.claimed and s.timing.silent_s() >= HUNG_AFTER_S]
+        if any(s.timing.quiet_s() < HUNG_AFTER_S for s in streams):
+            return 0
+        hung = [s for s in streams if not s.claimed]
         for stream in hung:
-            log.info("stream %s silent on unhealthy %s: failing over", stream.request.id, instance)
+            log.info("stream %s quiet on unhealthy %s: failing over", stream.request.id, instance)
             self.submit(stream, None, "failover", prewarm=False)
-        waits = 0
-        if not any(s.timing.silent_s() < HUNG_AFTER_S for s in streams):
-            waits = self.upstreams.waits.give_up(instance, HUNG_AFTER_S)
-            if waits:
-                log.info("%d call(s) waiting on unhealthy %s: trying elsewhere", waits, instance)
+        waits = self.upstreams.waits.give_up(instance, HUNG_AFTER_S)
+        if waits:
+            log.info("%d call(s) waiting on unhealthy %s: trying elsewhere", waits, instance)
         return len(hung) + waits
 
     def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:

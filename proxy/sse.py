@@ -296,6 +296,10 @@ class TokenTiming:
         """Seconds since the last token (0 before the first)."""
         return 0.0 if self.last is None else self.clock() - self.last
 
+    def quiet_s(self) -> float:
+        """Seconds since the last token, or since the request arrived before the first."""
+        return self.clock() - (self.arrived if self.last is None else self.last)
+
     def stopped(self) -> bool:
         """Whether the stream has stopped producing: silent for several of its own
         recent gaps (at least STOPPED_FLOOR_S), as when its engine preempted it."""

@@ -411,6 +411,28 @@ def test_whole_requests_waiting_on_an_instance_that_fails_its_scrapes_go_elsewhe
     assert 'ferry_retries_total{reason="upstream_error"} 1.0' in metrics(proxy.url)
 
 
+def test_a_stream_still_waiting_for_its_first_token_on_a_frozen_instance_fails_over(
+    standins: Any, ferry: Any
+) -> None:
+    """vLLM sends a stream's headers at once: a stream queued on an instance that
+    then freezes has its headers and no token. It is as hung as one gone silent."""
+    frozen, _, proxy = _frozen_pair(standins, ferry, "lite")
+    frozen.ttft_s = 8.0
+    started = time.monotonic()
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=10, stream=True
+    )
+    texts: list[str] = []
+    reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
+    reader.start()
+    time.sleep(1.2)
+    frozen.metrics_delay_s = 6.0
+    reader.join(10)
+    assert "".join(texts) == " tok" * 10
+    assert time.monotonic() - started < 5
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+
+
 def test_a_wait_on_an_instance_whose_streams_still_produce_is_kept(
     standins: Any, ferry: Any
 ) -> None:
