@@ -54,7 +54,7 @@ def op_instance(op: Any) -> str | None:
 
 
 def compact(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """An instance's fleet ops, shortest form, once `entry` ({"origin", "op"}) is
+    """An instance's fleet ops, shortest form, once `entry` ({"origin", "op", "at"}) is
     added: what a process that starts later applies instead of the whole log.
     An add or a remove starts the instance's story over; drain and undrain keep
     only the last; patches merge into one (later changes win). Applying the
@@ -73,7 +73,7 @@ def compact(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[s
             merged = {**e["op"]["changes"], **merged}
         else:
             out.append(e)
-    patch = {"origin": entry["origin"], "op": {**entry["op"], "changes": merged}}
+    patch = {**entry, "op": {**entry["op"], "changes": merged}}  # its origin, its time
     return out + [patch]
 
 

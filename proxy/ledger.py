@@ -50,6 +50,7 @@ class Ledger:
         # prefill still ahead.
         self._queued_tokens: dict[str, int] = {}
         self._waiting: dict[str, int] = {}  # requests that have no token yet
+        self._produced: dict[str, int] = {}  # tokens generated so far, ever (see `produced`)
 
     def set_block_size(self, instance: str, block_size: int) -> None:
         if block_size > 0 and self._block_size.get(instance) != block_size:
@@ -95,6 +96,7 @@ class Ledger:
     def add_generated(self, entry: LedgerEntry, tokens: int) -> None:
         first = not entry.generated_tokens and tokens > 0
         entry.generated_tokens += tokens
+        self._produced[entry.instance] = self._produced.get(entry.instance, 0) + tokens
         if first:
             self._add_queued(entry, -_prefill(entry))
             if self._live(entry):
@@ -125,8 +127,14 @@ class Ledger:
             self._high,
             self._queued_tokens,
             self._waiting,
+            self._produced,
         ):
             totals.pop(instance, None)
+
+    def produced(self, instance: str) -> int:
+        """Tokens the instance has generated for Ferry's requests, all of them,
+        movable or not: one that moves between two looks is still producing."""
+        return self._produced.get(instance, 0)
 
     def entries(self, instance: str) -> Iterator[LedgerEntry]:
         return iter(list(self._by_instance.get(instance, {}).values()))

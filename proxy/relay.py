@@ -36,7 +36,7 @@ from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer
 from proxy.ttft_stages import TTFTStages
-from proxy.upstream import Call, Upstreams
+from proxy.upstream import Call, InstanceStopped, Upstreams
 
 log = logging.getLogger("ferry.relay")
 
@@ -170,7 +170,8 @@ class Relay:
                     "connect_error" if isinstance(exc, sse.CONNECT_ERRORS) else "upstream_error"
                 )
                 self._count(name, outcome, _describe(exc))
-                self._retrying(record, name, outcome)
+                if attempt < self.retries:
+                    self._retrying(record, name, outcome)
                 record.outcome = outcome
                 failed = error_response(
                     503,
@@ -222,20 +223,22 @@ class Relay:
                     try:
                         raw = await self.upstreams.read_whole(call)
                     except sse.STREAM_ERRORS as exc:
-                        # Headers came, the body broke: nothing reached the
-                        # client, so another instance can answer, as when the
-                        # call breaks before its headers.
-                        outcome, error = "upstream_error", _describe(exc)
-                        failed = _upstream_failed(name, exc)
-                        if attempt == self.retries:
-                            return failed
-                        self._retrying(record, name, outcome)
-                        tried.add(name)
-                        continue
+                        raise NothingRelayed(_describe(exc)) from exc
                     response, outcome = await self._whole(
                         upstream, call, wants_ids, passthrough=body is None, raw=raw
                     )
                 return response
+            except NothingRelayed as exc:
+                # Headers came, the body broke before any of it reached the
+                # client: another instance can answer, as when the call breaks
+                # before its headers.
+                outcome, error = "upstream_error", str(exc)
+                failed = _upstream_failed(name, exc.__cause__ or exc)
+                if attempt == self.retries:
+                    return failed
+                self._retrying(record, name, outcome)
+                tried.add(name)
+                continue
             except asyncio.CancelledError:
                 outcome = "client_disconnect"
                 raise
@@ -441,26 +444,37 @@ class Relay:
     ) -> tuple[web.StreamResponse, str]:
         """Write what `relay` makes of the upstream's bytes to the client as they
         come. A body that ends before `complete()` says it may (an instance that
-        closed a stream it had not finished) ends with an error event."""
-        response = await sse.open_response(request, call.instance)
+        closed a stream it had not finished) ends with an error event. The client's
+        headers wait for the first bytes it is sent: until then the stream has
+        sent nothing, so a failure (`NothingRelayed`) can go to another instance
+        as a whole answer's can, and a first read on an instance that stops
+        answering is given up (proxy/upstream.py's `Waits`)."""
+        response: web.StreamResponse | None = None
         whole = True  # what the client has ends with a whole event
         content = upstream.content
         keep_alive = sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
         try:
+            async with self.upstreams.waits(call.instance):
+                data = await content.readany()
             # readany() itself, not iter_any(): one coroutine layer less per chunk.
-            while data := await content.readany():
+            while data:
                 if timing is not None:
                     timing.read()
                 out = relay(data)
                 if out:
+                    if response is None:
+                        response = await sse.open_response(request, call.instance)
                     await sse.write(response, out)
                     whole = out.endswith(b"\n\n")
                     if timing is not None:
                         timing.written()
                     keep_alive.saw(out)
+                data = await content.readany()
             if complete is not None and not complete():
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except sse.STREAM_ERRORS as exc:
+            if response is None:
+                raise NothingRelayed(_describe(exc)) from exc
             if complete is not None and complete():  # it broke after the end: no matter
                 return response, await _ended(response)
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
@@ -468,7 +482,10 @@ class Relay:
             await sse.finish(response, cut + sse.error_event(502, message))
             return response, "stream_broken"
         except ConnectionResetError:
+            assert response is not None  # only a write raises it
             return response, "client_disconnect"
+        if response is None:  # an empty body, and nothing said it was short
+            response = await sse.open_response(request, call.instance)
         return response, await _ended(response)
 
     def _account_event(self, event: bytes, call: Call, timing: sse.TokenTiming) -> bool:
@@ -489,6 +506,10 @@ class Relay:
         if token:
             timing.token(call.instance)
         return seen
+
+
+class NothingRelayed(Exception):
+    """An answer that failed before any of it reached the client."""
 
 
 def _endpoint(path: str) -> str:
@@ -598,6 +619,8 @@ def _as_is(data: bytes) -> bytes:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, InstanceStopped):
+        return str(exc)
     if isinstance(exc, sse.KeptAliveOnly):
         return f"{exc} (server.upstream_idle_timeout_s)"
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):

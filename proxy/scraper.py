@@ -178,7 +178,10 @@ class Scraper:
             self.cluster.record_scrape_failure(name, why)
         if self.on_down is not None and name in self.cluster.instances:
             if not self.cluster.instances[name].healthy:
-                self.on_down(name)
+                try:
+                    self.on_down(name)
+                except Exception:  # noqa: BLE001 - the look loop must outlive it
+                    log.exception("handling unhealthy %s failed", name)
         return read
 
     async def _run(self, name: str) -> None:

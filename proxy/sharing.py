@@ -38,8 +38,9 @@ Each process also keeps the compacted changes it applied, and Redis a random
 under a process says Redis lost its data (restarted without persistence,
 flushed): the hash is empty, and a process that starts now would not know of a
 drain made before. So each process that sees it writes back what it holds,
-merged under what the hash holds by then, and appends a `resync` to the log:
-every process, the one started meanwhile too, applies the hash again.
+merged in time order (each change carries its maker's wall-clock time) with
+what the hash holds by then, and appends a `resync` to the log: every process,
+the one started meanwhile too, applies the hash again.
 
 Redis is a shared blackboard, not a dependency of each request: a request
 reads the view in memory, never Redis. If Redis cannot be reached the process
@@ -418,7 +419,7 @@ class Sharing:
                 self._resync_due = True
                 return
             self.fleet.apply_op(op)
-            self._remember({"origin": origin, "op": op})
+            self._remember({"origin": origin, "op": op, "at": _float(fields.get("at"))})
             # The kind and the name only: an added instance's api_key and headers
             # stay out of the logs.
             name = op.get("name") or op["instance"].get("name")  # an add names it within
@@ -463,7 +464,7 @@ class Sharing:
     async def _record(self, op: dict[str, Any]) -> None:
         """Append one change to the fleet log (trimmed to `fleet_log_length`) and,
         in the same transaction, to its instance's compacted changes."""
-        entry = {"origin": self.name, "op": op}
+        entry = {"origin": self.name, "op": op, "at": time.time()}
         name = op_instance(op)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
@@ -478,7 +479,7 @@ class Sharing:
                         pipe.hset(self._fleet_state_key, name, state)
                     pipe.xadd(
                         self._fleet_key,
-                        {"origin": self.name, "op": json.dumps(op)},
+                        {"origin": self.name, "op": json.dumps(op), "at": repr(entry["at"])},
                         maxlen=self.settings.fleet_log_length,
                         approximate=False,
                     )
@@ -513,16 +514,19 @@ class Sharing:
             self._fleet_state[name] = compact(self._fleet_state.get(name, []), entry)
 
     def _check_epoch(self, epoch: str | None) -> None:
-        """Redis's epoch, read this round: one that changed says it lost its data."""
-        if self._epoch is not None and epoch != self._epoch and self._fleet_state:
-            log.warning("Redis lost the shared state (restarted or flushed): writing it back")
-            self._restore_due = True
+        """Redis's epoch, read this round: one that changed says it lost its data,
+        the fleet log too: what it holds now was written since, read from its start."""
+        if self._epoch is not None and epoch != self._epoch:
+            log.warning("Redis lost the shared state (restarted or flushed)")
+            self._fleet_seen = "0"
+            self._restore_due = bool(self._fleet_state)
         self._epoch = epoch
 
     async def _restore(self) -> None:
-        """Write back this process's fleet state, under what the hash holds by now
-        (changes made since the loss come last, as they were made last), and have
-        every process apply it again."""
+        """Write back this process's fleet state, merged in time order with what
+        the hash holds by now (changes made since the loss, and other processes'
+        write-backs, which may know a change this one missed or miss one it
+        knows), and have every process apply it again."""
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -532,9 +536,7 @@ class Sharing:
                     }
                     pipe.multi()
                     for name, history in self._fleet_state.items():
-                        merged = history
-                        for entry in _history(now.get(name)):
-                            merged = compact(merged, entry)
+                        merged = _merged(history, _history(now.get(name)))
                         pipe.hset(self._fleet_state_key, name, json.dumps(merged))
                     op = json.dumps({"op": "resync"})
                     pipe.xadd(
@@ -615,6 +617,26 @@ def _stream_id(value: Any) -> tuple[int, int]:
     """A stream id ("ms-seq", or "0") in the order Redis keeps them."""
     ms, _, seq = _text(value).partition("-")
     return int(ms), int(seq or 0)
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _merged(*histories: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One instance's compacted changes from several accounts of them, each
+    change once, applied in the order they were made (by the wall clock of the
+    process that made it; an older Ferry's, with no time, first)."""
+    changes: dict[str, dict[str, Any]] = {}
+    for entry in (e for history in histories for e in history):
+        changes.setdefault(json.dumps(entry, sort_keys=True), entry)
+    out: list[dict[str, Any]] = []
+    for entry in sorted(changes.values(), key=lambda e: _float(e.get("at"))):
+        out = compact(out, entry)
+    return out
 
 
 def _history(raw: Any) -> list[dict[str, Any]]:

@@ -119,11 +119,16 @@ class Waits:
         return Waiting(self, instance)
 
     def give_up(self, instance: str, waited_s: float) -> int:
-        """End the waits on `instance` that began `waited_s` ago or more; how many."""
+        """End the waits on `instance` that began `waited_s` ago or more; how many.
+        Each is ended once: it leaves the register now, not when its task runs."""
+        waiting = self.on.get(instance, set())
         now = self.clock()
-        stale = [w for w in self.on.get(instance, ()) if now - w.since >= waited_s]
-        for waiting in stale:
-            waiting.give_up()
+        stale = [w for w in waiting if now - w.since >= waited_s]
+        for wait in stale:
+            waiting.discard(wait)
+            wait.give_up()
+        if not waiting:
+            self.on.pop(instance, None)
         return len(stale)
 
 

@@ -411,34 +411,64 @@ def test_whole_requests_waiting_on_an_instance_that_fails_its_scrapes_go_elsewhe
     assert 'ferry_retries_total{reason="upstream_error"} 1.0' in metrics(proxy.url)
 
 
-def test_a_stream_still_waiting_for_its_first_token_on_a_frozen_instance_fails_over(
-    standins: Any, ferry: Any
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_a_stream_still_waiting_for_its_first_token_on_a_frozen_instance_goes_elsewhere(
+    standins: Any, ferry: Any, migration: str
 ) -> None:
     """vLLM sends a stream's headers at once: a stream queued on an instance that
-    then freezes has its headers and no token. It is as hung as one gone silent."""
-    frozen, _, proxy = _frozen_pair(standins, ferry, "lite")
+    then freezes has its headers and no token. It is as hung as one gone silent:
+    it fails over (lite), or, since its client has been sent nothing yet (its
+    headers wait for the first event), it is sent to the other instance (off)."""
+    frozen, _, proxy = _frozen_pair(standins, ferry, migration)
     frozen.ttft_s = 8.0
     started = time.monotonic()
-    stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=10, stream=True
-    )
     texts: list[str] = []
-    reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
+
+    def read() -> None:  # without migration, create() returns with the first event
+        stream = api(proxy.url).completions.create(
+            model="standin", prompt="hi", max_tokens=10, stream=True
+        )
+        texts.extend(c.choices[0].text for c in stream)
+
+    reader = threading.Thread(target=read)
     reader.start()
     time.sleep(1.2)
     frozen.metrics_delay_s = 6.0
     reader.join(10)
     assert "".join(texts) == " tok" * 10
     assert time.monotonic() - started < 5
-    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+    if migration == "lite":
+        assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+    else:
+        assert 'ferry_retries_total{reason="upstream_error"} 1.0' in metrics(proxy.url)
 
 
-def test_a_wait_on_an_instance_whose_streams_still_produce_is_kept(
+def test_a_stream_that_breaks_before_its_first_event_is_sent_elsewhere(
     standins: Any, ferry: Any
+) -> None:
+    """Without migration, a stream whose instance ends it before any event has
+    sent its client nothing: another instance answers it whole, as a call that
+    failed before its headers would be."""
+    (broken, a), (_, b) = standins(2, itl_s=0.001)
+    broken.end_after = 0  # headers, then the end: no event
+    proxy = ferry([a.url, b.url], scheduler={"policy": "round_robin"})
+    for _ in range(2):  # at least one tries the broken instance first
+        chunks = api(proxy.url).completions.create(
+            model="standin", prompt="hi", max_tokens=5, stream=True
+        )
+        assert "".join(c.choices[0].text for c in chunks) == " tok" * 5
+    assert broken.served >= 1
+    retried = f'ferry_retries_total{{reason="upstream_error"}} {float(broken.served)}'
+    assert retried in metrics(proxy.url)
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_a_wait_on_an_instance_whose_streams_still_produce_is_kept(
+    standins: Any, ferry: Any, migration: str
 ) -> None:
     """Scrapes that fail while the instance streams tokens say the scrapes are
     the trouble, not the instance: its whole requests keep waiting for it."""
-    frozen, _, proxy = _frozen_pair(standins, ferry, "lite")
+    frozen, _, proxy = _frozen_pair(standins, ferry, migration)
     frozen.itl_s = 0.05
     client = api(proxy.url)
     texts: list[str] = []

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.fleet import compact, op_instance
+from proxy.sharing import _merged
 
 NAME = "i0"
 
@@ -63,3 +64,23 @@ def test_the_instance_an_op_is_about() -> None:
     assert op_instance({"op": "add", "instance": {"name": "y", "url": "http://h"}}) == "y"
     assert op_instance({"op": "add", "instance": "not a mapping"}) is None
     assert op_instance("junk") is None
+
+
+@given(st.lists(st.tuples(ops, st.booleans()), max_size=30))
+def test_a_stale_account_merged_with_a_full_one_leaves_the_instance_as_all_changes(
+    made: list[tuple[dict[str, Any], bool]],
+) -> None:
+    """After Redis loses its data each process writes back its own compacted
+    account (proxy/sharing.py `_merged`); one process may have missed some
+    changes. Merged in the order they were made, in either order of writing,
+    the accounts leave the instance as every change would."""
+    full: list[dict[str, Any]] = []
+    stale: list[dict[str, Any]] = []
+    for n, (op, seen) in enumerate(made):
+        entry = {"origin": f"p{n % 3}", "op": op, "at": float(n)}
+        full = compact(full, entry)
+        if seen:
+            stale = compact(stale, entry)
+    everything = apply([op for op, _ in made])
+    assert apply([e["op"] for e in _merged(stale, full)]) == everything
+    assert apply([e["op"] for e in _merged(full, stale)]) == everything
