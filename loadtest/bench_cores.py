@@ -28,8 +28,6 @@ bottleneck there.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import multiprocessing
 import os
 import shutil
@@ -37,14 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from itertools import cycle
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from loadtest.bench_overhead import cpu_seconds, ttft_stages, wait_http
+from loadtest.bench_overhead import Result, cpu_seconds, run_load, ttft_stages, wait_http
 from loadtest.redis_server import start_redis
 from tests.helpers import free_port
 
@@ -62,82 +56,11 @@ def pinned(cmd: list[str], on: list[int]) -> list[str]:
     return ["taskset", "-c", ",".join(map(str, on)), *cmd]
 
 
-@dataclass
-class Load:
-    """What the clients saw in one run."""
-
-    tokens: int = 0
-    errors: int = 0
-    seconds: float = 0.0
-    ttfts: list[float] = field(default_factory=list)
-    cpu_s: float = 0.0  # the proxy's processes' CPU time during the run
-
-    def p(self, q: float) -> float:
-        ordered = sorted(self.ttfts)
-        return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def cpu_ms_per_1k(self) -> float:
-        return 1e6 * self.cpu_s / max(self.tokens, 1)
-
-
-async def _drive(
-    urls: list[str], streams: int, requests: int | None, seconds: float, max_tokens: int
-) -> dict[str, Any]:
-    """Closed-loop streams until `requests` are done, or for `seconds` when None."""
-    body = json.dumps(
-        {"model": "standin", "prompt": "hello", "max_tokens": max_tokens, "stream": True}
-    ).encode()
-    targets = cycle(urls)
-    left = requests if requests is not None else 1 << 62
-    deadline = time.perf_counter() + seconds
-    out: dict[str, Any] = {"tokens": 0, "errors": 0, "ttfts": []}
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
-    ) as session:
-
-        async def stream() -> None:
-            nonlocal left
-            while left > 0 and (requests is not None or time.perf_counter() < deadline):
-                left -= 1
-                started, first = time.perf_counter(), None
-                try:
-                    async with session.post(
-                        next(targets) + "/v1/completions",
-                        data=body,
-                        headers={"Content-Type": "application/json"},
-                    ) as resp:
-                        if resp.status != 200:
-                            out["errors"] += 1
-                            await resp.read()
-                            continue
-                        async for data in resp.content.iter_any():
-                            n = data.count(b'"text":')
-                            if n and first is None:
-                                first = time.perf_counter() - started
-                            out["tokens"] += n
-                except (TimeoutError, aiohttp.ClientError):
-                    out["errors"] += 1
-                    continue
-                if first is not None:
-                    out["ttfts"].append(first)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(stream() for _ in range(streams)))
-        out["seconds"] = time.perf_counter() - started
-    return out
-
-
 def _client(core: int, args: tuple[Any, ...], results: Any) -> None:
     os.sched_setaffinity(0, {core})
     import uvloop
 
-    results.put(uvloop.run(_drive(*args)))
+    results.put(uvloop.run(run_load(*args)))
 
 
 def load(
@@ -149,8 +72,9 @@ def load(
     seconds: float = 10.0,
     max_tokens: int = 64,
     proxy_pid: int | None = None,
-) -> Load:
-    """`streams` split over one client process per core; sums what they saw."""
+) -> Result:
+    """`streams` split over one client process per core, until `requests` are
+    done, or for `seconds` when None; what they saw, summed."""
     clients = client_cores[: max(1, min(len(client_cores), streams))]
     context = multiprocessing.get_context("fork")
     results = context.Queue()
@@ -158,22 +82,23 @@ def load(
     cpu = cpu_seconds(proxy_pid) if proxy_pid else 0.0
     for i, core in enumerate(clients):
         share = streams // len(clients) + (i < streams % len(clients))
-        quota = None
+        args: tuple[Any, ...] = ("load", urls, share, 1 << 62, max_tokens, seconds)
         if requests is not None:
             quota = requests // len(clients) + (i < requests % len(clients))
-        args = (urls, share, quota, seconds, max_tokens)
+            args = ("load", urls, share, quota, max_tokens)
         procs.append(context.Process(target=_client, args=(core, args, results)))
     for proc in procs:
         proc.start()
-    parts = [results.get(timeout=600) for _ in procs]
+    parts: list[Result] = [results.get(timeout=600) for _ in procs]
     for proc in procs:
         proc.join()
-    total = Load(cpu_s=cpu_seconds(proxy_pid) - cpu if proxy_pid else 0.0)
+    total = Result("load", [], 0, 0.0, 0)
+    total.cpu_s = cpu_seconds(proxy_pid) - cpu if proxy_pid else 0.0
     for part in parts:
-        total.tokens += part["tokens"]
-        total.errors += part["errors"]
-        total.ttfts += part["ttfts"]
-        total.seconds = max(total.seconds, part["seconds"])
+        total.tokens += part.tokens
+        total.errors += part.errors
+        total.ttfts += part.ttfts
+        total.seconds = max(total.seconds, part.seconds)
     return total
 
 
@@ -250,7 +175,7 @@ def overhead(cluster: Cluster, proxy_core: int, args: argparse.Namespace) -> lis
     """Part 1: each proxy on one core."""
     lines: list[str] = []
     for streams, requests, max_tokens in ((1, args.single_requests, 4), (args.concurrency, 0, 64)):
-        seen: dict[str, Load] = {}
+        seen: dict[str, Result] = {}
         stages = ""
         for name in ("direct", "ferry", "vllm-router"):
             proc = None
@@ -286,11 +211,15 @@ def overhead(cluster: Cluster, proxy_core: int, args: argparse.Namespace) -> lis
             section.append(
                 f"{name:<12} {1e3 * r.p(50):>12.2f} {1e3 * (r.p(50) - direct.p(50)):>9.2f}"
                 f" {1e3 * (r.p(99) - direct.p(99)):>9.2f} {r.tokens_per_s:>10,.0f}"
-                f" {r.cpu_ms_per_1k:>14.1f} {r.errors:>7}"
+                f" {r.cpu_ms_per_1k_tokens:>14.1f} {r.errors:>7}"
             )
         ferry, router = seen["ferry"], seen["vllm-router"]
         # CPU time comes in 10 ms ticks: too few for a ratio on the one-stream run.
-        cpu = f"{ferry.cpu_ms_per_1k / router.cpu_ms_per_1k:.2f}x" if router.cpu_s > 0.1 else "n/a"
+        cpu = (
+            f"{ferry.cpu_ms_per_1k_tokens / router.cpu_ms_per_1k_tokens:.2f}x"
+            if router.cpu_s > 0.1
+            else "n/a"
+        )
         section.append(
             f"ferry / vllm-router: tokens/s {ferry.tokens_per_s / router.tokens_per_s:.2f}x,"
             f" CPU per token {cpu}"
@@ -324,7 +253,7 @@ def scaling(cluster: Cluster, args: argparse.Namespace) -> list[str]:
                 cluster.stop(proc)
             line = (
                 f"{n:>5} {name:<12} {r.tokens_per_s:>10,.0f} {r.tokens_per_s / n:>9,.0f}"
-                f" {r.cpu_ms_per_1k:>14.1f} {1e3 * r.p(50):>12.1f} {1e3 * r.p(99):>8.1f}"
+                f" {r.cpu_ms_per_1k_tokens:>14.1f} {1e3 * r.p(50):>12.1f} {1e3 * r.p(99):>8.1f}"
                 f" {r.errors:>7}"
             )
             lines.append(line)

@@ -103,8 +103,16 @@ def wait_http(url: str, timeout_s: float = 60) -> None:
 
 
 async def run_load(
-    name: str, urls: list[str], concurrency: int, requests: int, max_tokens: int
+    name: str,
+    urls: list[str],
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    seconds: float | None = None,
 ) -> Result:
+    """`concurrency` closed-loop streams until `requests` are done (or `seconds`
+    have passed, if given)."""
+    deadline = None if seconds is None else time.perf_counter() + seconds
     body = json.dumps(
         {"model": "standin", "prompt": "hello", "max_tokens": max_tokens, "stream": True}
     ).encode()
@@ -117,7 +125,7 @@ async def run_load(
 
         async def worker() -> None:
             nonlocal remaining, tokens, errors
-            while remaining > 0:
+            while remaining > 0 and (deadline is None or time.perf_counter() < deadline):
                 remaining -= 1
                 started = time.perf_counter()
                 first = None
@@ -136,7 +144,7 @@ async def run_load(
                             if n and first is None:
                                 first = time.perf_counter() - started
                             tokens += n
-                except aiohttp.ClientError:
+                except (TimeoutError, aiohttp.ClientError):
                     errors += 1
                     continue
                 if first is not None:
