@@ -53,6 +53,13 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             self.kill()
 
+    def freeze(self) -> None:
+        """SIGSTOP the whole process group: a frozen instance (its sockets stay open)."""
+        self._signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._signal(signal.SIGCONT)
+
     def _signal(self, sig: int) -> None:
         try:
             os.killpg(self.process.pid, sig)

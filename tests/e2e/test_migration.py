@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -199,6 +200,74 @@ def test_kill_one_instance_and_twenty_streams_finish(
     assert not errors
     assert results == [(200, "length")] * 20
     assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') >= 1
+
+
+def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
+    ferry: Any, vllm_pair: list[VLLMServer]
+) -> None:
+    """SIGSTOP one real server with streams and whole requests on both: once its
+    scrapes fail and it produces nothing, its streams fail over and its whole
+    requests are asked of the other, long before any timeout (60 s idle, 600 s
+    for a whole answer)."""
+    frozen = vllm_pair[0]
+    proxy = ferry(
+        [s.url for s in vllm_pair],
+        instances_migration="lite",
+        scheduler={
+            "policy": "round_robin",
+            "scrape_interval_s": 0.1,
+            "scrape_timeout_s": 0.5,
+            "unhealthy_after_failures": 2,
+        },
+    )
+    streams: list[tuple[int, str]] = []
+    wholes: list[int] = []
+    errors: list[BaseException] = []
+    started = threading.Barrier(5)
+
+    def stream() -> None:
+        try:
+            ids, _, last = stream_ids(api(proxy.url), False, 200, on_chunk=once_at(3, started.wait))
+            streams.append((len(ids), last.choices[0].finish_reason))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    def whole() -> None:
+        try:
+            answer = api(proxy.url).completions.create(
+                model="tiny",
+                prompt=PROMPT,
+                max_tokens=400,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert answer.usage is not None
+            wholes.append(answer.usage.completion_tokens)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=120)
+    threads += [threading.Thread(target=whole) for _ in range(2)]  # one on each server
+    for t in threads[4:]:
+        t.start()
+    time.sleep(0.3)
+    began = time.monotonic()
+    frozen.freeze()
+    try:
+        for t in threads:
+            t.join(120)
+        took = time.monotonic() - began
+    finally:
+        frozen.thaw()
+    assert not errors, errors
+    assert streams == [(200, "length")] * 4 and wholes == [400, 400]
+    assert took < 60
+    assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') >= 1
+    assert metric(proxy.url, 'ferry_retries_total{reason="upstream_error"}') >= 1
+    wait_until(lambda: proxy.view("i0").healthy, timeout=30)  # thawed, as the next tests need it
 
 
 def preemptions(server: VLLMServer) -> int:
