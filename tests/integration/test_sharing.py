@@ -452,23 +452,31 @@ def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:
     assert "the lease holder's plan" not in holder.log.read_text()
 
 
+@pytest.mark.parametrize("loss", ["flushed", "restarted"])
 def test_a_redis_that_lost_its_data_gets_the_fleet_state_back(
-    ferries: Any, redis_server: str, redis_prefix: str
+    ferries: Any, redis_prefix: str, tmp_path: Path, loss: str
 ) -> None:
-    """Redis restarted without persistence (here: its keys deleted) forgets the
-    drains: the processes that made or applied them write them back, so one that
-    starts afterwards drains the same instances, and so does one that started
-    before they were written back."""
+    """Redis restarted without persistence, or flushed, forgets the drains: the
+    processes that made or applied them write them back, so one that starts
+    afterwards drains the same instances, and so does one that started before
+    they were written back."""
     import redis
 
-    a, b = ferries(2)
-    a.admin("/admin/instances/i1/drain", "POST")
-    a.admin("/admin/instances/i0", "PATCH", {"labels": {"zone": "a"}})
-    wait_until(lambda: b.rows()["i1"]["draining"] and b.rows()["i0"]["labels"] == {"zone": "a"})
-    client = redis.Redis.from_url(redis_server)
+    port = free_port()
+    own = start_redis(port, tmp_path)  # this test's own: it is restarted
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
     try:
-        keys = list(client.scan_iter(f"{redis_prefix}:*"))
-        client.delete(*keys)
+        a, b = ferries(2, redis_url=url)
+        a.admin("/admin/instances/i1/drain", "POST")
+        a.admin("/admin/instances/i0", "PATCH", {"labels": {"zone": "a"}})
+        wait_until(lambda: b.rows()["i1"]["draining"] and b.rows()["i0"]["labels"] == {"zone": "a"})
+        if loss == "flushed":
+            client.delete(*client.scan_iter(f"{redis_prefix}:*"))
+        else:
+            own.kill()
+            own.wait(10)
+            own = start_redis(port, tmp_path)  # empty: no persistence
         [c] = ferries(1)  # races the write-back: either way it ends drained
         wait_until(lambda: c.rows()["i1"]["draining"], timeout=5)
         assert c.rows()["i0"]["labels"] == {"zone": "a"} and not c.rows()["i0"]["draining"]
@@ -479,6 +487,8 @@ def test_a_redis_that_lost_its_data_gets_the_fleet_state_back(
         assert "Redis lost the shared state" in a.log.read_text()
     finally:
         client.close()
+        own.kill()
+        own.wait(10)
 
 
 def test_without_redis_each_process_goes_on_alone_until_it_is_back(
