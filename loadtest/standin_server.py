@@ -63,7 +63,8 @@ class StandIn:
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
         self.stall_s = 3.0  # ... for this long
         self.stall_pings_s: float | None = None  # ... with an SSE comment this often
-        self.metrics_delay_s = 0.0  # tests: `/metrics` answers this late (a frozen process)
+        self.metrics_delay_s = 0.0  # tests: `/metrics` answers this late (a busy engine)
+        self.health_delay_s = 0.0  # tests: `/health` too (with the above: a frozen process)
         # tests: give the stream up after n tokens as vLLM does when it shuts down
         # or pauses: a chunk with finish_reason "abort" and no token, then [DONE]
         self.abort_after: int | None = None
@@ -159,6 +160,7 @@ class StandIn:
             _refuse(self.fail_status, "stand-in told to fail", headers=retry)
 
     async def _health(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)
         return web.Response(text="ok")
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -132,8 +132,9 @@ class Ledger:
             totals.pop(instance, None)
 
     def produced(self, instance: str) -> int:
-        """Tokens the instance has generated for Ferry's requests, all of them,
-        movable or not: one that moves between two looks is still producing."""
+        """Tokens the instance has streamed for this process's requests, movable or
+        not (a whole answer's count when it ends): one that moves between two
+        looks is still producing."""
         return self._produced.get(instance, 0)
 
     def entries(self, instance: str) -> Iterator[LedgerEntry]:

@@ -47,9 +47,9 @@ DRAIN_RETRY_S = 0.1
 # opportunistic, and a stream it waits behind may end before its turn.
 MOVE_RANKS = {"drain": 0, "priority": 0, "rebalance": 1}
 
-# On an instance that fails its scrapes and produces nothing (a frozen process, a
-# hung engine core), a stream this quiet is hung with it: it fails over now, not
-# after `upstream_idle_timeout_s`. Decode gaps are milliseconds.
+# On an instance that answers nothing (a frozen process), a stream this quiet is
+# hung with it: it fails over now, not after `upstream_idle_timeout_s`. Decode
+# gaps are milliseconds.
 HUNG_AFTER_S = 1.0
 
 
@@ -112,8 +112,6 @@ class Migrator:
         # the refusal every round.
         self._drain_refused: set[int] = set()
         self._drain_faults = Faults(log, "a drain round")
-        # Each instance's ledger.produced() at its last failed look (leave_hung).
-        self._produced_at_look: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._slots = MoveSlots(max(1, max_concurrent))
         self._max = max(1, max_concurrent)
@@ -252,16 +250,11 @@ class Migrator:
             self._drain_refused.add(request_id)
 
     def leave_hung(self, instance: str) -> int:
-        """`instance` failed its scrapes again. If it produced no token since the
-        last look (a frozen process, a hung engine core; one that still produces
-        has scrapes that fail, not the instance), fail over its streams quiet
-        for HUNG_AFTER_S (a first token not come counts from the arrival), and
-        give up the calls waiting that long on its answer: the relay tries them
-        elsewhere, as nothing reached their clients. Returns how many."""
-        produced = self.cluster.ledger.produced(instance)
-        if self._produced_at_look.get(instance) != produced:  # or no look before
-            self._produced_at_look[instance] = produced
-            return 0
+        """`instance` answers nothing (proxy/scraper.py `on_down`: a frozen
+        process): fail over its streams quiet for HUNG_AFTER_S (a first token not
+        come counts from the arrival), and give up the calls waiting that long on
+        its answer: the relay tries them elsewhere, as nothing reached their
+        clients. Returns how many."""
         hung = [
             s
             for s in self.streams_on(instance)

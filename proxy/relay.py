@@ -481,9 +481,8 @@ class Relay:
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
             await sse.finish(response, cut + sse.error_event(502, message))
             return response, "stream_broken"
-        except ConnectionResetError:
-            assert response is not None  # only a write raises it
-            return response, "client_disconnect"
+        except ConnectionResetError:  # sse.ClientGone: the client left
+            return response or web.Response(status=499), "client_disconnect"
         if response is None:  # an empty body, and nothing said it was short
             response = await sse.open_response(request, call.instance)
         return response, await _ended(response)

@@ -56,8 +56,11 @@ class Scraper:
         self.clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._unexpected: dict[str, str] = {}  # each instance's last unforeseen failure
-        # Told after each look that leaves an instance unhealthy (Migrator.leave_hung).
+        # Told after each look that leaves an instance unhealthy and answering
+        # nothing: no token for this process's requests since the look before, and
+        # no answer to `GET /health` either (Migrator.leave_hung).
         self.on_down: Callable[[str], object] | None = None
+        self._produced: dict[str, int] = {}  # ledger.produced() at each instance's last look
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
         """New intervals (a reload), used from each loop's next round."""
@@ -77,6 +80,7 @@ class Scraper:
         """Stop scraping an instance before it is removed."""
         task = self._tasks.pop(name, None)
         self._unexpected.pop(name, None)  # an instance added again under the name logs anew
+        self._produced.pop(name, None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -176,13 +180,36 @@ class Scraper:
             self._unexpected[name] = why
             self.metrics.scrape_errors.labels(name).inc()
             self.cluster.record_scrape_failure(name, why)
-        if self.on_down is not None and name in self.cluster.instances:
-            if not self.cluster.instances[name].healthy:
-                try:
-                    self.on_down(name)
-                except Exception:  # noqa: BLE001 - the look loop must outlive it
-                    log.exception("handling unhealthy %s failed", name)
+        if name in self.cluster.instances:
+            produced = self.cluster.ledger.produced(name)
+            moved = produced != self._produced.get(name, produced)
+            self._produced[name] = produced
+            if not self.cluster.instances[name].healthy and not moved:
+                await self._down(name)
         return read
+
+    async def _down(self, name: str) -> None:
+        """An unhealthy instance that produced nothing since its last look: tell
+        `on_down` if it does not answer `GET /health` either. A slow `/metrics`
+        (a busy engine's) fails scrapes too, and the instance's whole answers
+        and first tokens show no progress until they come: a live process
+        answers something, a frozen one nothing."""
+        if self.on_down is None:
+            return
+        state = self.cluster.instances[name]
+        try:
+            async with self.session.get(
+                state.url + "/health", headers=state.config.auth_headers(), timeout=self.timeout
+            ):
+                return  # any status: the process answers
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            pass
+        if name not in self.cluster.instances:  # removed meanwhile
+            return
+        try:
+            self.on_down(name)
+        except Exception:  # noqa: BLE001 - the look loop must outlive it
+            log.exception("handling unhealthy %s failed", name)
 
     async def _run(self, name: str) -> None:
         next_models, config = 0.0, None

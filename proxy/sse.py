@@ -186,7 +186,10 @@ async def open_response(request: web.Request, instance: str) -> web.StreamRespon
         }
     )
     response[_CLIENT] = _Client(request.transport, request.app.get(SEND_TIMEOUT, 0.0))
-    await response.prepare(request)
+    try:
+        await response.prepare(request)
+    except ConnectionResetError as exc:  # aiohttp's is a ClientConnectionError too
+        raise ClientGone(str(exc)) from exc
     return response
 
 

@@ -357,11 +357,17 @@ def test_streams_silent_on_an_instance_that_fails_its_scrapes_fail_over_at_once(
     reader.start()
     wait_until(lambda: len(texts) >= 10)
     started = time.monotonic()
-    frozen.metrics_delay_s = 6.0
+    freeze(frozen, 6.0)
     reader.join(10)
     assert "".join(texts) == " tok" * 40
     assert time.monotonic() - started < 5
     assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+
+
+def freeze(standin: Any, seconds: float) -> None:
+    """What a frozen process (SIGSTOP) shows from outside: no answer to anything,
+    its scrapes and `/health` included; its open streams go silent too."""
+    standin.metrics_delay_s = standin.health_delay_s = seconds
 
 
 def _frozen_pair(standins: Any, ferry: Any, migration: str) -> tuple[Any, Any, Any]:
@@ -403,7 +409,7 @@ def test_whole_requests_waiting_on_an_instance_that_fails_its_scrapes_go_elsewhe
     for asker in askers:  # round robin: one each
         asker.start()
     time.sleep(1.2)  # past HUNG_AFTER_S, then the freeze shows in its scrapes
-    frozen.metrics_delay_s = 6.0
+    freeze(frozen, 6.0)
     for asker in askers:
         asker.join(15)
     assert results == [" tok" * 5] * 2
@@ -433,7 +439,7 @@ def test_a_stream_still_waiting_for_its_first_token_on_a_frozen_instance_goes_el
     reader = threading.Thread(target=read)
     reader.start()
     time.sleep(1.2)
-    frozen.metrics_delay_s = 6.0
+    freeze(frozen, 6.0)
     reader.join(10)
     assert "".join(texts) == " tok" * 10
     assert time.monotonic() - started < 5
@@ -460,6 +466,34 @@ def test_a_stream_that_breaks_before_its_first_event_is_sent_elsewhere(
     assert broken.served >= 1
     retried = f'ferry_retries_total{{reason="upstream_error"}} {float(broken.served)}'
     assert retried in metrics(proxy.url)
+
+
+def test_calls_on_an_instance_whose_scrapes_are_slow_but_which_answers_are_kept(
+    standins: Any, ferry: Any
+) -> None:
+    """A busy engine's `/metrics` can be slower than the scrape timeout, and a
+    whole answer shows no progress until it comes: the instance still answers
+    `/health`, so its calls keep waiting for it rather than run twice."""
+    slow, _, proxy = _frozen_pair(standins, ferry, "off")
+    slow.ttft_s = 3.0
+    client = api(proxy.url)
+    answers: list[str] = []
+
+    def ask() -> None:
+        answers.append(
+            client.completions.create(model="standin", prompt="hi", max_tokens=1).choices[0].text
+        )
+
+    askers = [threading.Thread(target=ask) for _ in range(2)]  # one on each instance
+    for asker in askers:
+        asker.start()
+    time.sleep(0.3)
+    slow.metrics_delay_s = 6.0
+    for asker in askers:
+        asker.join(15)
+    assert answers == [" tok"] * 2
+    assert not proxy.view("i0").healthy  # its scrapes did fail
+    assert "ferry_retries_total{" not in metrics(proxy.url)
 
 
 @pytest.mark.parametrize("migration", ["off", "lite"])
