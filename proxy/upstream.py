@@ -9,8 +9,8 @@ a scrape succeeds. Control calls (detokenize, pre-warm, the shim's routes) go
 through `post_json`.
 
 A call waiting for its answer (the headers; a whole answer's body) is `Waiting`
-on its instance until it has it. When the instance stops answering its scrapes
-(a frozen process, a hung engine core), `give_up` ends those waits at once with
+on its instance until it has it. When the instance answers nothing, its scrapes
+and `/health` included (a frozen process), `give_up` ends those waits at once with
 `InstanceStopped`: nothing reached the client yet, so the relay tries another
 instance, rather than wait out `upstream_read_timeout_s` (600 s) for an answer
 that is not coming.
@@ -66,7 +66,7 @@ class Call:
 
 
 class InstanceStopped(aiohttp.ServerTimeoutError):
-    """A wait given up because its instance stopped answering its scrapes."""
+    """A wait given up because its instance stopped answering (proxy/scraper.py `on_down`)."""
 
 
 class Waiting:
@@ -104,7 +104,7 @@ class Waiting:
         except TimeoutError as stopped:
             if not self._deadline.expired():  # not ours: an aiohttp timeout
                 raise
-            message = f"instance {self.instance} stopped answering (it fails its scrapes)"
+            message = f"instance {self.instance} stopped answering (scrapes and /health)"
             raise InstanceStopped(message) from stopped
 
 

@@ -171,6 +171,27 @@ def test_drain_moves_ten_streams_and_they_finish_intact(lite: Any) -> None:
     assert len(results) == 10 and all(r == reference for r in results)
 
 
+def start_streams(
+    url: str, n: int, results: list[tuple[int, str]], errors: list[BaseException]
+) -> list[threading.Thread]:
+    """`n` greedy 200-token streams through Ferry, each 3 tokens in when this
+    returns; each adds (tokens, finish reason) to `results`, or its error to `errors`."""
+    started = threading.Barrier(n + 1)
+
+    def one() -> None:
+        try:
+            ids, _, last = stream_ids(api(url), False, 200, on_chunk=once_at(3, started.wait))
+            results.append((len(ids), last.choices[0].finish_reason))
+        except BaseException as exc:  # noqa: BLE001 - collected for the caller's assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=120)
+    return threads
+
+
 def test_kill_one_instance_and_twenty_streams_finish(
     ferry: Any, doomed: VLLMServer, vllm_pair: list[VLLMServer]
 ) -> None:
@@ -181,19 +202,7 @@ def test_kill_one_instance_and_twenty_streams_finish(
     )
     results: list[tuple[int, str]] = []
     errors: list[BaseException] = []
-    started = threading.Barrier(21)
-
-    def one() -> None:
-        try:
-            ids, _, last = stream_ids(api(proxy.url), False, 200, on_chunk=once_at(3, started.wait))
-            results.append((len(ids), last.choices[0].finish_reason))
-        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one) for _ in range(20)]
-    for t in threads:
-        t.start()
-    started.wait(timeout=120)
+    threads = start_streams(proxy.url, 20, results, errors)
     doomed.kill()
     for t in threads:
         t.join(300)
@@ -223,14 +232,6 @@ def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
     streams: list[tuple[int, str]] = []
     wholes: list[int] = []
     errors: list[BaseException] = []
-    started = threading.Barrier(5)
-
-    def stream() -> None:
-        try:
-            ids, _, last = stream_ids(api(proxy.url), False, 200, on_chunk=once_at(3, started.wait))
-            streams.append((len(ids), last.choices[0].finish_reason))
-        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
-            errors.append(exc)
 
     def whole() -> None:
         try:
@@ -246,10 +247,7 @@ def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=stream) for _ in range(4)]
-    for t in threads:
-        t.start()
-    started.wait(timeout=120)
+    threads = start_streams(proxy.url, 4, streams, errors)
     threads += [threading.Thread(target=whole) for _ in range(2)]  # one on each server
     for t in threads[4:]:
         t.start()
