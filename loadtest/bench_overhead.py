@@ -2,7 +2,10 @@
 
 Three scenarios: one stream at a time (the proxy's own cost per request), then
 200 streams at 4k and at 20k tokens/s (on two cores the client's core and the
-proxy's core both saturate at 20k, so that row measures throughput).
+proxy's core both saturate at 20k, so that row measures throughput). A fourth,
+`--scenarios requests`, runs 50 streams of 2 tokens each: nearly all of the
+proxy's CPU there is what a request costs apart from its tokens, so its
+"CPU ms/request" column splits a proxy's cost into per request and per token.
 
 Two STAND-IN servers (loadtest/standin_server.py, not vLLM: a fixed 10 ms
 between tokens, so the backend is never the bottleneck) on core 0 with the load
@@ -65,6 +68,10 @@ class Result:
     @property
     def cpu_ms_per_1k_tokens(self) -> float:
         return 1e6 * self.cpu_s / max(self.tokens, 1)
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1e3 * self.cpu_s / max(len(self.ttfts), 1)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -180,7 +187,8 @@ def main() -> int:
     parser.add_argument(
         "--scenarios",
         default="single,loaded",
-        help="single (one stream), loaded (--concurrency streams per --itl-ms), or both",
+        help="single (one stream), loaded (--concurrency streams per --itl-ms), requests"
+        " (50 streams of 2 tokens: the proxy's CPU per request, apart from per token)",
     )
     parser.add_argument(
         "--itl-ms",
@@ -199,6 +207,8 @@ def main() -> int:
         scenarios += [
             (args.concurrency, args.requests, args.max_tokens, itl) for itl in args.itl_ms
         ]
+    if "requests" in wanted:
+        scenarios.append((50, 3000, 2, 1.0))
     for concurrency, requests, max_tokens, itl_ms in scenarios:
         profile = None
         if args.profile:
@@ -353,7 +363,7 @@ def report(
     )
     print(
         f"{'path':<12} {'TTFT p50 ms':>18} {'+p50 ms':>18} {'+p99 ms':>18}"
-        f" {'tokens/s':>18} {'CPU ms/1k tok':>18} {'errors':>6}"
+        f" {'tokens/s':>18} {'CPU ms/1k tok':>18} {'CPU ms/request':>18} {'errors':>6}"
     )
 
     def added(r: Result, direct: Result, q: float) -> float:
@@ -368,12 +378,14 @@ def report(
             "+p99": [added(r, d, 99) for r, d in per_run],
             "tokens/s": [r.tokens_per_s for r, _ in per_run],
             "cpu": [r.cpu_ms_per_1k_tokens for r, _ in per_run],
+            "cpu/req": [r.cpu_ms_per_request for r, _ in per_run],
         }
         f = figures[name]
         errors = sum(r.errors for r, _ in per_run)
         print(
             f"{name:<12} {spread(f['p50'])} {spread(f['+p50'])} {spread(f['+p99'])}"
-            f" {spread(f['tokens/s'], '.0f')} {spread(f['cpu'])} {errors:>6}"
+            f" {spread(f['tokens/s'], '.0f')} {spread(f['cpu'])} {spread(f['cpu/req'], '.3f')}"
+            f" {errors:>6}"
         )
     ferry, router = figures["ferry"], figures["vllm-router"]
     ratios = [a / b for a, b in zip(ferry["tokens/s"], router["tokens/s"], strict=True)]
@@ -386,10 +398,18 @@ def report(
     if "ferry-base" in figures:
         base = figures["ferry-base"]
         cpu = [a / b for a, b in zip(ferry["cpu"], base["cpu"], strict=True)]
+        req = [a / b for a, b in zip(ferry["cpu/req"], base["cpu/req"], strict=True)]
         print(
-            f"ferry / ferry-base: CPU per token {spread(cpu, '.2f').strip()}x, added TTFT p50"
+            f"ferry / ferry-base: CPU per token {spread(cpu, '.2f').strip()}x, per request"
+            f" {spread(req, '.2f').strip()}x, added TTFT p50"
             f" {statistics.median(ferry['+p50']):.2f} vs {statistics.median(base['+p50']):.2f} ms"
         )
+    cpu_req = [a / b for a, b in zip(ferry["cpu/req"], router["cpu/req"], strict=True)]
+    cpu_tok = [a / b for a, b in zip(ferry["cpu"], router["cpu"], strict=True)]
+    print(
+        f"ferry / vllm-router CPU per request: {spread(cpu_req, '.2f').strip()}x,"
+        f" per 1k tokens: {spread(cpu_tok, '.2f').strip()}x"
+    )
     print(
         f"ferry / vllm-router tokens/s: {spread(ratios, '.2f')}x; added TTFT p50: ferry"
         f" {statistics.median(ferry['+p50']):.2f} ms, vllm-router"

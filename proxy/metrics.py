@@ -134,22 +134,25 @@ class FerryMetrics:
             ["instance", "outcome"],
             registry=r,
         )
-        self.ttft = Histogram(
+        # Histograms observed for every request or token are LoopHistograms: an
+        # observation with labels costs 0.5 us against prometheus_client's 3.8 us,
+        # about 14 us a request over these four (of ~0.9 ms a request in all).
+        self.ttft = LoopHistogram(
             "ferry_time_to_first_token_seconds",
             "Time to first token as the client sees it, by model and the instance that"
             " produced it.",
-            ["model", "instance"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            ("model", "instance"),
+            _LATENCY_BUCKETS,
+            r,
         )
-        ttft_stage = Histogram(
+        ttft_stage = LoopHistogram(
             "ferry_time_to_first_token_stage_seconds",
             "Time to first token by stage, arrival to the first token written to the client:"
             " parse, dispatch, upstream_connect, upstream_first_byte, relay"
             " (see proxy/ttft_stages.py).",
-            ["stage"],
-            buckets=_STAGE_BUCKETS,
-            registry=r,
+            ("stage",),
+            _STAGE_BUCKETS,
+            r,
         )
         # One child per stage, made once: every series exists from the start.
         self.ttft_stage = {stage: ttft_stage.labels(stage) for stage in STAGES}
@@ -161,13 +164,13 @@ class FerryMetrics:
             _LATENCY_BUCKETS,
             r,
         )
-        self.duration = Histogram(
+        self.duration = LoopHistogram(
             "ferry_request_duration_seconds",
             "Whole request as the client sees it (arrival to last byte), by model and the"
             " instance that finished it.",
-            ["model", "instance"],
-            buckets=_DURATION_BUCKETS,
-            registry=r,
+            ("model", "instance"),
+            _DURATION_BUCKETS,
+            r,
         )
         self.prompt_tokens = Counter(
             "ferry_prompt_tokens",
@@ -183,12 +186,13 @@ class FerryMetrics:
             ["model", "instance"],
             registry=r,
         )
-        self.decision = Histogram(
+        self.decision = LoopHistogram(
             "ferry_dispatch_decision_seconds",
             "Time to choose an instance for one request.",
-            buckets=_DECISION_BUCKETS,
-            registry=r,
-        )
+            (),
+            _DECISION_BUCKETS,
+            r,
+        ).labels()
         self.scrape_errors = Counter(
             "ferry_scrape_errors",
             "Failed metric scrapes by instance.",

@@ -67,8 +67,12 @@ class Placement:
         """The engine reported a request's prompt ids on `name`: index its blocks."""
         prefixes = self.cluster.prefixes
         if prefixes.enabled and name in self.cluster.instances:
-            view = self.cluster.instance_view(name)
-            prefixes.record_tokens(name, ids, view.block_size, view.capacity_blocks)
+            # From the snapshot, not `instance_view`: this runs at every stream's
+            # first event, just after the ledger changed, and a view would be
+            # rebuilt for two numbers that did not.
+            snap = self.cluster.instances[name].snapshot
+            capacity = snap.kv_blocks_total if snap else 0
+            prefixes.record_tokens(name, ids, self.cluster.block_size(name), capacity)
 
     def migration_instances(self) -> set[str]:
         """Instances that can take part in a move (as source or destination)."""
