@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from migration_shim import wire
-from proxy import access_log, client_auth, continuation, sse, token_ids
+from proxy import access_log, client_auth, continuation, sse, tap, token_ids
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.live_stream import LiveStream, Request
@@ -453,22 +453,31 @@ class Relay:
         whole = True  # what the client has ends with a whole event
         content = upstream.content
         keep_alive = sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
+
+        def read(data: bytes) -> bytes:
+            if timing is not None:
+                timing.read()
+            return relay(data)
+
+        def wrote(out: bytes) -> None:
+            nonlocal whole
+            whole = out.endswith(b"\n\n")
+            if timing is not None:
+                timing.written()
+            keep_alive.saw(out)
+
         try:
             async with self.upstreams.waits(call.instance):
                 data = await content.readany()
             # readany() itself, not iter_any(): one coroutine layer less per chunk.
             while data:
-                if timing is not None:
-                    timing.read()
-                out = relay(data)
+                out = read(data)
                 if out:
                     if response is None:
                         response = await sse.open_response(request, call.instance)
+                        tap.attach_to(content, response, request.transport, read, wrote)
                     await sse.write(response, out)
-                    whole = out.endswith(b"\n\n")
-                    if timing is not None:
-                        timing.written()
-                    keep_alive.saw(out)
+                    wrote(out)
                 data = await content.readany()
             if complete is not None and not complete():
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
@@ -483,6 +492,8 @@ class Relay:
             return response, "stream_broken"
         except ConnectionResetError:  # sse.ClientGone: the client left
             return response or web.Response(status=499), "client_disconnect"
+        finally:
+            tap.detach(content)
         if response is None:  # an empty body, and nothing said it was short
             response = await sse.open_response(request, call.instance)
         return response, await _ended(response)

@@ -1,0 +1,216 @@
+"""A tapped reader relays chunks where they arrive, and hands the task what it
+must handle itself: a backlog, a failure, the end."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.streams import StreamReader
+
+from proxy import tap
+
+
+class Protocol:
+    """What a StreamReader asks of its connection."""
+
+    connected = True
+    paused = 0
+
+    def pause_reading(self) -> None:
+        self.paused += 1
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        pass
+
+
+class Transport:
+    """A client's socket: what is written, and a backlog to set."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.backlog = 0
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self.backlog
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class Open(dict[Any, Any]):
+    """An open response, as attach_to reads one."""
+
+    compression = False
+
+    def __init__(self, chunked: bool) -> None:
+        super().__init__()
+        self.headers = {"Transfer-Encoding": "chunked"} if chunked else {}
+
+
+def tapped(
+    relay: Any = bytes.upper, chunked: bool = True
+) -> tuple[StreamReader, Transport, list[bytes], Protocol]:
+    protocol = Protocol()
+    reader = StreamReader(protocol, 2**16)  # type: ignore[arg-type]
+    reader.begin_http_chunk_receiving()
+    transport = Transport()
+    wrote: list[bytes] = []
+    response: Any = Open(chunked)
+    tap.attach_to(reader, response, transport, relay, wrote.append)  # type: ignore[arg-type]
+    return reader, transport, wrote, protocol
+
+
+def feed(reader: StreamReader, data: bytes) -> None:
+    """One HTTP chunk, as aiohttp's parser hands it over."""
+    reader.feed_data(data)
+    reader.end_http_chunk_receiving()
+
+
+def test_chunks_go_to_the_client_framed_and_the_task_sleeps() -> None:
+    async def main() -> None:
+        reader, transport, wrote, protocol = tapped()
+        waiting = asyncio.ensure_future(reader.readany())
+        await asyncio.sleep(0)
+        for _ in range(10_000):  # past the reader's count of chunks that pauses reading
+            feed(reader, b"data: a\n\n")
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing woke the task
+        assert transport.written[0] == b"9\r\nDATA: A\n\n\r\n"
+        assert len(transport.written) == len(wrote) == 10_000
+        assert protocol.paused == 0
+        reader.feed_eof()
+        assert await waiting == b""
+        tap.detach(reader)
+        assert type(reader) is StreamReader
+
+    asyncio.run(main())
+
+
+def test_a_body_not_chunked_goes_as_it_is() -> None:
+    async def main() -> None:
+        reader, transport, _, _ = tapped(chunked=False)
+        feed(reader, b"data: a\n\n")
+        assert transport.written == [b"DATA: A\n\n"]
+        tap.detach(reader)
+
+    asyncio.run(main())
+
+
+def test_nothing_to_send_writes_nothing() -> None:
+    async def main() -> None:
+        reader, transport, wrote, _ = tapped(relay=lambda data: b"")
+        feed(reader, b"data: half an ev")
+        assert transport.written == wrote == []
+        tap.detach(reader)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("why", ["backlog", "closing"])
+def test_a_client_behind_or_gone_hands_the_chunk_to_the_task(why: str) -> None:
+    """The task's writes wait for the client (and time out on it), or see it
+    gone; the chunk is not lost, and the ones after it wait behind it."""
+
+    async def main() -> None:
+        reader, transport, _, _ = tapped()
+        feed(reader, b"one ")
+        if why == "backlog":
+            transport.backlog = tap.BACKLOG_BYTES + 1
+        else:
+            transport.closing = True
+        feed(reader, b"two ")
+        transport.backlog, transport.closing = 0, False
+        feed(reader, b"three ")  # bytes are waiting: it queues behind them
+        assert transport.written == [b"4\r\nONE \r\n"]
+        assert await reader.readany() == b"two three "
+        feed(reader, b"four")  # nothing waits now: tapped again
+        assert transport.written[-1] == b"4\r\nFOUR\r\n"
+        tap.detach(reader)
+
+    asyncio.run(main())
+
+
+def test_what_the_relay_raises_the_task_reads() -> None:
+    class Broken(Exception):
+        pass
+
+    def relay(data: bytes) -> bytes:
+        raise Broken(data.decode())
+
+    async def main() -> None:
+        reader, transport, _, _ = tapped(relay=relay)
+        waiting = asyncio.ensure_future(reader.readany())
+        await asyncio.sleep(0)
+        feed(reader, b"bad")
+        with pytest.raises(Broken, match="bad"):
+            await waiting
+        feed(reader, b"after")  # a broken stream relays nothing more
+        assert transport.written == []
+        tap.detach(reader)
+
+    asyncio.run(main())
+
+
+def test_only_a_plain_reader_and_an_uncompressed_body_are_tapped() -> None:
+    async def main() -> None:
+        transport: Any = Transport()
+        compressed: Any = Open(True)
+        compressed.compression = True
+        reader = StreamReader(Protocol(), 2**16)  # type: ignore[arg-type]
+        tap.attach_to(reader, compressed, transport, bytes.upper, print)
+        assert type(reader) is StreamReader
+        tap.attach_to(reader, Open(True), None, bytes.upper, print)  # type: ignore[arg-type]
+        assert type(reader) is StreamReader
+
+    asyncio.run(main())
+
+
+def test_a_real_connection_relays_every_byte_through_the_tap() -> None:
+    """Against aiohttp's own parser and socket: many small HTTP chunks, each
+    taken by the tap, none left for the task but the end."""
+    chunks = [f"data: {i} 你好 🚀\n\n".encode() for i in range(6000)]
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for i, chunk in enumerate(chunks):
+            await response.write(chunk)
+            if i % 500 == 0:
+                await asyncio.sleep(0.001)  # let the reader catch up at times
+        await response.write_eof()
+        return response
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/", upstream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        transport = Transport()
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{port}/") as got,
+            ):
+                first = await got.content.readany()
+                tap.attach_to(got.content, Open(False), transport, bytes, lambda out: None)  # type: ignore[arg-type]
+                rest = []
+                while data := await asyncio.wait_for(got.content.readany(), 10):
+                    rest.append(data)  # what a backlog or a split left to the task
+                tap.detach(got.content)
+        finally:
+            await runner.cleanup()
+        assert first + b"".join(transport.written) + b"".join(rest) == b"".join(chunks)
+        assert len(transport.written) > len(rest)
+
+    asyncio.run(main())
