@@ -197,6 +197,12 @@ def main() -> int:
         default=[50.0, 10.0],
         help="stand-in gaps between tokens; 50 ms = 4k tokens/s at 200 streams, 10 ms = 20k",
     )
+    parser.add_argument(
+        "--migration",
+        choices=("off", "lite"),
+        default="off",
+        help="Ferry's migration mode (lite: every stream movable, proxy/live_stream.py)",
+    )
     args = parser.parse_args()
     if MULTI_CORE:
         os.sched_setaffinity(0, {int(CORE_BACKENDS)})  # the load generator shares core 0
@@ -215,7 +221,14 @@ def main() -> int:
             os.makedirs(args.profile, exist_ok=True)
             profile = os.path.join(args.profile, f"ferry-{concurrency}x{itl_ms:g}ms.txt")
         runs = measure(
-            concurrency, requests, max_tokens, itl_ms, args.repeat, profile, args.baseline
+            concurrency,
+            requests,
+            max_tokens,
+            itl_ms,
+            args.repeat,
+            profile,
+            args.baseline,
+            args.migration,
         )
         report(runs, concurrency, requests, max_tokens, itl_ms)
         sys.stdout.flush()
@@ -230,6 +243,7 @@ def measure(
     repeat: int = 1,
     profile: str | None = None,
     baseline: str | None = None,
+    migration: str = "off",
 ) -> list[dict[str, Result]]:
     """`repeat` runs of the three paths in turn, on the same servers."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -257,7 +271,7 @@ def measure(
 
         def ferry_cmd(port: int) -> list[str]:
             cmd = [py, "-m", "proxy.cli", "serve", *backend_args, "--port", str(port)]
-            return [*cmd, "--policy", "llumnix", "--log-level", "WARNING"]
+            return [*cmd, "--policy", "llumnix", "--migration", migration, "--log-level", "WARNING"]
 
         ferry = subprocess.Popen(pinned(ferry_cmd(ferry_port), CORE_PROXY))
         procs.append(ferry)

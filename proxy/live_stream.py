@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from migration_shim import wire
-from proxy import continuation, sse
+from proxy import continuation, sse, tap
 from proxy.cancellation import cancelling
 from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
@@ -263,51 +263,83 @@ class LiveStream:
         return result
 
     async def _pump_events(self, response: web.StreamResponse) -> str:
+        """Relay the current upstream's events: by a tap (proxy/tap.py) where it
+        can be, in the connection's callback, else here. Either way a chunk is
+        taken whole, by `_take`, and the pump returns what it says."""
         upstream = self.call.response
         assert upstream is not None
+        content = upstream.content
         splicer = self.splicer
         keep_alive = sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
+        outcome: str | None = None
+        pump = self._pump
+
+        def relay(data: bytes) -> bytes | None:
+            nonlocal outcome
+            if pump is not None and pump.cancelling():
+                return None  # cut (a move) or let go: what is left stays buffered
+            out, outcome = self._take(data, keep_alive)
+            return out
+
+        def wrote(out: bytes) -> None:
+            if out:
+                self.timing.written()
+            if outcome is not None:
+                raise _PumpOver(outcome)
+            if self._order is not None and not splicer.ended and pump is not None:
+                pump.cancel()  # the move waited for this token (`order_move`): cut now
+
+        tap.attach_to(content, response, sse.client_transport(response), relay, wrote)
         try:
             while True:
                 if self._order is not None and not splicer.ended:
                     return "move"
                 self._reading = True
                 try:
-                    data = await upstream.content.readany()
+                    data = await content.readany()
                 finally:
                     self._reading = False
                 if not data:
                     break
-                self.timing.read()
-                whole = self._events.take(data)
-                if not whole:
-                    continue
-                keep_alive.saw(whole)
-                events = whole.split(b"\n\n")[:-1]
-                out: list[bytes] = []
-                for event in events:
-                    fed = splicer.feed(event)
-                    self._account(fed)
-                    if fed.stopped_by_source or fed.broken:
-                        self._events.clear()
-                        await self._write(response, out)
-                        if fed.broken:
-                            log.info("stream %s: %s gave it up", self.request.id, self.instance)
-                            self._broke = "the stream ended with a server error"
-                            return "broken"
-                        return "stopped"
-                    out.append(fed.data)
-                    if fed.finished:
-                        break
+                out, result = self._take(data, keep_alive)
                 await self._write(response, out)
-                if splicer.finished:
-                    return "done"
+                if result is not None:
+                    return result
+        except _PumpOver as over:
+            return over.outcome
         except sse.STREAM_ERRORS as exc:
             log.info("stream %s on %s broke: %s", self.request.id, self.instance, _why(exc))
             self._broke = f"stream broken: {_why(exc)}"
             return "done" if splicer.finished else "broken"
+        finally:
+            tap.detach(content)
         self._broke = "the stream ended before it was whole"
         return "done" if splicer.finished else "broken"
+
+    def _take(self, data: bytes, keep_alive: sse.KeepAliveWatch) -> tuple[bytes, str | None]:
+        """One read of the upstream: the bytes for the client, and how the pump
+        ends if it does ("done", "broken", "stopped": the source's shim stopped it)."""
+        self.timing.read()
+        whole = self._events.take(data)
+        if not whole:
+            return b"", None
+        keep_alive.saw(whole)
+        splicer = self.splicer
+        out: list[bytes] = []
+        for event in whole.split(b"\n\n")[:-1]:
+            fed = splicer.feed(event)
+            self._account(fed)
+            if fed.stopped_by_source or fed.broken:
+                self._events.clear()
+                if fed.broken:
+                    log.info("stream %s: %s gave it up", self.request.id, self.instance)
+                    self._broke = "the stream ended with a server error"
+                    return b"".join(out), "broken"
+                return b"".join(out), "stopped"
+            out.append(fed.data)
+            if fed.finished:
+                break
+        return b"".join(out), "done" if splicer.finished else None
 
     def _account(self, fed: Fed) -> None:
         ledger = self.call.cluster.ledger
@@ -321,8 +353,7 @@ class LiveStream:
             if downtime is not None and self.moves:
                 self.moves[-1]["downtime_s"] = round(downtime, 6)
 
-    async def _write(self, response: web.StreamResponse, out: list[bytes]) -> None:
-        data = b"".join(out)
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         if data:
             await sse.write(response, data)
             self.timing.written()
@@ -582,6 +613,14 @@ class LiveStream:
 
 # Releases of staged KV under way (a task needs a reference until it is done).
 _RELEASES: set[asyncio.Future[None]] = set()
+
+
+class _PumpOver(Exception):
+    """How a pump ends, when its tap read the end: raised in the pump's task."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
 
 
 def _why(exc: BaseException) -> str:

@@ -461,6 +461,8 @@ class Relay:
 
         def wrote(out: bytes) -> None:
             nonlocal whole
+            if not out:
+                return
             whole = out.endswith(b"\n\n")
             if timing is not None:
                 timing.written()
@@ -475,7 +477,8 @@ class Relay:
                 if out:
                     if response is None:
                         response = await sse.open_response(request, call.instance)
-                        tap.attach_to(content, response, request.transport, read, wrote)
+                        transport = sse.client_transport(response)
+                        tap.attach_to(content, response, transport, read, wrote)
                     await sse.write(response, out)
                     wrote(out)
                 data = await content.readany()

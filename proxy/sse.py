@@ -177,6 +177,12 @@ class _Client:
 _CLIENT = web.ResponseKey("ferry_client", _Client)  # a streamed response's `_Client`
 
 
+def client_transport(response: web.StreamResponse) -> asyncio.Transport | None:
+    """The socket of an open stream's client (None once it has none)."""
+    client = response.get(_CLIENT)
+    return None if client is None else client.transport
+
+
 async def open_response(request: web.Request, instance: str) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={

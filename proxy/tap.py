@@ -39,14 +39,15 @@ _TAPS: dict[int, Tap] = {}  # by id() of a tapped reader
 
 class Tap:
     """Where a tapped reader's chunks go: `relay` turns them into the bytes the
-    client is sent, written straight to `transport` (chunk-framed if `chunked`);
-    `wrote` is called after each write."""
+    client is sent (None: it declines this one, untouched), written straight to
+    `transport` (chunk-framed if `chunked`); `wrote` is called with them after
+    each chunk it relayed, written or empty."""
 
     __slots__ = ("relay", "transport", "chunked", "wrote")
 
     def __init__(
         self,
-        relay: Callable[[bytes], bytes],
+        relay: Callable[[bytes], bytes | None],
         transport: asyncio.Transport,
         chunked: bool,
         wrote: Callable[[bytes], None],
@@ -59,9 +60,11 @@ class Tap:
         if transport.is_closing() or transport.get_write_buffer_size() > BACKLOG_BYTES:
             return False
         out = self.relay(data)
+        if out is None:
+            return False
         if out:
             transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
-            self.wrote(out)
+        self.wrote(out)
         return True
 
 
@@ -83,7 +86,11 @@ class _TappedReader(StreamReader):
         except Exception as exc:  # the task's to handle, as if it had run the tap
             del _TAPS[id(self)]  # and nothing after it is relayed
             self._taken(len(data))
+            # The body's end, if it comes, still hands the connection back to
+            # the pool: a stream whose last event ended it ([DONE]) is no failure.
+            callbacks = list(self._eof_callbacks)
             self.set_exception(exc)
+            self._eof_callbacks.extend(callbacks)
             return False
         if not taken:
             return super().feed_data(data, size)
@@ -103,12 +110,13 @@ def attach_to(
     reader: StreamReader,
     response: StreamResponse,
     transport: asyncio.Transport | None,
-    relay: Callable[[bytes], bytes],
+    relay: Callable[[bytes], bytes | None],
     wrote: Callable[[bytes], None],
 ) -> None:
     """Tap `reader` for `response`, open (its headers sent) on `transport`, where
     it can be: a plain StreamReader, and a body written as is or chunk-framed
-    (not compressed)."""
+    (not compressed). Every write to `response` must be done before its first
+    await (aiohttp's are, without compression), or the tap's could overtake it."""
     if (
         type(reader) is not StreamReader
         or not hasattr(reader, "_cursor")

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from loadtest.standin_server import PROMPT_IDS
 from migration_shim import wire
 from proxy.server import MIGRATOR
 from tests.helpers import wait_until
@@ -751,6 +752,33 @@ def _busy(sites: list[tuple[Any, Any]]) -> tuple[str, Any]:
             return busy[0]
         time.sleep(0.005)
     raise AssertionError("no single instance runs the stream")
+
+
+def test_a_move_ordered_between_tokens_cuts_right_after_the_next(standins: Any, ferry: Any) -> None:
+    """The next token, on its way, reaches the client from the source (relayed
+    as it arrives, by the tap) and the cut comes right after it: the
+    continuation starts from three tokens, not two and not more."""
+    sites = standins(2, itl_s=0.2)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="x", max_tokens=8, temperature=0, stream=True
+    )
+    texts = []
+    for chunk in stream:
+        texts.append(chunk.choices[0].text)
+        if len(texts) == 2:
+            source, _ = _busy(sites)
+            _drain(proxy, source)
+    assert "".join(texts) == " tok" * 8
+    dest = sites[1][0] if source == "i0" else sites[0][0]
+    continued = dest.seen_bodies[-1]["prompt"]
+    assert continued[: len(PROMPT_IDS)] == PROMPT_IDS
+    assert len(continued) - len(PROMPT_IDS) == 3, continued
 
 
 def test_a_move_ordered_as_the_last_token_comes_keeps_the_usage(standins: Any, ferry: Any) -> None:

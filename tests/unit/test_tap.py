@@ -108,7 +108,19 @@ def test_nothing_to_send_writes_nothing() -> None:
     async def main() -> None:
         reader, transport, wrote, _ = tapped(relay=lambda data: b"")
         feed(reader, b"data: half an ev")
+        assert transport.written == []
+        assert wrote == [b""]  # told all the same: the chunk was taken
+        tap.detach(reader)
+
+    asyncio.run(main())
+
+
+def test_a_relay_that_declines_leaves_the_chunk_to_the_task() -> None:
+    async def main() -> None:
+        reader, transport, wrote, _ = tapped(relay=lambda data: None)
+        feed(reader, b"data: a\n\n")
         assert transport.written == wrote == []
+        assert await reader.readany() == b"data: a\n\n"
         tap.detach(reader)
 
     asyncio.run(main())
@@ -212,5 +224,57 @@ def test_a_real_connection_relays_every_byte_through_the_tap() -> None:
             await runner.cleanup()
         assert first + b"".join(transport.written) + b"".join(rest) == b"".join(chunks)
         assert len(transport.written) > len(rest)
+
+    asyncio.run(main())
+
+
+def test_a_stream_the_tap_ended_hands_its_connection_back() -> None:
+    """A relay that raises at the stream's last event (LiveStream's end of a
+    pump) leaves the connection to the pool once its body ends: the next
+    request reuses it."""
+    ports: list[int] = []
+
+    class Over(Exception):
+        pass
+
+    def relay(data: bytes) -> bytes:
+        if b"[DONE]" in data:
+            raise Over
+        return data
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        ports.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for chunk in (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"):
+            await response.write(chunk)
+            await asyncio.sleep(0.01)
+        await response.write_eof()
+        return response
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/", upstream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(2):
+                    transport = Transport()
+                    got = await session.get(f"http://127.0.0.1:{port}/")
+                    assert await got.content.readany() == b"data: 1\n\n"
+                    tap.attach_to(got.content, Open(False), transport, relay, lambda out: None)  # type: ignore[arg-type]
+                    with pytest.raises(Over):
+                        await got.content.readany()
+                    tap.detach(got.content)
+                    await asyncio.sleep(0.05)  # the body's end comes after its last event
+                    got.close()
+                    assert transport.written == [b"data: 2\n\n"]
+        finally:
+            await runner.cleanup()
+        assert len(ports) == 2 and ports[0] == ports[1]
 
     asyncio.run(main())
