@@ -6,15 +6,16 @@ then the task is scheduled, resumes through `readany()` and writes through the
 response's coroutines. A tapped reader gives each chunk to a function where it
 arrives, which relays it and writes it to the client's socket at once; the task
 sleeps in `readany()` until the stream ends, breaks, or the tap declines a chunk.
-At 200 streams of token-sized chunks that saves about an eighth of the proxy's
-CPU per token and most of its added TTFT (the start burst's chunks no longer
-queue behind one another's task wakes; `loadtest/bench_overhead.py --baseline`).
+At 200 streams of token-sized chunks that saves a tenth to a fifth of the
+proxy's CPU per token, and under a start burst most of its added TTFT (the
+chunks no longer queue behind one another's task wakes;
+`loadtest/bench_overhead.py --baseline`).
 
-The tap declines (the chunk is buffered and read the usual way, so the task's
+The tap declines a chunk (it is buffered and read the usual way, so the task's
 path runs: its back-pressure, send timeout and client-gone handling) whenever
-the client's socket holds a backlog or is closing. What the function raises is
-put on the reader, so the task's `readany()` raises it as if the task had run
-the function itself.
+the client's socket holds a backlog or is closing, or the function says so.
+What the function raises is put on the reader, so the task's `readany()`
+raises it as if the task had run the function itself.
 
 It leans on how aiohttp's StreamReader keeps its buffer (`_buffer`, `_cursor`,
 the ends of HTTP chunks); a reader without them is not tapped, and
