@@ -477,6 +477,8 @@ class Relay:
                 if out:
                     if response is None:
                         response = await sse.open_response(request, call.instance)
+                        # From here chunks go out from the connection's callback
+                        # while the client keeps up (proxy/tap.py), and come here otherwise.
                         transport = sse.client_transport(response)
                         tap.attach_to(content, response, transport, read, wrote)
                     await sse.write(response, out)
