@@ -274,10 +274,10 @@ class LiveStream:
         outcome: str | None = None
         pump = self._pump
 
-        def relay(data: bytes) -> bytes | None:
+        def relay(data: bytes) -> bytes:
+            # Not once the pump is cancelled (a cut, or let go): then its reads
+            # are not waiting any more, and what comes stays buffered (proxy/tap.py).
             nonlocal outcome
-            if pump is not None and pump.cancelling():
-                return None  # cut (a move) or let go: what is left stays buffered
             out, outcome = self._take(data, keep_alive)
             return out
 

@@ -11,11 +11,15 @@ proxy's CPU per token, and under a start burst most of its added TTFT (the
 chunks no longer queue behind one another's task wakes;
 `loadtest/bench_overhead.py --baseline`).
 
-The tap declines a chunk (it is buffered and read the usual way, so the task's
-path runs: its back-pressure, send timeout and client-gone handling) whenever
-the client's socket holds a backlog or is closing, or the function says so.
-What the function raises is put on the reader, so the task's `readany()`
-raises it as if the task had run the function itself.
+A chunk is tapped only while the task is parked in `readany()` with nothing
+buffered: otherwise the task holds bytes or state the chunk must follow (it
+is writing, or in the middle of a read whose flow control re-enters the
+parser, or has been cancelled). The tap also declines a chunk while the
+client's socket holds a backlog or is closing. A declined chunk is buffered
+and read the usual way, so the task's path runs: its back-pressure, send
+timeout and client-gone handling. What the function raises is put on the
+reader, so the task's `readany()` raises it as if the task had run the
+function itself.
 
 It leans on how aiohttp's StreamReader keeps its buffer (`_buffer`, `_cursor`,
 the ends of HTTP chunks); a reader without them is not tapped, and
@@ -40,15 +44,14 @@ _TAPS: dict[int, Tap] = {}  # by id() of a tapped reader
 
 class Tap:
     """Where a tapped reader's chunks go: `relay` turns them into the bytes the
-    client is sent (None: it declines this one, untouched), written straight to
-    `transport` (chunk-framed if `chunked`); `wrote` is called with them after
-    each chunk it relayed, written or empty."""
+    client is sent, written straight to `transport` (chunk-framed if `chunked`);
+    `wrote` is called with them after each chunk it relayed, written or empty."""
 
     __slots__ = ("relay", "transport", "chunked", "wrote")
 
     def __init__(
         self,
-        relay: Callable[[bytes], bytes | None],
+        relay: Callable[[bytes], bytes],
         transport: asyncio.Transport,
         chunked: bool,
         wrote: Callable[[bytes], None],
@@ -61,8 +64,6 @@ class Tap:
         if transport.is_closing() or transport.get_write_buffer_size() > BACKLOG_BYTES:
             return False
         out = self.relay(data)
-        if out is None:
-            return False
         if out:
             transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
         self.wrote(out)
@@ -80,7 +81,8 @@ class _TappedReader(StreamReader):
 
     def feed_data(self, data: bytes, size: int = 0) -> bool:
         tap = _TAPS.get(id(self))
-        if tap is None or self._buffer or not data:  # bytes waiting go first
+        waiter = self._waiter  # the task parked in readany()
+        if tap is None or waiter is None or waiter.done() or self._buffer or not data:
             return super().feed_data(data, size)
         try:
             taken = tap.take(data)
@@ -111,7 +113,7 @@ def attach_to(
     reader: StreamReader,
     response: StreamResponse,
     transport: asyncio.Transport | None,
-    relay: Callable[[bytes], bytes | None],
+    relay: Callable[[bytes], bytes],
     wrote: Callable[[bytes], None],
 ) -> None:
     """Tap `reader` for `response`, open (its headers sent) on `transport`, where
