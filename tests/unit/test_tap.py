@@ -74,6 +74,17 @@ def feed(reader: StreamReader, data: bytes) -> None:
     reader.end_http_chunk_receiving()
 
 
+async def serve(handler: Any) -> tuple[web.AppRunner, int]:
+    """A real aiohttp server of `handler` at GET /, on a free port."""
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
 async def parked(reader: StreamReader) -> asyncio.Future[bytes]:
     """The task's read, waiting for bytes (a tap relays only then)."""
     waiting = asyncio.ensure_future(reader.readany())
@@ -219,13 +230,7 @@ def test_a_real_connection_relays_every_byte_through_the_tap() -> None:
         return response
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/", upstream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await serve(upstream)
         transport = Transport()
         try:
             async with (
@@ -271,13 +276,7 @@ def test_a_stream_the_tap_ended_hands_its_connection_back() -> None:
         return response
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/", upstream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await serve(upstream)
         try:
             async with aiohttp.ClientSession() as session:
                 for _ in range(2):
