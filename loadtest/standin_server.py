@@ -118,6 +118,7 @@ class StandIn:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
         return app
 
     @web.middleware
@@ -162,6 +163,9 @@ class StandIn:
     async def _health(self, request: web.Request) -> web.Response:
         await asyncio.sleep(self.health_delay_s)
         return web.Response(text="ok")
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": f"standin-{self.model}"})
 
     async def _models(self, request: web.Request) -> web.Response:
         if self.models_body is not None:

@@ -1,7 +1,7 @@
 """Validating an OpenAI request body before it is dispatched.
 
 Only what Ferry needs is checked (it is a proxy, not the engine): a JSON object,
-a string `model`, the field each endpoint cannot do without, and the type of the
+`model` a string if given, the field each endpoint cannot do without, and the type of the
 fields Ferry itself reads. Everything else is the engine's to judge, and its 4xx
 answers pass through unchanged. Bodies are read strictly (`read_object`), so
 that whatever Ferry accepts it can also re-encode and inspect without failing.
@@ -36,11 +36,12 @@ CHARS_PER_TOKEN = 3
 MAX_DEPTH = 128
 # Fields Ferry reads itself (migration, usage): a wrong type is the client's 400.
 _FIELD_KINDS: dict[str, tuple[type, str]] = {
-    "n": (int, "an integer"),
-    "best_of": (int, "an integer"),
     "stream_options": (dict, "an object"),
     "kv_transfer_params": (dict, "an object"),
 }
+# Counts Ferry reads itself. vLLM reads them as pydantic does (2, 2.0 and "2"
+# are all 2): Ferry takes the same, made an int in place.
+_COUNTS = ("n", "best_of")
 
 
 # Flags Ferry reads itself. vLLM reads a flag as pydantic does (`"true"`, `1`,
@@ -62,7 +63,7 @@ class BadRequest(ValueError):
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
     body: dict[str, Any]
-    model: str
+    model: str | None  # None: the body names none (vLLM then serves its own)
     priority: Priority
     prompt_estimate: int
 
@@ -91,8 +92,8 @@ def parse(
         raise BadRequest("request body is empty; expected a JSON object")
     body = read_object(raw)
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
     if endpoint == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -112,7 +113,27 @@ def parse(
         value = body.get(key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise BadRequest(f"'{key}' must be {name}", param=key)
-    return OpenAIRequest(body, model, priority, max(1, estimate))
+    for key in _COUNTS:
+        if body.get(key) is not None:
+            count = _count(body[key])
+            if count is None:
+                raise BadRequest(f"'{key}' must be an integer", param=key)
+            body[key] = count
+    return OpenAIRequest(body, model or None, priority, max(1, estimate))
+
+
+def _count(value: Any) -> int | None:
+    """An integer as pydantic's lax mode reads one: 2, 2.0 or "2"; None otherwise."""
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
 
 
 def _read_flags(body: dict[str, Any], names: tuple[str, ...], where: str) -> None:

@@ -6,8 +6,8 @@ Routes:
   (`/v1/responses`, `/v1/embeddings`, `/v1/score`, `/v1/rerank`, ...) passed through;
 - vLLM's routes outside `/v1` (`ENGINE_ROUTES`: `/tokenize`, `/detokenize`,
   `/pooling`, `/classify`, `/score`, `/rerank`, `/v2/rerank`, `/v2/embed`, ...),
-  passed through;
-- `/health`, `/livez`, `/readyz`, `/metrics` and `/admin/*`.
+  passed through, and `GET /version`;
+- `/health`, `/livez`, `/readyz` (and vLLM's `/ping`), `/metrics` and `/admin/*`.
 A pass-through call goes to an instance serving its JSON body's `model` (any
 instance when it names none) and is answered as the instance answers: a stream
 as it comes, byte for byte, anything else whole.
@@ -32,7 +32,7 @@ from aiohttp.helpers import parse_mimetype
 
 from proxy import access_log, admin, client_auth, openai_request, sse, tracing, ttft_stages
 from proxy.cluster import Cluster
-from proxy.config import FerryConfig, SchedulerConfig
+from proxy.config import FerryConfig, SchedulerConfig, ServerConfig
 from proxy.discovery import Discovery
 from proxy.errors import error_response, openai_errors
 from proxy.fleet import Fleet, FleetError
@@ -67,6 +67,7 @@ ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
 # which vLLM's uvicorn closes one (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so that Ferry
 # does not send a request on a connection the engine is closing.
 UPSTREAM_KEEPALIVE_S = 4.0
+MAX_HEADER_LINE_BYTES = 64 * 1024  # a client's request line or one header
 
 ENGINE_ROUTES = (
     "/tokenize",
@@ -230,12 +231,33 @@ def build_app(
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     for path in ENGINE_ROUTES:
         app.router.add_post(path, _passthrough)
+    app.router.add_get("/version", _passthrough)  # the engine's version, as vLLM answers it
     app.router.add_get("/health", _health)
+    # vLLM's SageMaker-style health check, GET or POST: Ferry's readiness here.
+    app.router.add_route("GET", "/ping", _readyz)
+    app.router.add_post("/ping", _readyz)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     admin.add_routes(app, lambda: app[FLEET], app[SHARING])
     return app
+
+
+def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:
+    """How `serve` runs the app (tests run it so too)."""
+    return web.AppRunner(
+        app,
+        # A client that hangs up cancels its handler, which closes the upstream
+        # connection, which makes vLLM abort the request.
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=server.shutdown_grace_s,
+        keepalive_timeout=server.client_keepalive_s,
+        # aiohttp refuses a header line past 8 KiB, where vLLM's server takes a
+        # 20 KB JWT or cookie; Envoy allows 60 KiB of headers in all.
+        max_line_size=MAX_HEADER_LINE_BYTES,
+        max_field_size=MAX_HEADER_LINE_BYTES,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -340,14 +362,17 @@ def _openai_handler(endpoint: str) -> Any:
                 request.headers.get(openai_request.PRIORITY_HEADER),
                 request.content_type,
             )
+            model = parsed.model or _implied_model(request.app[CLUSTER])
         except openai_request.BadRequest as exc:
             return error_response(exc.status, exc.message, param=exc.param)
+        if model is not None:
+            parsed.body["model"] = model
         return await request.app[RELAY].forward(
             request,
             _engine_path(request),
             parsed.body,
             raw,
-            model=parsed.model,
+            model=model,
             priority=parsed.priority,
             prompt_estimate=parsed.prompt_estimate,
             arrived=arrived,
@@ -426,6 +451,23 @@ def _model_cards(cluster: Cluster) -> dict[str, dict[str, Any]]:
     return cards
 
 
+def _implied_model(cluster: Cluster) -> str | None:
+    """The model of a request that names none. vLLM serves its first model
+    name then; where every instance serves the same models, that is the same
+    model anywhere, so the request names it and goes where it is served. None
+    where no instance has said what it serves (any instance will do); a 400
+    where they serve different models."""
+    served = {s.models: s for s in cluster.instances.values() if s.model_cards}
+    if not served:
+        return None
+    if len(served) > 1:
+        names = sorted({m for models in served for m in models})
+        message = f"'model' is required: the instances serve different models ({names})"
+        raise openai_request.BadRequest(message, param="model")
+    (state,) = served.values()
+    return str(state.model_cards[0]["id"])
+
+
 async def _health(request: web.Request) -> web.Response:
     views = request.app[CLUSTER].view().instances
     ready = sum(1 for v in views if v.dispatchable)
@@ -465,15 +507,7 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         access_log.install_handler()
     if config.server.otel:
         tracing.install()
-    # handler_cancellation: a client that hangs up cancels its handler, which
-    # closes the upstream connection, which makes vLLM abort the request.
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=config.server.shutdown_grace_s,
-        keepalive_timeout=config.server.client_keepalive_s,
-    )
+    runner = app_runner(app, config.server)
     await runner.setup()
     # Workers share the port (proxy/workers.py): the kernel spreads connections.
     site = web.TCPSite(

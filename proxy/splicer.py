@@ -116,6 +116,9 @@ def _server_fault(error: Any) -> bool:
     return not isinstance(code, int) or code >= 500
 
 
+_USAGE_COUNTS = frozenset({"prompt_tokens", "completion_tokens", "total_tokens"})
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -158,6 +161,11 @@ class Splicer:
         # continuation (a completion) would give the rest of them as answer text.
         self.unmovable: str | None = None
         self.usage_sent = False
+        # The source's usage fields past the three counts (vLLM's chat puts
+        # `completion_tokens_details` on every chunk's), for a chunk with choices
+        # (False) and the last, usage-only one (True): a continuation, a
+        # completion, has others, and the client's usage keeps the source's shape.
+        self._usage_extras: dict[bool, dict[str, Any]] = {}
         self._role_sent = False
         self._regenerated: list[int] = []  # ids the destination repeats before new ones
         self._skip = 0  # characters of the destination's text the client has already
@@ -190,6 +198,9 @@ class Splicer:
             self.ended = True
         if not choices and "usage" in chunk:
             self.usage_sent = True
+        if self.segment == 0 and isinstance(chunk.get("usage"), dict):
+            extras = {k: v for k, v in chunk["usage"].items() if k not in _USAGE_COUNTS}
+            self._usage_extras.setdefault(not choices, extras)
         if self.segment == 0:
             return self._original(chunk, choices, event)
         return self._continued(chunk, choices)
@@ -322,7 +333,7 @@ class Splicer:
                 out_choices.append({**choice, "token_ids": ids, "prompt_token_ids": None})
         out = self._envelope(out_choices)
         if self.continuous_usage:
-            out["usage"] = usage(len(self.prompt_ids or ()), len(self.generated))
+            out["usage"] = self._usage(final=False)
         return out
 
     def closing(self) -> bytes:
@@ -335,8 +346,12 @@ class Splicer:
 
     def _usage_event(self) -> bytes:
         out = self._envelope([])
-        out["usage"] = usage(len(self.prompt_ids or ()), len(self.generated))
+        out["usage"] = self._usage(final=True)
         return sse.event(out)
+
+    def _usage(self, final: bool) -> dict[str, Any]:
+        counts = usage(len(self.prompt_ids or ()), len(self.generated))
+        return {**counts, **self._usage_extras.get(final, {})}
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         assert self.origin is not None

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from migration_shim import launcher
 from proxy.config import FerryConfig, parse_config
-from proxy.server import CLUSTER, build_app
+from proxy.server import CLUSTER, MAX_HEADER_LINE_BYTES, app_runner, build_app
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -70,13 +70,18 @@ async def start_site(
     host: str = "127.0.0.1",
     port: int = 0,
     keepalive_timeout: float = 75.0,
+    runner: web.AppRunner | None = None,
 ) -> Site:
-    """Serve `app` on `host:port` (0: a free port); `Site.url` names 127.0.0.1."""
-    runner = web.AppRunner(
+    """Serve `app` on `host:port` (0: a free port) with `runner` (by default
+    one that takes header lines as long as Ferry's: vLLM's server takes them);
+    `Site.url` names 127.0.0.1."""
+    runner = runner or web.AppRunner(
         app,
         handler_cancellation=handler_cancellation,
         access_log=None,
         keepalive_timeout=keepalive_timeout,
+        max_line_size=MAX_HEADER_LINE_BYTES,
+        max_field_size=MAX_HEADER_LINE_BYTES,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -214,10 +219,7 @@ class Ferry:
     ) -> None:
         self.loop = loop
         app = build_app(config, load)
-        keepalive = config.server.client_keepalive_s  # as `serve` runs it
-        self.site = loop.run(
-            start_site(app, handler_cancellation=True, keepalive_timeout=keepalive)
-        )
+        self.site = loop.run(start_site(app, runner=app_runner(app, config.server)))
         self.url = self.site.url
         self.cluster = self.site.app[CLUSTER]
 

@@ -491,3 +491,54 @@ def test_answers_past_max_answer_bytes_are_given_up(
         f"vllm:num_requests_running{{{labels}}} 0.0\n" + "# pad\n" * (3 << 22)
     ).encode()
     wait_until(lambda: not proxy.view("i0").healthy, timeout=10)
+
+
+@pytest.mark.parametrize("named", [None, ""])
+def test_a_body_naming_no_model_gets_the_model_every_instance_serves(
+    standins: Any, ferry: Any, named: str | None
+) -> None:
+    """vLLM serves its own model to a request that names none: where every
+    instance serves the same models, Ferry names that one and places the request."""
+    pairs = standins(2)
+    proxy = ferry([site.url for _, site in pairs])
+    body: dict[str, Any] = {"prompt": "x", "max_tokens": 2}
+    if named is not None:
+        body["model"] = named
+    for stream in (False, True):
+        answer = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": stream})
+        assert answer.status_code == 200, answer.text
+        served = pairs[int(answer.headers["x-ferry-instance"][1:])][0]
+        assert served.seen_bodies[-1]["model"] == "standin"
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    assert httpx.post(proxy.url + "/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_a_body_naming_no_model_is_a_400_where_instances_serve_different_ones(
+    two_models: Ferry,
+) -> None:
+    answer = httpx.post(two_models.url + "/v1/completions", json={"prompt": "x"})
+    assert_openai_error(answer, 400, None)
+    error = answer.json()["error"]
+    assert error["param"] == "model" and "'alpha', 'beta'" in error["message"]
+
+
+def test_vllms_ping_and_version(standins: Any, ferry: Any) -> None:
+    """vLLM's `/ping` (SageMaker's health check) is Ferry's readiness; its
+    `/version` is an instance's."""
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url])
+    assert httpx.get(proxy.url + "/ping").status_code == 200
+    assert httpx.post(proxy.url + "/ping").status_code == 200
+    version = httpx.get(proxy.url + "/version")
+    assert version.status_code == 200 and version.json() == {"version": "standin-standin"}
+
+
+def test_a_header_as_long_as_a_large_jwt_is_taken(standins: Any, ferry: Any) -> None:
+    """aiohttp's default refuses a header line past 8 KiB; vLLM's server takes it."""
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url])
+    token = "x" * 20_000
+    body = {"model": "standin", "prompt": "x", "max_tokens": 1}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body, headers={"X-Big": token})
+    assert answer.status_code == 200, answer.text
+    assert standin.seen_headers[-1]["X-Big"] == token

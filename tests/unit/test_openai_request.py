@@ -34,8 +34,7 @@ def test_parses_completions_and_chat() -> None:
         (b"", "completions", None, "empty"),
         (b"{nope", "completions", None, "not valid JSON"),
         (b"[1]", "completions", None, "JSON object"),
-        (b'{"prompt": "x"}', "completions", None, "'model' is required"),
-        (b'{"model": 3, "prompt": "x"}', "completions", None, "'model' is required"),
+        (b'{"model": 3, "prompt": "x"}', "completions", None, "'model' must be a string"),
         (b'{"model": "m"}', "completions", None, "'prompt' is required"),
         (b'{"model": "m"}', "chat", None, "'messages' is required"),
         (b'{"model": "m", "prompt": "x", "stream": "maybe"}', "completions", None, "'stream'"),
@@ -110,8 +109,11 @@ def test_what_strict_reading_accepts() -> None:
 @pytest.mark.parametrize(
     ("raw", "param"),
     [
-        (b'{"model": "m", "prompt": "x", "n": "2"}', "n"),
+        (b'{"model": "m", "prompt": "x", "n": "two"}', "n"),
+        (b'{"model": "m", "prompt": "x", "n": true}', "n"),
+        (b'{"model": "m", "prompt": "x", "n": [2]}', "n"),
         (b'{"model": "m", "prompt": "x", "best_of": 1.5}', "best_of"),
+        (b'{"model": "m", "prompt": "x", "best_of": "1.5"}', "best_of"),
         (b'{"model": "m", "prompt": "x", "stream_options": true}', "stream_options"),
         (b'{"model": "m", "prompt": "x", "kv_transfer_params": []}', "kv_transfer_params"),
     ],
@@ -122,6 +124,23 @@ def test_fields_ferry_reads_must_have_their_type(raw: bytes, param: str) -> None
     assert caught.value.param == param
     nulls = b'{"model": "m", "prompt": "x", "n": null, "stream_options": null}'
     assert parse(nulls, "completions", None).model == "m"
+
+
+@pytest.mark.parametrize("value", [2, 2.0, "2", " 2 "])
+def test_counts_are_read_as_vllm_reads_them(value: object) -> None:
+    """vLLM (pydantic, lax) takes `"n": 2.0` and `"n": "2"` for 2: Ferry reads
+    them the same and sends on an integer (it refused them)."""
+    body = {"model": "m", "prompt": "x", "n": value, "best_of": value}
+    req = parse(json.dumps(body).encode(), "completions", None)
+    assert (req.body["n"], req.body["best_of"]) == (2, 2)
+    assert type(req.body["n"]) is int
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "x"}', b'{"model": "", "prompt": "x"}'])
+def test_a_body_may_name_no_model(body: bytes) -> None:
+    """vLLM serves its own model to a request that names none (or ""): the
+    proxy decides where that is (proxy/server.py `_implied_model`)."""
+    assert parse(body, "completions", None).model is None
 
 
 @pytest.mark.parametrize(

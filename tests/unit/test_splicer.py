@@ -287,6 +287,28 @@ def test_continuation_chunks_take_the_clients_identity_and_shape() -> None:
     assert total == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
 
 
+def test_a_continued_chats_usage_keeps_the_shape_the_source_gave_it() -> None:
+    """vLLM's chat puts `completion_tokens_details` in each chunk's usage
+    (`continuous_usage_stats`), and its continuation, a completion, does not:
+    the client's usage has the source's fields, with the stream's own counts."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    splicer = Splicer({"stream_options": options}, "chat", wants_ids=False)
+    shape = {"completion_tokens_details": None}
+    role: dict[str, Any] = {"id": "chatcmpl-1", "created": 1, "model": "m", "prompt_token_ids": [1]}
+    role["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
+    role["usage"] = {"prompt_tokens": 1, "total_tokens": 1, "completion_tokens": 0, **shape}
+    splicer.feed(b"data: " + json.dumps(role).encode())
+    splicer.join(Join(keep=0, skip=0))
+    chunk: dict[str, Any] = {"id": "cmpl-9", "created": 9, "model": "m"}
+    chunk["choices"] = [{"index": 0, "text": " a", "token_ids": [5]}]
+    chunk["usage"] = {"prompt_tokens": 1, "total_tokens": 2, "completion_tokens": 1}
+    out = json.loads(splicer.feed(b"data: " + json.dumps(chunk).encode()).data[6:])
+    assert out["usage"] == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, **shape}
+    final = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    last = b'data: {"id":"cmpl-9","choices":[],"usage":' + json.dumps(final).encode() + b"}"
+    assert json.loads(splicer.feed(last).data[6:])["usage"] == final  # the source sent none
+
+
 def test_a_continued_chat_says_its_stop_reason_and_fingerprint_with_its_finish() -> None:
     """As vLLM's chat stream: `stop_reason` only on the chunk that finishes, and
     the fingerprint the engine sends with its last chunk."""
