@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,6 +76,35 @@ def test_chat_matches_a_direct_call(proxy: Any, vllm_pair: list[VLLMServer], str
     else:
         text = api(proxy.url).chat.completions.create(**args).choices[0].message.content
     assert text == direct and text
+
+
+def test_a_request_as_vllm_takes_it_is_taken_alike(proxy: Any, vllm_pair: list[VLLMServer]) -> None:
+    """Bodies vLLM's pydantic reads leniently (no `model`, `n` as 2.0 or "2")
+    get through Ferry what they get from vLLM itself, and so do `/version`
+    and `/ping`."""
+    body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    sampled = {"seed": 1, "temperature": 1}
+    for extra in ({}, {"n": 2.0, **sampled}, {"n": "2", **sampled}):
+        texts = []
+        for url in (vllm_pair[0].url, proxy.url):
+            sent = urllib.request.Request(
+                url + "/v1/completions",
+                data=json.dumps({**body, **extra}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(sent, timeout=60) as resp:
+                    answer = json.load(resp)
+            except urllib.error.HTTPError as exc:
+                raise AssertionError(f"{url} {extra}: {exc.code} {exc.read()!r}") from None
+            texts.append([c["text"] for c in answer["choices"]])
+            assert answer["model"] == "tiny"
+        assert texts[0] == texts[1] and len(texts[0]) == int(float(extra.get("n", 1)))
+    for path in ("/version", "/ping"):
+        with urllib.request.urlopen(proxy.url + path, timeout=10) as resp:
+            assert resp.status == 200
+    with urllib.request.urlopen(proxy.url + "/version", timeout=10) as resp:
+        assert "version" in json.load(resp)
 
 
 def test_new_requests_go_to_the_freer_instance(proxy: Any, vllm_pair: list[VLLMServer]) -> None:
