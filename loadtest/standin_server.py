@@ -98,6 +98,8 @@ class StandIn:
         self.cookie: str | None = None  # tests: set as a cookie on every answer (a gateway's)
         # tests: a whole answer carries this many bytes more (a field "pad")
         self.pad_whole_bytes = 0
+        # tests: a whole answer is this instead, with 200 (a gateway's page)
+        self.whole_body: bytes | None = None
         # tests: after n tokens, an event that never ends: bytes with no line end
         # for as long as the client reads them
         self.endless_after: int | None = None
@@ -365,6 +367,8 @@ class StandIn:
                 await resp.write(json.dumps(self._whole(chat, n, ids)).encode()[:20])
                 transport.abort()
                 return resp
+            if self.whole_body is not None:
+                return web.Response(body=self.whole_body, content_type="text/html")
             if self.gzip_whole:
                 data = gzip.compress(json.dumps(self._whole(chat, n, ids)).encode())
                 headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}

@@ -13,6 +13,7 @@ report counts as traffic from outside Ferry only beyond both.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from proxy.peer_load import NO_LOAD, InstanceLoad
 from proxy.policy import ClusterView, InstanceView, UsageSettings
 from proxy.policy.virtual_usage import instance_view
 from proxy.prefix_index import PrefixIndex
+
+log = logging.getLogger("ferry.cluster")
 
 
 @dataclass(slots=True)
@@ -212,7 +215,7 @@ class Cluster:
     def record_scrape(self, name: str, snapshot: EngineSnapshot, now: float) -> None:
         state = self.instances[name]
         state.snapshot, state.snapshot_at = snapshot, now
-        state.failures, state.last_error, state.healthy = 0, None, True
+        self._up(name, state)
         self.ledger.set_block_size(name, snapshot.block_size)
         peers = self.peer_load.get(name, NO_LOAD)
         ferry_blocks = self.ledger.blocks(name) + peers.blocks
@@ -238,14 +241,23 @@ class Cluster:
         is Ferry's ledger alone (no snapshot, so capacity 0: fewest in flight first)."""
         state = self.instances[name]
         state.snapshot_at = now
-        state.failures, state.last_error, state.healthy = 0, None, True
+        self._up(name, state)
         state.external_blocks, state.external_requests = 0.0, 0
         self._invalidate(name)
+
+    def _up(self, name: str, state: InstanceState) -> None:
+        if not state.healthy:  # at start, and after an outage
+            log.info("instance %s is healthy", name)
+        state.failures, state.last_error, state.healthy = 0, None, True
 
     def record_scrape_failure(self, name: str, error: str) -> None:
         state = self.instances[name]
         state.failures += 1
         state.last_error = error
+        if state.failures == self.unhealthy_after_failures:  # once an outage
+            log.warning(
+                "instance %s is unhealthy: %d looks failed: %s", name, state.failures, error
+            )
         if state.failures >= self.unhealthy_after_failures and state.healthy:
             state.healthy = False
             self._invalidate(name)
@@ -261,6 +273,7 @@ class Cluster:
         state = self.instances[name]
         state.last_error = error
         if state.healthy:
+            log.warning("instance %s is unreachable, no traffic until it answers: %s", name, error)
             state.healthy = False
             self._invalidate(name)
 

@@ -67,14 +67,30 @@ def compact(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[s
     if kind != "patch" or not isinstance(entry["op"].get("changes"), dict):
         return [*history, entry]
     merged = dict(entry["op"]["changes"])
+    changed_at = dict.fromkeys(merged, entry.get("at"))
     out = []
     for e in history:
         if e["op"]["op"] == "patch" and isinstance(e["op"].get("changes"), dict):
-            merged = {**e["op"]["changes"], **merged}
+            earlier = patch_times(e)
+            for key, value in e["op"]["changes"].items():
+                if key not in merged:
+                    merged[key], changed_at[key] = value, earlier.get(key)
         else:
             out.append(e)
-    patch = {**entry, "op": {**entry["op"], "changes": merged}}  # its origin, its time
+    # Its origin, its time, and when each key was changed: an account merged with
+    # another (proxy/sharing.py `_merged`) must not apply a key's change after
+    # an add it came before.
+    patch = {**entry, "op": {**entry["op"], "changes": merged}, "changed_at": changed_at}
     return out + [patch]
+
+
+def patch_times(entry: dict[str, Any]) -> dict[str, Any]:
+    """When each key of a (compacted) patch was changed: its own record, else
+    the patch's time (an older Ferry's)."""
+    times = entry.get("changed_at")
+    if isinstance(times, dict):
+        return times
+    return dict.fromkeys(entry["op"]["changes"], entry.get("at"))
 
 
 class FleetError(Exception):

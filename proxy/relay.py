@@ -181,6 +181,10 @@ class Relay:
                 )
                 tried.add(name)
                 continue
+            except asyncio.CancelledError:  # the client left before the instance answered
+                self._judge(retried, "client_disconnect")
+                self._count(name, "client_disconnect", "client_disconnect")
+                raise
             outcome = "error"
             error: str | None = None  # what broke, where it says more than the outcome
             live: LiveStream | None = None
@@ -224,6 +228,11 @@ class Relay:
                         raw = await self.upstreams.read_whole(call)
                     except sse.STREAM_ERRORS as exc:
                         raise NothingRelayed(_describe(exc)) from exc
+                    encoded = "Content-Encoding" in upstream.headers  # passed on as it is
+                    if body is not None and not encoded and not _json_object(raw):
+                        # Not an answer (a gateway's page, a body cut short):
+                        # another instance can give one.
+                        raise NothingRelayed("answered 200 with a body that is not a JSON object")
                     response, outcome = await self._whole(
                         upstream, call, wants_ids, passthrough=body is None, raw=raw
                     )
@@ -650,6 +659,13 @@ def _upstream_failed(instance: str, exc: BaseException) -> web.Response:
     return error_response(
         502, f"instance {instance} failed: {_describe(exc)}", code="upstream_error"
     )
+
+
+def _json_object(raw: bytes) -> bool:
+    try:
+        return isinstance(sse.loads(raw), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _message_of(raw: bytes) -> str:

@@ -47,6 +47,7 @@ from proxy.policy.policies import DispatchPolicy
 from proxy.relay import Relay
 from proxy.rescheduler import Rescheduler
 from proxy.scraper import Scraper
+from proxy.shutdown import InFlight
 from proxy.upstream import Upstreams
 from proxy.workers import RESTARTED_WORKER
 
@@ -58,6 +59,7 @@ RELAY = web.AppKey("relay", Relay)
 MIGRATOR = web.AppKey("migrator", Migrator)
 SCRAPER = web.AppKey("scraper", Scraper)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)  # set on SIGTERM
+IN_FLIGHT = web.AppKey("in_flight", InFlight)
 BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)  # server.client_body_timeout_s
 
 # vLLM's model-routed POST routes outside /v1 (vLLM 0.32's api_server).
@@ -68,6 +70,7 @@ ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
 # does not send a request on a connection the engine is closing.
 UPSTREAM_KEEPALIVE_S = 4.0
 MAX_HEADER_LINE_BYTES = 64 * 1024  # a client's request line or one header
+SHUTDOWN_CUT_S = 1.0  # aiohttp's shutdown timeout, once Ferry's grace is over
 
 ENGINE_ROUTES = (
     "/tokenize",
@@ -100,9 +103,12 @@ def build_app(
     keyed = client_auth.middleware(
         lambda: app[FLEET].config.api_keys if FLEET in app else config.api_keys
     )
+    in_flight = InFlight()
     app = web.Application(
-        client_max_size=config.server.max_body_bytes, middlewares=[observe, openai_errors, keyed]
+        client_max_size=config.server.max_body_bytes,
+        middlewares=[observe, openai_errors, keyed, in_flight.middleware],
     )
+    app[IN_FLIGHT] = in_flight
     app.on_response_prepare.append(access_log.echo_request_id)
     cluster = Cluster(
         config.instances,
@@ -251,7 +257,9 @@ def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:
         # connection, which makes vLLM abort the request.
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=server.shutdown_grace_s,
+        # Ferry gives in-flight requests their grace itself (proxy/shutdown.py):
+        # aiohttp's shutdown finds none left, or a test's in-flight streams.
+        shutdown_timeout=SHUTDOWN_CUT_S,
         keepalive_timeout=server.client_keepalive_s,
         # aiohttp refuses a header line past 8 KiB, where vLLM's server takes a
         # 20 KB JWT or cookie; Envoy allows 60 KiB of headers in all.
@@ -567,6 +575,10 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
     finally:
         if orphan_watch is not None:
             orphan_watch.cancel()
+        await site.stop()  # no new connections
+        if runner.server is not None:
+            runner.server.pre_shutdown()  # nor requests: keep-alive ends with each one
+        await app[IN_FLIGHT].finish(config.server.shutdown_grace_s)
         await runner.cleanup()
 
 

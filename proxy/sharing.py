@@ -75,7 +75,7 @@ from proxy.cancellation import cancelling
 from proxy.cluster import Cluster
 from proxy.config import SharingConfig
 from proxy.faults import Faults
-from proxy.fleet import Fleet, FleetError, compact, op_instance
+from proxy.fleet import Fleet, FleetError, compact, op_instance, patch_times
 from proxy.metrics_merge import merge
 from proxy.migrator import Migrator
 from proxy.peer_load import (
@@ -631,12 +631,25 @@ def _merged(*histories: list[dict[str, Any]]) -> list[dict[str, Any]]:
     change once, applied in the order they were made (by the wall clock of the
     process that made it; an older Ferry's, with no time, first)."""
     changes: dict[str, dict[str, Any]] = {}
-    for entry in (e for history in histories for e in history):
+    for entry in (e for history in histories for e in history for e in _unmerged(e)):
         changes.setdefault(json.dumps(entry, sort_keys=True), entry)
     out: list[dict[str, Any]] = []
     for entry in sorted(changes.values(), key=lambda e: _float(e.get("at"))):
         out = compact(out, entry)
     return out
+
+
+def _unmerged(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """A compacted patch as the changes it was made of, each at its own time
+    (`fleet.compact` keeps them); any other entry as it is."""
+    op = entry["op"]
+    if op["op"] != "patch" or not isinstance(op.get("changes"), dict):
+        return [entry]
+    times = patch_times(entry)
+    return [
+        {"origin": entry.get("origin"), "op": {**op, "changes": {key: value}}, "at": times.get(key)}
+        for key, value in op["changes"].items()
+    ]
 
 
 def _history(raw: Any) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from proxy.errors import error_body
 from proxy.metrics import FerryMetrics
@@ -183,8 +183,11 @@ def client_transport(response: web.StreamResponse) -> asyncio.Transport | None:
     return None if client is None else client.transport
 
 
+_OPEN = web.RequestKey("ferry_stream", web.StreamResponse)  # the stream a request opened
+
+
 async def open_response(request: web.Request, instance: str) -> web.StreamResponse:
-    response = web.StreamResponse(
+    response = request[_OPEN] = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -197,6 +200,21 @@ async def open_response(request: web.Request, instance: str) -> web.StreamRespon
     except ConnectionResetError as exc:  # aiohttp's is a ClientConnectionError too
         raise ClientGone(str(exc)) from exc
     return response
+
+
+def end_cut(request: web.Request, message: str) -> None:
+    """End the stream `request` opened, if it is still open, with a 503 error
+    event and [DONE], so that its client knows it was cut (it retries) rather
+    than read a stream that stops. Written at once: the caller's task is being
+    cancelled and awaits nothing more."""
+    response = request.get(_OPEN)
+    transport = None if response is None else client_transport(response)
+    if response is None or transport is None or transport.is_closing() or response._eof_sent:
+        return  # none opened, its client gone, or over (a byte more would start another)
+    body = error_event(503, message) + DONE
+    if response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked":  # as aiohttp framed it
+        body = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    transport.write(body)
 
 
 class ClientGone(ConnectionResetError):

@@ -542,3 +542,19 @@ def test_a_header_as_long_as_a_large_jwt_is_taken(standins: Any, ferry: Any) -> 
     answer = httpx.post(proxy.url + "/v1/completions", json=body, headers={"X-Big": token})
     assert answer.status_code == 200, answer.text
     assert standin.seen_headers[-1]["X-Big"] == token
+
+
+def test_a_whole_200_that_is_no_answer_is_tried_elsewhere(standins: Any, ferry: Any) -> None:
+    """A 200 whose body is not a JSON object (a gateway's page in front of a
+    broken instance) answers nothing: the request goes to another instance,
+    and where none is left the client gets a 502, not the page as a 200."""
+    (broken, bad_site), (_, good_site) = standins(2)
+    broken.whole_body = b"<html>upstream maintenance</html>"
+    proxy = ferry([bad_site.url, good_site.url], scheduler={"policy": "round_robin"})
+    body = {"model": "standin", "prompt": "x", "max_tokens": 2}
+    for _ in range(4):  # each instance gets first try
+        answer = httpx.post(proxy.url + "/v1/completions", json=body)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " tok tok"
+        assert answer.headers["x-ferry-instance"] == "i1"
+    alone = ferry([bad_site.url])
+    assert_openai_error(httpx.post(alone.url + "/v1/completions", json=body), 502, "upstream_error")

@@ -191,7 +191,7 @@ COMPLETION = b'{"model": "standin", "prompt": "x", "max_tokens": 1'
             None,
         ),
         ("/v1/completions", COMPLETION + b', "x": "' + b"a" * MAX_BODY + b'"}', {}, 413, None),
-        ("/v1/completions", COMPLETION + b', "stream": true, "n": "2"}', {}, 400, "n"),
+        ("/v1/completions", COMPLETION + b', "stream": true, "n": "two"}', {}, 400, "n"),
         (
             "/v1/completions",
             COMPLETION + b', "stream": true, "stream_options": 1}',

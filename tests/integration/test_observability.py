@@ -103,7 +103,7 @@ def test_every_answer_has_a_request_id(
         assert len(resp.headers["x-request-id"]) == 32
     for url, data in (
         (proxy.url + "/v1/completions", {"model": "nope", "prompt": "x"}),  # 404 model
-        (proxy.url + "/v1/completions", {"prompt": 1}),  # 400
+        (proxy.url + "/v1/completions", {"model": 5, "prompt": "x"}),  # 400
         (proxy.url + "/nowhere", {}),  # 404 route
     ):
         with pytest.raises(urllib.error.HTTPError) as err:

@@ -7,6 +7,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -124,11 +125,24 @@ def test_client_disconnect_aborts_upstream(standins: Any, ferry: Any) -> None:
     wait_until(lambda: proxy.view("i0").inflight == 0)
 
 
+def test_a_client_that_leaves_before_a_whole_answer_is_counted(standins: Any, ferry: Any) -> None:
+    """A whole answer's headers come with its end: a client gone before then
+    is a client_disconnect in ferry_requests_total (it was counted nowhere)."""
+    [(_, site)] = standins(1, itl_s=0.02)
+    proxy = ferry([site.url])
+    body = {"model": "standin", "prompt": "x", "max_tokens": 100}  # 2 s
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(proxy.url + "/v1/completions", json=body, timeout=0.5)
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_requests_total{instance="i0",outcome="client_disconnect"} 1.0' in metrics
+
+
 @pytest.mark.parametrize(
     ("path", "body", "headers", "status", "param"),
     [
         ("/v1/completions", b"{bad json", {}, 400, None),
-        ("/v1/completions", b'{"prompt": "x"}', {}, 400, "model"),
+        ("/v1/completions", b'{"model": 5, "prompt": "x"}', {}, 400, "model"),
         ("/v1/chat/completions", b'{"model": "standin"}', {}, 400, "messages"),
         ("/v1/completions", b'{"model": "nope", "prompt": "x"}', {}, 404, "model"),
         (

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from tests.helpers import ferry_process, status, wait_until
 
@@ -51,6 +52,41 @@ def test_sigterm_stops_readiness_at_once_and_finishes_streams(
         streaming.join(15)
         assert texts == [" tok" * 40]  # not cut by the shutdown
         assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_a_stream_past_the_grace_is_cut_when_it_ends_and_told_so(
+    standins: Any, tmp_path: Path, migration: str
+) -> None:
+    """In-flight streams get `shutdown_grace_s` after the delay, not more (aiohttp
+    waits its shutdown timeout twice), and one still going then ends with an
+    error event that the openai client raises, not a stream that just stops."""
+    [(_, site)] = standins(1, itl_s=0.05)  # 400 tokens: a 20 s stream
+    delay_s, grace_s = 0.5, 2.0
+    server = {"shutdown_delay_s": delay_s, "shutdown_grace_s": grace_s}
+    proc, url = ferry_process(
+        {"instances": [{"name": "a", "url": site.url, "migration": migration}], "server": server},
+        tmp_path / "ferry.yaml",
+        stderr=subprocess.PIPE,
+    )
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        chunks = client.completions.create(model="standin", prompt="x", max_tokens=400, stream=True)
+        next(iter(chunks))  # under way
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        with pytest.raises(openai.APIError, match="shut down before this stream finished"):
+            for _ in chunks:
+                pass
+        cut_s = time.monotonic() - sent
+        assert delay_s + grace_s - 0.2 < cut_s < delay_s + grace_s + 1.0, cut_s
+        assert proc.wait(10) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

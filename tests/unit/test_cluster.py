@@ -162,3 +162,23 @@ def test_draining_instance_is_never_chosen() -> None:
         dispatch(policy, DispatchRequest("m"), cluster.view(), random.Random(s)).name
         for s in range(20)
     } == {"b"}
+
+
+def test_an_outage_and_its_end_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    """An operator sees an instance go down (its looks fail, or a connect to it
+    does) and come back in the log, one line each, not one per look."""
+    cluster = make_cluster("a")
+    caplog.set_level("INFO", logger="ferry.cluster")
+    for _ in range(5):
+        cluster.record_scrape_failure("a", "refused")
+    cluster.record_scrape("a", snapshot(), now=1.0)
+    cluster.record_scrape("a", snapshot(), now=2.0)
+    cluster.mark_unreachable("a", "ClientConnectorError: refused")
+    cluster.mark_unreachable("a", "ClientConnectorError: refused")
+    cluster.record_scrape("a", snapshot(), now=3.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "instance a is unhealthy: 3 looks failed: refused",
+        "instance a is healthy",
+        "instance a is unreachable, no traffic until it answers: ClientConnectorError: refused",
+        "instance a is healthy",
+    ]

@@ -1,0 +1,72 @@
+"""The end of a graceful shutdown: in-flight requests get their grace, then what
+is left is cut, each stream with a word to its client.
+
+aiohttp's own shutdown cannot do this. It waits its timeout for handlers, fails
+their request bodies (a handler past reading its body goes on) and waits as long
+again, so requests got twice the grace; then it cancels each handler and closes
+its connection in the same step, before the handler can write anything, so a
+cut stream just stopped and its client could not tell it from a finished one.
+Ferry keeps the handlers running now (`InFlight.middleware`), waits for them
+itself (`InFlight.finish`), and cancels what is left while its connection is
+still open: a cancelled stream ends with a 503 error event and [DONE] (which
+the openai client raises), so its client knows to retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from proxy import sse
+
+log = logging.getLogger("ferry.shutdown")
+
+# How long cancelled handlers get to end their streams and close their calls.
+CUT_WAIT_S = 2.0
+CUT_MESSAGE = "Ferry shut down before this stream finished; retry it"
+
+
+class InFlight:
+    """The request handlers running now."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[object]] = set()
+        self.shutting_down = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None  # aiohttp runs each request in a task of its own
+        self.tasks.add(task)
+        self._idle.clear()
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            if self.shutting_down:  # cut by `finish`, not by a client that left
+                sse.end_cut(request, CUT_MESSAGE)
+            raise
+        finally:
+            self.tasks.discard(task)
+            if not self.tasks:
+                self._idle.set()
+
+    async def finish(self, grace_s: float) -> int:
+        """Wait up to `grace_s` for the handlers running now (new connections
+        must be refused already), then cancel those left; how many were."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+            return 0
+        except TimeoutError:
+            pass
+        self.shutting_down = True
+        left = list(self.tasks)
+        log.warning("shutdown grace of %.1f s over: cutting %d requests", grace_s, len(left))
+        for task in left:
+            task.cancel()
+        await asyncio.wait(left, timeout=CUT_WAIT_S)
+        return len(left)
