@@ -26,7 +26,7 @@ from proxy.config import FerryConfig
 from proxy.errors import error_response
 
 # Probes and scrapers carry no client key; /admin checks its own token.
-OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/ping", "/metrics"})
 CHECKED = web.RequestKey("client_key_checked", bool)  # the Authorization was Ferry's key
 
 

@@ -41,6 +41,7 @@ class InstanceState:
     leaving: bool = False  # drained to be removed once empty: takes no stream at all
     failures: int = 0  # consecutive failed scrapes
     last_error: str | None = None
+    down_logged: bool = False  # this outage is in the log
     models: frozenset[str] = frozenset()
     model_cards: tuple[dict[str, Any], ...] = ()
     # Load the engine reports beyond Ferry's ledger (traffic bypassing the proxy),
@@ -249,15 +250,21 @@ class Cluster:
         if not state.healthy:  # at start, and after an outage
             log.info("instance %s is healthy", name)
         state.failures, state.last_error, state.healthy = 0, None, True
+        state.down_logged = False
+
+    @staticmethod
+    def _log_down(name: str, state: InstanceState, why: str) -> None:
+        """One line an outage, however it shows (failed looks, failed connects)."""
+        if not state.down_logged:
+            state.down_logged = True
+            log.warning("instance %s is %s: %s", name, why, state.last_error)
 
     def record_scrape_failure(self, name: str, error: str) -> None:
         state = self.instances[name]
         state.failures += 1
         state.last_error = error
-        if state.failures == self.unhealthy_after_failures:  # once an outage
-            log.warning(
-                "instance %s is unhealthy: %d looks failed: %s", name, state.failures, error
-            )
+        if state.failures >= self.unhealthy_after_failures:
+            self._log_down(name, state, f"unhealthy after {state.failures} failed looks")
         if state.failures >= self.unhealthy_after_failures and state.healthy:
             state.healthy = False
             self._invalidate(name)
@@ -273,7 +280,7 @@ class Cluster:
         state = self.instances[name]
         state.last_error = error
         if state.healthy:
-            log.warning("instance %s is unreachable, no traffic until it answers: %s", name, error)
+            self._log_down(name, state, "unreachable, no traffic until it answers")
             state.healthy = False
             self._invalidate(name)
 

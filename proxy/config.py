@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, cast
@@ -742,14 +743,42 @@ def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> 
     for key, value in data.items():
         type_name = str(known[key].type)
         expected = _SCALAR_TYPES[type_name]
+        is_float = type_name == "float" or (type_name == "float | None" and value is not None)
+        if is_float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e4 (no dot) as text
         # bool is an int to isinstance, but `port: true` is a mistake, not 1.
         if (isinstance(value, bool) and type_name != "bool") or not isinstance(value, expected):
-            raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {value!r})")
-        is_float = type_name == "float" or (type_name == "float | None" and value is not None)
+            choices = _CHOICES.get(key)
+            if choices is None:
+                raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {_shown(value)})")
+            hint = " (YAML reads on, off, yes and no as booleans: quote it)" * (type(value) is bool)
+            names = ", ".join(choices)
+            raise ConfigError(
+                f"{_join(where, key)}: must be one of {names} (got {_shown(value)}){hint}"
+            )
         if is_float:
             value = _finite(cast(float, value), _join(where, key))
         values[key] = value
     return cls(**values)
+
+
+# A number as YAML 1.2 writes it: 1e4, -2.5E-3.
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# Fields whose values are names: a wrong type is answered with the names.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "migration": MIGRATION_MODES,
+    "engine": ENGINES,
+    "policy": tuple(sorted(POLICIES)),
+}
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error message shows it: short, however large (a YAML alias
+    bomb is a few hundred bytes that repr() makes gigabytes of)."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxdict, shown.maxlist = 2, 4, 4
+    shown.maxstring = shown.maxother = 60
+    return shown.repr(value)
 
 
 _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
@@ -772,7 +801,7 @@ def _finite(value: float, where: str) -> float:
     except OverflowError:
         number = math.inf
     if not math.isfinite(number):
-        raise ConfigError(f"{where}: must be a finite number (got {value!r})")
+        raise ConfigError(f"{where}: must be a finite number (got {_shown(value)})")
     return number
 
 
@@ -788,7 +817,8 @@ def _reject_unknown(data: dict[str, Any], known: set[str], where: str) -> None:
     for key in data:
         if key not in known:
             raise ConfigError(
-                f"{_join(where, str(key))}: unknown key; allowed: {', '.join(sorted(known))}"
+                f"{_join(where, key if isinstance(key, str) else _shown(key))}: unknown key;"
+                f" allowed: {', '.join(sorted(known))}"
             )
 
 

@@ -88,9 +88,9 @@ def patch_times(entry: dict[str, Any]) -> dict[str, Any]:
     """When each key of a (compacted) patch was changed: its own record, else
     the patch's time (an older Ferry's)."""
     times = entry.get("changed_at")
-    if isinstance(times, dict):
-        return times
-    return dict.fromkeys(entry["op"]["changes"], entry.get("at"))
+    times = times if isinstance(times, dict) else {}
+    at = entry.get("at")
+    return {k: at if times.get(k) is None else times[k] for k in entry["op"]["changes"]}
 
 
 class FleetError(Exception):
@@ -250,18 +250,32 @@ class Fleet:
                 f"instances: {clash[0]!r} is an instance DNS discovery found",
                 "instance_exists",
             )
-        added, changed = [], []
         going = set(current) - set(wanted)
-        for name, instance in wanted.items():
+        # The file cannot list a server twice (parse_config); an instance it does
+        # not list that stays (discovered, not leaving) must not be one of its
+        # servers either. Checked before anything changes: a reload is all or nothing.
+        staying = [
+            (n, s.config)
+            for n, s in self.cluster.instances.items()
+            if n not in current and n not in wanted and not s.leaving
+        ]
+        for i, instance in enumerate(new.instances):
+            twin = next((n for n, c in staying if c.same_server(instance)), None)
+            if twin is not None:
+                message = f"instances[{i}].url: the server of instance {twin!r} (discovered)"
+                raise FleetError(409, message, "instance_exists")
+        changed = []
+        for name, instance in wanted.items():  # first, so an added one may take an old URL
             if name not in current:
-                self.add(instance, replacing=going)
-                added.append(name)
                 continue
             if name in self._removals:  # back in the file before it was gone
                 self.undrain(name)
             if instance != current[name]:
                 self.cluster.reconfigure(instance)
                 changed.append(name)
+        added = [name for name in wanted if name not in current]
+        for name in added:
+            self.add(wanted[name], replacing=going)
         # Removed last, so their streams can move to instances added or changed above.
         removed = [n for n in current if n not in wanted and n not in self._removals]
         for name in removed:

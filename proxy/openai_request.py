@@ -123,17 +123,19 @@ def parse(
 
 
 def _count(value: Any) -> int | None:
-    """An integer as pydantic's lax mode reads one: 2, 2.0 or "2"; None otherwise."""
+    """An integer as pydantic's lax mode reads one: 2, 2.0, "2", "2.0", or true
+    (1); None otherwise."""
     if isinstance(value, str):
         try:
-            value = int(value.strip())
+            value = float(value) if _DECIMAL.fullmatch(value.strip()) else None
         except ValueError:
             return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    return int(value) if isinstance(value, int) else None
+
+
+_DECIMAL = re.compile(r"[-+]?\d+(\.0*)?")
 
 
 def _read_flags(body: dict[str, Any], names: tuple[str, ...], where: str) -> None:

@@ -485,7 +485,8 @@ class Relay:
                 out = read(data)
                 if out:
                     if response is None:
-                        response = await sse.open_response(request, call.instance)
+                        events = relay is not _as_is  # a pass-through's bytes are as they come
+                        response = await sse.open_response(request, call.instance, events)
                         # From here chunks go out from the connection's callback
                         # while the client keeps up (proxy/tap.py), and come here otherwise.
                         transport = sse.client_transport(response)
@@ -662,10 +663,10 @@ def _upstream_failed(instance: str, exc: BaseException) -> web.Response:
 
 
 def _json_object(raw: bytes) -> bool:
-    try:
-        return isinstance(sse.loads(raw), dict)
-    except (ValueError, RecursionError):
-        return False
+    """Whether `raw` looks like a JSON object: the ends only (an answer is read
+    whole and is at most `max_answer_bytes`; a parse would cost as much again)."""
+    raw = raw.strip()
+    return raw.startswith(b"{") and raw.endswith(b"}")
 
 
 def _message_of(raw: bytes) -> str:

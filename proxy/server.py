@@ -240,7 +240,7 @@ def build_app(
     app.router.add_get("/version", _passthrough)  # the engine's version, as vLLM answers it
     app.router.add_get("/health", _health)
     # vLLM's SageMaker-style health check, GET or POST: Ferry's readiness here.
-    app.router.add_route("GET", "/ping", _readyz)
+    app.router.add_get("/ping", _readyz)
     app.router.add_post("/ping", _readyz)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
@@ -461,19 +461,21 @@ def _model_cards(cluster: Cluster) -> dict[str, dict[str, Any]]:
 
 def _implied_model(cluster: Cluster) -> str | None:
     """The model of a request that names none. vLLM serves its first model
-    name then; where every instance serves the same models, that is the same
-    model anywhere, so the request names it and goes where it is served. None
-    where no instance has said what it serves (any instance will do); a 400
-    where they serve different models."""
-    served = {s.models: s for s in cluster.instances.values() if s.model_cards}
-    if not served:
-        return None
-    if len(served) > 1:
-        names = sorted({m for models in served for m in models})
-        message = f"'model' is required: the instances serve different models ({names})"
+    name then (not an alias after it, nor a LoRA adapter, whose card names a
+    `parent`); where every healthy instance has the same first model, the
+    request names it and goes where it is served. None where no healthy
+    instance has said what it serves (any instance will do); a 400 where their
+    first models differ."""
+    firsts = {
+        str(bases[0]["id"])
+        for state in cluster.instances.values()
+        if state.healthy
+        and (bases := [c for c in state.model_cards if not c.get("parent")] or state.model_cards)
+    }
+    if len(firsts) > 1:
+        message = f"'model' is required: the instances serve different models ({sorted(firsts)})"
         raise openai_request.BadRequest(message, param="model")
-    (state,) = served.values()
-    return str(state.model_cards[0]["id"])
+    return firsts.pop() if firsts else None
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -576,6 +578,7 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         if orphan_watch is not None:
             orphan_watch.cancel()
         await site.stop()  # no new connections
+        await asyncio.sleep(0)  # those just accepted start their requests (as aiohttp does)
         if runner.server is not None:
             runner.server.pre_shutdown()  # nor requests: keep-alive ends with each one
         await app[IN_FLIGHT].finish(config.server.shutdown_grace_s)

@@ -631,7 +631,7 @@ def _merged(*histories: list[dict[str, Any]]) -> list[dict[str, Any]]:
     change once, applied in the order they were made (by the wall clock of the
     process that made it; an older Ferry's, with no time, first)."""
     changes: dict[str, dict[str, Any]] = {}
-    for entry in (e for history in histories for e in history for e in _unmerged(e)):
+    for entry in (part for history in histories for e in history for part in _unmerged(e)):
         changes.setdefault(json.dumps(entry, sort_keys=True), entry)
     out: list[dict[str, Any]] = []
     for entry in sorted(changes.values(), key=lambda e: _float(e.get("at"))):

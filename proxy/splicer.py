@@ -200,7 +200,7 @@ class Splicer:
             self.usage_sent = True
         if self.segment == 0 and isinstance(chunk.get("usage"), dict):
             extras = {k: v for k, v in chunk["usage"].items() if k not in _USAGE_COUNTS}
-            self._usage_extras.setdefault(not choices, extras)
+            self._usage_extras[not choices] = extras  # as of the cut (reasoning_tokens grow)
         if self.segment == 0:
             return self._original(chunk, choices, event)
         return self._continued(chunk, choices)

@@ -168,10 +168,11 @@ _BACKLOG_BYTES = 16 * 1024
 class _Client:
     """Where a stream's bytes go, for `write`: its socket and its send timeout."""
 
-    __slots__ = ("transport", "timeout_s")
+    __slots__ = ("transport", "timeout_s", "ending")
 
     def __init__(self, transport: asyncio.Transport | None, timeout_s: float) -> None:
         self.transport, self.timeout_s = transport, timeout_s
+        self.ending = False  # `finish` began: its last bytes are on their way
 
 
 _CLIENT = web.ResponseKey("ferry_client", _Client)  # a streamed response's `_Client`
@@ -186,8 +187,13 @@ def client_transport(response: web.StreamResponse) -> asyncio.Transport | None:
 _OPEN = web.RequestKey("ferry_stream", web.StreamResponse)  # the stream a request opened
 
 
-async def open_response(request: web.Request, instance: str) -> web.StreamResponse:
-    response = request[_OPEN] = web.StreamResponse(
+async def open_response(
+    request: web.Request, instance: str, events: bool = True
+) -> web.StreamResponse:
+    """Open a stream to the client. `events`: its bytes go out whole events at a
+    time (Ferry's own streams, not a pass-through's), so that `end_cut` can end
+    it with one."""
+    response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -199,6 +205,8 @@ async def open_response(request: web.Request, instance: str) -> web.StreamRespon
         await response.prepare(request)
     except ConnectionResetError as exc:  # aiohttp's is a ClientConnectionError too
         raise ClientGone(str(exc)) from exc
+    if events:
+        request[_OPEN] = response
     return response
 
 
@@ -208,9 +216,12 @@ def end_cut(request: web.Request, message: str) -> None:
     than read a stream that stops. Written at once: the caller's task is being
     cancelled and awaits nothing more."""
     response = request.get(_OPEN)
-    transport = None if response is None else client_transport(response)
-    if response is None or transport is None or transport.is_closing() or response._eof_sent:
-        return  # none opened, its client gone, or over (a byte more would start another)
+    client = None if response is None else response.get(_CLIENT)
+    if response is None or client is None or client.ending:
+        return  # none opened, or over (a byte more would start another answer)
+    transport = client.transport
+    if transport is None or transport.is_closing():
+        return  # its client is gone
     body = error_event(503, message) + DONE
     if response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked":  # as aiohttp framed it
         body = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
@@ -257,6 +268,8 @@ async def finish(response: web.StreamResponse, data: bytes | None = None) -> boo
     the body's terminator had its stream: one that read [DONE] may close at once."""
     client: _Client | None = response.get(_CLIENT)
     timeout_s = client.timeout_s if client is not None and client.timeout_s else None
+    if client is not None:
+        client.ending = True
     try:
         async with asyncio.timeout(timeout_s):
             if data:

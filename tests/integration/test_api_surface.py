@@ -558,3 +558,21 @@ def test_a_whole_200_that_is_no_answer_is_tried_elsewhere(standins: Any, ferry: 
         assert answer.headers["x-ferry-instance"] == "i1"
     alone = ferry([bad_site.url])
     assert_openai_error(httpx.post(alone.url + "/v1/completions", json=body), 502, "upstream_error")
+
+
+def test_a_body_naming_no_model_gets_the_base_model_beside_aliases_and_adapters(
+    standins: Any, ferry: Any
+) -> None:
+    """vLLM serves its first model name to a body that names none: an alias
+    listed after it or a LoRA adapter (a card with a `parent`) on one instance
+    does not make the instances differ."""
+    (lora, site_a), (_, site_b) = standins(2)
+    cards = [
+        {"id": "standin", "object": "model", "max_model_len": 4096},
+        {"id": "my-lora", "object": "model", "parent": "standin"},
+    ]
+    lora.models_body = json.dumps({"object": "list", "data": cards}).encode()
+    proxy = ferry([site_a.url, site_b.url])
+    for _ in range(2):
+        answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert answer.status_code == 200, answer.text

@@ -86,7 +86,7 @@ def test_every_client_route_asks_for_the_key_and_probes_do_not(keyed: tuple[Any,
     ):
         assert httpx.request(method, proxy.url + path, json=body).status_code == 401, path
         assert httpx.request(method, proxy.url + path, json=body, headers=key).status_code != 401
-    for path in ("/health", "/livez", "/readyz", "/metrics"):
+    for path in ("/health", "/livez", "/readyz", "/ping", "/metrics"):
         assert httpx.get(proxy.url + path).status_code == 200, path
     # A header that is not UTF-8 is a wrong key, not a server error, on both.
     raw = {"Authorization": b"Bearer \xff\xfe"}

@@ -413,3 +413,35 @@ def test_a_removal_called_off_as_it_stops_the_scrapes_leaves_the_instance_scrape
     assert row["healthy"] and not row["draining"] and not row["removing"]
     sites[1][0].metrics_body = b"not metrics"
     wait_until(lambda: not rows(proxy.url)["i1"]["healthy"])
+
+
+def test_a_reload_that_gives_a_new_instance_an_old_url_applies_whole(
+    standins: Any, loop_thread: Any, tmp_path: Path
+) -> None:
+    """An instance that moves to another server frees its URL for one the same
+    file adds before it: the reload applies (it was refused half done, with the
+    added instance left running, because the add came first)."""
+    (_, one), (_, two), (_, three), (_, four) = standins(4)
+    path = tmp_path / "ferry.yaml"
+
+    def write(instances: list[dict[str, str]]) -> None:
+        path.write_text(json.dumps({"instances": instances, "admin_token": TOKEN}))
+
+    write([{"name": "a", "url": one.url}, {"name": "c", "url": two.url}])
+    proxy = Ferry(loop_thread, load_config(path), load=lambda: load_config(path))
+    try:
+        write(
+            [
+                {"name": "n1", "url": three.url},
+                {"name": "y", "url": one.url},  # a's server, before a moves on
+                {"name": "a", "url": four.url},
+                {"name": "c", "url": two.url},
+            ]
+        )
+        code, summary = send(proxy.url + "/admin/reload", "POST")
+        assert code == 200, summary
+        assert (summary["added"], summary["changed"]) == (["n1", "y"], ["a"])
+        urls = {name: row["url"] for name, row in rows(proxy.url).items()}
+        assert urls == {"n1": three.url, "y": one.url, "a": four.url, "c": two.url}
+    finally:
+        proxy.close()

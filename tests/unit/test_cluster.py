@@ -176,8 +176,14 @@ def test_an_outage_and_its_end_are_logged_once_each(caplog: pytest.LogCaptureFix
     cluster.mark_unreachable("a", "ClientConnectorError: refused")
     cluster.mark_unreachable("a", "ClientConnectorError: refused")
     cluster.record_scrape("a", snapshot(), now=3.0)
+    cluster.mark_unreachable("a", "ClientConnectorError: refused")  # then its looks fail too
+    for _ in range(5):
+        cluster.record_scrape_failure("a", "refused")
+    cluster.record_scrape("a", snapshot(), now=4.0)
     assert [r.getMessage() for r in caplog.records] == [
-        "instance a is unhealthy: 3 looks failed: refused",
+        "instance a is unhealthy after 3 failed looks: refused",
+        "instance a is healthy",
+        "instance a is unreachable, no traffic until it answers: ClientConnectorError: refused",
         "instance a is healthy",
         "instance a is unreachable, no traffic until it answers: ClientConnectorError: refused",
         "instance a is healthy",

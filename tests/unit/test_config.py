@@ -392,3 +392,35 @@ def test_one_url_with_another_rank_header_is_another_instance() -> None:
         for n in range(2)
     ]
     assert [i.name for i in parse_config(base(instances=ranks)).instances] == ["r0", "r1"]
+
+
+def test_a_yaml_alias_bomb_is_refused_in_a_short_message(tmp_path: Path) -> None:
+    """Nine levels of aliases are 500 bytes of YAML that repr() made gigabytes
+    of, on the event loop when a reload read it."""
+    items = ["    - &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    items += [f"    - &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    instances = "instances: [{name: a, url: 'http://h:1'}]"
+    path.write_text("\n".join([instances, "server:", "  port:", *items]) + "\n")
+    with pytest.raises(ConfigError, match="server.port: must be int") as caught:
+        load_config(path)
+    assert len(str(caught.value)) < 500
+
+
+@pytest.mark.parametrize("word", ["on", "yes", "true"])
+def test_a_mode_yaml_reads_as_a_boolean_is_named_with_the_modes(word: str, tmp_path: Path) -> None:
+    path = tmp_path / "f.yaml"
+    path.write_text(f"instances: [{{name: a, url: 'http://h:1', migration: {word}}}]\n")
+    expected = r"instances\[0\]\.migration: must be one of off, lite, full \(got True\)"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(path)
+
+
+def test_a_float_yaml_reads_as_text_is_a_float(tmp_path: Path) -> None:
+    """YAML 1.1 reads 1e4 (no dot) as text; it means 10,000."""
+    path = tmp_path / "f.yaml"
+    path.write_text(
+        "instances: [{name: a, url: 'http://h:1'}]\n"
+        "scheduler:\n  migration_prefill_tokens_per_s: 2e4\n"
+    )
+    assert load_config(path).scheduler.migration_prefill_tokens_per_s == 20_000.0

@@ -91,3 +91,22 @@ def test_a_stale_account_merged_with_a_full_one_leaves_the_instance_as_all_chang
     everything = apply([op for op, _ in made])
     assert apply([e["op"] for e in _merged(stale, full)]) == everything
     assert apply([e["op"] for e in _merged(full, stale)]) == everything
+
+
+def test_a_merged_patch_without_a_time_for_a_key_takes_its_own() -> None:
+    """A Ferry before per-key times wrote merged patches with none, or with the
+    newest change's record only: each key missing a time has the patch's, so
+    it is not put before an add it came after (and dropped)."""
+    add = {"origin": "a", "op": {"op": "add", "instance": {"name": NAME, "url": "u"}}, "at": 1.0}
+    old = {
+        "origin": "a",
+        "op": {"op": "patch", "name": NAME, "changes": {"migration": "lite", "labels": 2}},
+    }
+    old |= {"at": 2.0, "changed_at": {"labels": 2.0}}  # migration's time not recorded
+    merged = _merged([add, old], [add])
+    assert apply([e["op"] for e in merged])["config"] == {
+        "name": NAME,
+        "url": "u",
+        "migration": "lite",
+        "labels": 2,
+    }
