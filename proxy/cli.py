@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -49,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="URL",
         help="share the cluster view with other processes and replicas through this Redis",
     )
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    )
 
     init = sub.add_parser("init", help="write the documented example configuration")
     init.add_argument("path", nargs="?", default="ferry.yaml", help="where ('-': stdout)")
@@ -208,7 +214,22 @@ def _serve_one(args: argparse.Namespace) -> int:
     except unavailable as exc:
         print(f"ferry: {exc}", file=sys.stderr)
         sys.exit(1)
+    except OSError as exc:
+        if not _cannot_listen(exc):
+            raise
+        where = f"{config.server.host}:{config.server.port}"
+        print(f"ferry: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+        sys.exit(1)
     return 0
+
+
+def _cannot_listen(exc: OSError) -> bool:
+    """The listen address is taken, not this host's, or not a name at all."""
+    import errno
+    import socket
+
+    listen = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+    return isinstance(exc, socket.gaierror) or exc.errno in listen
 
 
 def _log_setup(args: argparse.Namespace, *, worker: bool) -> None:
@@ -240,6 +261,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
             args.backend, policy=args.policy or "llumnix", migration=args.migration or "off"
         )
     server = config.server
+    if args.port is not None and not 0 <= args.port <= 65535:  # as server.port
+        raise ConfigError(f"--port: must be between 0 and 65535 (got {args.port})")
     if args.host or args.port is not None:
         server = dataclasses.replace(
             server,
@@ -280,7 +303,15 @@ def _admin(args: argparse.Namespace, path: str, method: str = "GET", body: Any =
         print(f"ferry {args.command}: HTTP {exc.code}: {detail}", file=sys.stderr)
     except (urllib.error.URLError, OSError) as exc:
         print(f"ferry {args.command}: cannot reach {args.url}: {exc}", file=sys.stderr)
+    except ValueError as exc:  # a token or URL no HTTP request can carry
+        print(f"ferry {args.command}: {exc}", file=sys.stderr)
     raise SystemExit(1)
+
+
+def _instance_path(name: str) -> str:
+    """An instance's admin path, its name quoted: `a/drain?` names an instance,
+    not another route."""
+    return "/admin/instances/" + urllib.parse.quote(name, safe="")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -290,16 +321,17 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    row = _admin(args, f"/admin/instances/{args.name}/drain?migrate=true", "POST")
+    row = _admin(args, f"{_instance_path(args.name)}/drain?migrate=true", "POST")
     print(f"draining {args.name}: {row['inflight']} in flight, {row.get('migrating', 0)} moving")
+    # Removed meanwhile (by a reload, or by hand): nothing left on it either.
     return _wait_empty(
-        args, lambda rows: next(r["inflight"] for r in rows if r["name"] == args.name)
+        args, lambda rows: next((r["inflight"] for r in rows if r["name"] == args.name), 0)
     )
 
 
 def _remove(args: argparse.Namespace) -> int:
     migrate = "false" if args.no_migrate else "true"
-    row = _admin(args, f"/admin/instances/{args.name}?migrate={migrate}", "DELETE")
+    row = _admin(args, f"{_instance_path(args.name)}?migrate={migrate}", "DELETE")
     print(f"removing {args.name}: {row['inflight']} in flight, {row.get('migrating', 0)} moving")
     if args.no_wait:
         return 0
@@ -332,6 +364,9 @@ def _add(args: argparse.Namespace) -> int:
     if args.migration:
         body["migration"] = args.migration
     if args.label:
+        if bad := [item for item in args.label if "=" not in item]:
+            print(f"ferry add: --label {bad[0]!r}: must be KEY=VALUE", file=sys.stderr)
+            return 2
         body["labels"] = dict(item.split("=", 1) for item in args.label)
     if args.api_key:
         body["api_key"] = args.api_key
@@ -341,7 +376,7 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _undrain(args: argparse.Namespace) -> int:
-    row = _admin(args, f"/admin/instances/{args.name}/undrain", "POST")
+    row = _admin(args, f"{_instance_path(args.name)}/undrain", "POST")
     print(f"{row['name']} takes traffic again")
     return 0
 

@@ -599,8 +599,8 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         )
     if not 0.01 <= s.scrape_interval_s <= 60:
         raise ConfigError("scheduler.scrape_interval_s: must be between 0.01 and 60 seconds")
-    if s.scrape_timeout_s <= 0:
-        raise ConfigError("scheduler.scrape_timeout_s: must be positive")
+    if s.scrape_timeout_s <= 0 or s.models_refresh_s <= 0:
+        raise ConfigError("scheduler.scrape_timeout_s, models_refresh_s: must be positive")
     if s.unhealthy_after_failures < 1:
         raise ConfigError("scheduler.unhealthy_after_failures: must be at least 1")
     if s.topk < 1:
@@ -683,6 +683,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.max_answer_bytes: must be at least 1 MiB")
     if s.shutdown_delay_s < 0 or s.shutdown_grace_s < 0:
         raise ConfigError("server.shutdown_delay_s, shutdown_grace_s: must not be negative")
+    if s.retry_after_s < 0:
+        raise ConfigError(f"server.retry_after_s: must not be negative (got {s.retry_after_s})")
 
 
 def _check_sharing(s: SharingConfig) -> None:

@@ -527,7 +527,11 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         backlog=1024,
         reuse_port=config.server.workers > 1,
     )
-    await site.start()
+    try:
+        await site.start()
+    except OSError:  # the address taken, say: the app's parts stop as they started
+        await runner.cleanup()
+        raise
     log.info(
         "ferry listening on http://%s:%d (%d instances, policy %s, %s)",
         config.server.host,

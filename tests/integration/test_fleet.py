@@ -266,6 +266,20 @@ def test_sighup_and_the_cli_change_a_running_ferry(standins: Any, tmp_path: Path
         assert cli("add", "c", site_c.url).returncode == 1  # 409: the name exists
         assert cli("drain", "c").returncode == 0
         assert cli("undrain", "c").returncode == 0 and not rows(url)["c"]["draining"]
+        # A name is a name: `c/drain?` is no instance (it drained c, through the route).
+        done = cli("undrain", "c/drain?")
+        assert done.returncode == 1 and "HTTP 404" in done.stderr
+        assert not rows(url)["c"]["draining"]
+        done = cli("add", "d", site_c.url, "--label", "spare")
+        assert done.returncode == 2 and "--label 'spare': must be KEY=VALUE" in done.stderr
+        # Its port taken: one line, not a traceback.
+        taken = subprocess.run(
+            [sys.executable, "-m", "proxy.cli", "serve", "--backend", site_b.url,
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert taken.returncode == 1 and "Traceback" not in taken.stderr, taken.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in taken.stderr
         done = cli("remove", "a")  # waits until a's streams end and it is gone
         assert done.returncode == 0, done.stderr
         join(threads)
