@@ -112,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         return _serve(args)
-    if args.command == "init":
-        return _init(args)
-    if args.command == "trace":
-        return trace.run(args)
-    if args.command == "sim":
-        return sim.run(args)
+    offline = {"init": _init, "trace": trace.run, "sim": sim.run}
+    if args.command in offline:
+        try:
+            return int(offline[args.command](args))
+        except OSError as exc:  # a file or folder it reads or writes
+            print(f"ferry {args.command}: {exc}", file=sys.stderr)
+            return 1
+        except ValueError as exc:  # arguments out of range, a file not of its kind
+            print(f"ferry {args.command}: {exc}", file=sys.stderr)
+            return 2
     admin = {
         "status": _status,
         "drain": _drain,

@@ -308,6 +308,9 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
     token = top.get("admin_token")
     if token is not None and not isinstance(token, str):
         raise ConfigError("admin_token: must be a string")
+    token = token or env.get("FERRY_ADMIN_TOKEN") or None
+    if token is not None:
+        _check_key(token, "admin_token (or FERRY_ADMIN_TOKEN)")
     redis_url = top.get("redis_url")
     if redis_url is not None:
         check_redis_url(redis_url, "redis_url")
@@ -315,7 +318,7 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
         instances=instances,
         scheduler=scheduler,
         server=server,
-        admin_token=token or env.get("FERRY_ADMIN_TOKEN") or None,
+        admin_token=token,
         api_keys=_api_keys(top, env),
         discovery=discovery,
         redis_url=redis_url or None,
@@ -349,8 +352,10 @@ def _api_keys(top: dict[str, Any], env: dict[str, str]) -> tuple[str, ...]:
 
 
 def _check_key(key: str, where: str) -> None:
-    if not key or any(c.isspace() for c in key):
-        raise ConfigError(f"{where}: must be a key: not empty, no spaces")
+    """A bearer token as a header carries it: visible ASCII (HTTP clients send
+    headers as Latin-1, servers read UTF-8; a space is trimmed off)."""
+    if not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        raise ConfigError(f"{where}: must be a key: visible ASCII characters, no spaces")
 
 
 def check_redis_url(url: Any, where: str) -> None:

@@ -192,6 +192,9 @@ class Fleet:
         raw = {"name": name, "url": old.url, "engine": old.engine, **changes}
         parsed = _parse(lambda: parse_instance(raw, "instance"))
         new = dataclasses.replace(old, **{key: getattr(parsed, key) for key in changes})
+        for other, state in self.cluster.instances.items():  # headers tell servers apart
+            if other != name and not state.leaving and state.config.same_server(new):
+                raise FleetError(409, f"instance {other!r} is that server", "instance_exists")
         self.cluster.reconfigure(new)
         self._changed()
         log.info("instance %s changed: %s", name, ", ".join(sorted(changes)) or "nothing")

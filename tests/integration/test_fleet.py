@@ -459,3 +459,20 @@ def test_a_reload_that_gives_a_new_instance_an_old_url_applies_whole(
         assert urls == {"n1": three.url, "y": one.url, "a": four.url, "c": two.url}
     finally:
         proxy.close()
+
+
+def test_a_patch_that_makes_an_instance_another_ones_server_is_refused(
+    standins: Any, ferry: Any
+) -> None:
+    """One URL with another `x-data-parallel-rank` header is another server; a
+    PATCH that drops the header would make two instances bill one server (an
+    add of the same is refused too)."""
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url], admin_token=TOKEN)
+    rank = {"name": "d1", "url": site.url, "headers": {"x-data-parallel-rank": "1"}}
+    assert send(proxy.url + "/admin/instances", "POST", rank)[0] == 201
+    code, err = send(proxy.url + "/admin/instances/d1", "PATCH", {"headers": {}})
+    assert code == 409 and "'i0' is that server" in err["error"]["message"]
+    assert send(proxy.url + "/admin/instances", "POST", {**rank, "name": "d2"})[0] == 409
+    rank2 = {"headers": {"x-data-parallel-rank": "2"}}
+    assert send(proxy.url + "/admin/instances/d1", "PATCH", rank2)[0] == 200
