@@ -3,10 +3,12 @@ front of a stand-in server (not vLLM)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +18,30 @@ import pytest
 from tests.helpers import ferry_process, status, wait_until
 
 
+@contextlib.contextmanager
+def serving(config: dict[str, Any], path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`ferry serve` as a process, killed after the test if it did not exit."""
+    proc, url = ferry_process(config, path, stderr=subprocess.PIPE)
+    try:
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
 def test_sigterm_stops_readiness_at_once_and_finishes_streams(
     standins: Any, tmp_path: Path
 ) -> None:
     [(_, site)] = standins(1, itl_s=0.05)  # 40 tokens: a 2 s stream
-    proc, url = ferry_process(
-        {
-            "instances": [{"name": "a", "url": site.url}],
-            "scheduler": {"scrape_interval_s": 0.1},
-            "server": {"shutdown_delay_s": 1.0, "shutdown_grace_s": 10.0},
-        },
-        tmp_path / "ferry.yaml",
-        stderr=subprocess.PIPE,
-    )
-    try:
+    config = {
+        "instances": [{"name": "a", "url": site.url}],
+        "scheduler": {"scrape_interval_s": 0.1},
+        "server": {"shutdown_delay_s": 1.0, "shutdown_grace_s": 10.0},
+    }
+    with serving(config, tmp_path / "ferry.yaml") as (proc, url):
         assert status(url + "/livez") == 200
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         texts: list[str] = []
@@ -52,12 +64,6 @@ def test_sigterm_stops_readiness_at_once_and_finishes_streams(
         streaming.join(15)
         assert texts == [" tok" * 40]  # not cut by the shutdown
         assert proc.wait(15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stderr is not None
-        proc.stderr.close()
 
 
 @pytest.mark.parametrize("migration", ["off", "lite"])
@@ -70,12 +76,8 @@ def test_a_stream_past_the_grace_is_cut_when_it_ends_and_told_so(
     [(_, site)] = standins(1, itl_s=0.05)  # 400 tokens: a 20 s stream
     delay_s, grace_s = 0.5, 2.0
     server = {"shutdown_delay_s": delay_s, "shutdown_grace_s": grace_s}
-    proc, url = ferry_process(
-        {"instances": [{"name": "a", "url": site.url, "migration": migration}], "server": server},
-        tmp_path / "ferry.yaml",
-        stderr=subprocess.PIPE,
-    )
-    try:
+    config = {"instances": [{"name": "a", "url": site.url, "migration": migration}]}
+    with serving({**config, "server": server}, tmp_path / "ferry.yaml") as (proc, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         chunks = client.completions.create(model="standin", prompt="x", max_tokens=400, stream=True)
         next(iter(chunks))  # under way
@@ -87,12 +89,6 @@ def test_a_stream_past_the_grace_is_cut_when_it_ends_and_told_so(
         cut_s = time.monotonic() - sent
         assert delay_s + grace_s - 0.2 < cut_s < delay_s + grace_s + 1.0, cut_s
         assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stderr is not None
-        proc.stderr.close()
 
 
 def test_readyz_is_503_while_no_instance_can_take_traffic(ferry: Any) -> None:
