@@ -42,6 +42,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from proxy import sse
 from proxy.metrics import FerryMetrics
 
 
@@ -136,8 +137,8 @@ def middleware(metrics: FerryMetrics, enabled: bool, spans: Spans | None = None)
         except web.HTTPException as exc:
             record.status = exc.status
             raise
-        except asyncio.CancelledError:  # the client hung up
-            record.outcome = "client_disconnect"
+        except asyncio.CancelledError:  # the client hung up, or a shutdown cut it
+            record.outcome = sse.cancelled(request)
             raise
         except Exception:
             record.status = 500
@@ -145,6 +146,8 @@ def middleware(metrics: FerryMetrics, enabled: bool, spans: Spans | None = None)
         finally:
             if record.outcome == "client_disconnect":
                 record.status = 499  # nginx's code for it
+            elif record.outcome == "shutdown":
+                record.status = 503
             _finish(record, metrics, enabled)
             if span is not None:
                 assert spans is not None

@@ -181,9 +181,10 @@ class Relay:
                 )
                 tried.add(name)
                 continue
-            except asyncio.CancelledError:  # the client left before the instance answered
-                self._judge(retried, "client_disconnect")
-                self._count(name, "client_disconnect", "client_disconnect")
+            except asyncio.CancelledError:  # before the instance answered
+                outcome = sse.cancelled(request)
+                self._judge(retried, outcome)
+                self._count(name, outcome, outcome)
                 raise
             outcome = "error"
             error: str | None = None  # what broke, where it says more than the outcome
@@ -249,7 +250,7 @@ class Relay:
                 tried.add(name)
                 continue
             except asyncio.CancelledError:
-                outcome = "client_disconnect"
+                outcome = sse.cancelled(request)
                 raise
             finally:
                 call.close()

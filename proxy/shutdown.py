@@ -33,8 +33,7 @@ class InFlight:
     """The request handlers running now."""
 
     def __init__(self) -> None:
-        self.tasks: set[asyncio.Task[object]] = set()
-        self.shutting_down = False
+        self.tasks: dict[asyncio.Task[object], web.Request] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -42,16 +41,16 @@ class InFlight:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         task = asyncio.current_task()
         assert task is not None  # aiohttp runs each request in a task of its own
-        self.tasks.add(task)
+        self.tasks[task] = request
         self._idle.clear()
         try:
             return await handler(request)
         except asyncio.CancelledError:
-            if self.shutting_down:  # cut by `finish`, not by a client that left
+            if request.get(sse.CUT):  # by `finish`, not by a client that left
                 sse.end_cut(request, CUT_MESSAGE)
             raise
         finally:
-            self.tasks.discard(task)
+            del self.tasks[task]
             if not self.tasks:
                 self._idle.set()
 
@@ -63,10 +62,10 @@ class InFlight:
             return 0
         except TimeoutError:
             pass
-        self.shutting_down = True
         left = list(self.tasks)
         log.warning("shutdown grace of %.1f s over: cutting %d requests", grace_s, len(left))
-        for task in left:
+        for task, request in self.tasks.items():
+            request[sse.CUT] = True  # its outcome: "shutdown", not a client that left
             task.cancel()
         await asyncio.wait(left, timeout=CUT_WAIT_S)
         return len(left)

@@ -185,6 +185,12 @@ def client_transport(response: web.StreamResponse) -> asyncio.Transport | None:
 
 
 _OPEN = web.RequestKey("ferry_stream", web.StreamResponse)  # the stream a request opened
+CUT = web.RequestKey("ferry_cut", bool)  # cancelled by a shutdown (proxy/shutdown.py)
+
+
+def cancelled(request: web.Request) -> str:
+    """The outcome of a request whose handler was cancelled."""
+    return "shutdown" if request.get(CUT) else "client_disconnect"
 
 
 async def open_response(

@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from proxy.server import IN_FLIGHT
 from tests.helpers import ferry_process, status, wait_until
 
 
@@ -95,3 +97,37 @@ def test_readyz_is_503_while_no_instance_can_take_traffic(ferry: Any) -> None:
     proxy = ferry(["http://127.0.0.1:9"])  # nothing listens there
     assert status(proxy.url + "/readyz") == 503
     assert status(proxy.url + "/livez") == 200
+
+
+def test_requests_cut_by_a_shutdown_are_counted_as_such(
+    standins: Any, ferry: Any, loop_thread: Any
+) -> None:
+    """A stream and a whole request cut when the grace is over are `shutdown` in
+    `ferry_requests_total`, not clients that hung up (a deploy would look like
+    one), and the stream's client reads why."""
+    [(_, site)] = standins(1, itl_s=0.02)  # 200 tokens: 4 s
+    proxy = ferry([site.url])
+    body = {"model": "standin", "prompt": "x", "max_tokens": 200}
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    chunks = client.completions.create(stream=True, **body)
+    next(iter(chunks))
+    answered: list[int] = []
+
+    def whole() -> None:
+        try:
+            answered.append(httpx.post(proxy.url + "/v1/completions", json=body).status_code)
+        except httpx.HTTPError:
+            answered.append(0)  # its connection closed: nothing was answered
+
+    waiting = threading.Thread(target=whole)
+    waiting.start()
+    wait_until(lambda: proxy.view("i0").inflight == 2)
+    assert loop_thread.run(proxy.site.app[IN_FLIGHT].finish(0.1)) == 2
+    with pytest.raises(openai.APIError, match="shut down before this stream finished"):
+        for _ in chunks:
+            pass
+    waiting.join(10)
+    assert answered == [0]
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_requests_total{instance="i0",outcome="shutdown"} 2.0' in metrics
+    assert "client_disconnect" not in metrics
