@@ -433,3 +433,19 @@ def test_an_admin_token_no_header_carries_as_written_is_refused(token: str) -> N
     raw = {"instances": [{"name": "a", "url": "http://h:1"}], "admin_token": token}
     with pytest.raises(ConfigError, match="admin_token .*visible ASCII"):
         parse_config(raw)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "says"),
+    [
+        ("server", "retry_after_s", -5, r"server.retry_after_s: must not be negative"),
+        ("scheduler", "models_refresh_s", 0, r"models_refresh_s: must be positive"),
+    ],
+)
+def test_bounds_a_client_or_an_engine_would_feel(
+    section: str, key: str, value: float, says: str
+) -> None:
+    """`Retry-After: -5` reached clients; a refresh of 0 fetched /v1/models every scrape."""
+    raw = {"instances": [{"name": "a", "url": "http://h:1"}], section: {key: value}}
+    with pytest.raises(ConfigError, match=says):
+        parse_config(raw)

@@ -1,0 +1,44 @@
+"""`ferry`'s commands answer a mistake in one line and an exit code, not a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        (["init", "/nonexistent/dir/ferry.yaml"], 1, "No such file or directory"),
+        (["sim", "--trace", "/nonexistent.jsonl", "--instances", "2", "--policy", "llumnix"],
+         1, "No such file or directory"),
+        (["serve", "--backend", "http://127.0.0.1:1", "--port", "99999"], 2, "--port: must be"),
+    ],
+)  # fmt: skip
+def test_a_mistake_is_one_line(
+    argv: list[str], code: int, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        raise SystemExit(main(argv))
+    assert exited.value.code == code
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_sim_refuses_a_file_that_is_no_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "ferry.yaml"
+    trace.write_text("instances: []\n")
+    argv = ["sim", "--trace", str(trace), "--instances", "2", "--policy", "llumnix"]
+    assert main(argv) == 2
+    assert "not a trace request" in capsys.readouterr().err
+
+
+def test_an_unknown_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--backend", "http://127.0.0.1:1", "--log-level", "loud"])
+    assert exited.value.code == 2 and "--log-level" in capsys.readouterr().err
