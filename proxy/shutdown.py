@@ -6,9 +6,9 @@ their request bodies (a handler past reading its body goes on) and waits as long
 again, so requests got twice the grace; then it cancels each handler and closes
 its connection in the same step, before the handler can write anything, so a
 cut stream just stopped and its client could not tell it from a finished one.
-Ferry keeps the handlers running now (`InFlight.middleware`), waits for them
-itself (`InFlight.finish`), and cancels what is left while its connection is
-still open: a cancelled stream ends with a 503 error event and [DONE] (which
+Ferry keeps a register of the handlers running (`InFlight.middleware`), waits
+for them itself (`InFlight.finish`), and cancels what is left while its
+connection is still open: a cancelled stream ends with a 503 error event and [DONE] (which
 the openai client raises), so its client knows to retry.
 """
 
