@@ -62,7 +62,7 @@ class InstanceConfig:
         """Both name one server the same way: listed twice, it would be billed
         twice. (One URL with another `x-data-parallel-rank` header is another rank
         of a vLLM data-parallel server: a server of its own to route to.)"""
-        return self.url.rstrip("/") == other.url.rstrip("/") and self.headers == other.headers
+        return _server_of(self.url) == _server_of(other.url) and self.headers == other.headers
 
     def auth_headers(self) -> dict[str, str]:
         """The headers every call to this instance carries."""
@@ -438,8 +438,8 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
         )
     if not _http_url(inst.url):
         raise ConfigError(
-            f"{where}.url: must be an http(s) base URL, without user, query or fragment"
-            f" (got {inst.url!r})"
+            f"{where}.url: must be an http(s) base URL (the server's root, not its /v1),"
+            f" without user, query, fragment or port 0 (got {inst.url!r})"
         )
     if inst.engine not in ENGINES:
         raise ConfigError(
@@ -492,7 +492,23 @@ def _http_url(url: Any) -> bool:
     except ValueError:  # "http://[::1", "http://host:99999"
         return False
     plain = not (parts.username or parts.password or parts.query or parts.fragment)
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and plain and "#" not in url
+    # Ferry appends /v1/...: a URL that ends in /v1 would be asked for /v1/v1/...
+    root = parts.port != 0 and not parts.path.rstrip("/").endswith("/v1")
+    return (
+        parts.scheme in ("http", "https")
+        and bool(parts.hostname)
+        and plain
+        and root
+        and "#" not in url
+    )
+
+
+def _server_of(url: str) -> tuple[str, str, int | None, str]:
+    """What a URL names, as a server sees it: HTTP://H:80/ and http://h are one."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    return scheme, parts.hostname or "", port, parts.path.rstrip("/")
 
 
 # An instance's name: in metrics labels, the admin API's paths, log lines and a

@@ -449,3 +449,21 @@ def test_bounds_a_client_or_an_engine_would_feel(
     raw = {"instances": [{"name": "a", "url": "http://h:1"}], section: {key: value}}
     with pytest.raises(ConfigError, match=says):
         parse_config(raw)
+
+
+@pytest.mark.parametrize("url", ["http://h:1/v1", "http://h:1/v1/", "http://h:0", "http://h/x/v1"])
+def test_a_url_no_engine_answers_at_is_refused(url: str) -> None:
+    """Ferry appends /v1/... to an instance's URL (a /v1 one stayed unhealthy
+    forever), and port 0 is no server's."""
+    with pytest.raises(ConfigError, match=r"instances\[0\]\.url: must be an http\(s\) base URL"):
+        parse_config({"instances": [{"name": "a", "url": url}]})
+
+
+def test_one_server_written_two_ways_is_one_server() -> None:
+    """Scheme and host are case-blind and a default port is the same server."""
+    for twin in ("HTTP://H:80/", "http://h"):
+        raw = {"instances": [{"name": "a", "url": "http://h:80"}, {"name": "b", "url": twin}]}
+        with pytest.raises(ConfigError, match=r"instances\[1\]\.url: the server of instance 'a'"):
+            parse_config(raw)
+    raw = {"instances": [{"name": "a", "url": "http://h"}, {"name": "b", "url": "https://h"}]}
+    assert len(parse_config(raw).instances) == 2
