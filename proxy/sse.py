@@ -15,8 +15,9 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import hdrs, web
+from aiohttp import web
 
+from proxy import tap
 from proxy.errors import error_body
 from proxy.metrics import FerryMetrics
 from proxy.ttft_stages import TTFTStages
@@ -229,8 +230,8 @@ def end_cut(request: web.Request, message: str) -> None:
     if transport is None or transport.is_closing():
         return  # its client is gone
     body = error_event(503, message) + DONE
-    if response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked":  # as aiohttp framed it
-        body = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    if tap.chunked(response):  # framed as aiohttp framed the rest, then the last chunk
+        body = tap.http_chunk(body) + b"0\r\n\r\n"
     transport.write(body)
 
 

@@ -65,7 +65,7 @@ class Tap:
             return False
         out = self.relay(data)
         if out:
-            transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
+            transport.write(http_chunk(out) if self.chunked else out)
         self.wrote(out)
         return True
 
@@ -127,9 +127,18 @@ def attach_to(
         or response.compression
     ):
         return
-    chunked = response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
     reader.__class__ = _TappedReader
-    _TAPS[id(reader)] = Tap(relay, transport, chunked, wrote)
+    _TAPS[id(reader)] = Tap(relay, transport, chunked(response), wrote)
+
+
+def chunked(response: StreamResponse) -> bool:
+    """Whether aiohttp frames the open response's body in HTTP chunks."""
+    return response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
+
+
+def http_chunk(data: bytes) -> bytes:
+    """`data` framed as one HTTP/1.1 chunk, as aiohttp frames a write."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def detach(reader: StreamReader) -> None:
