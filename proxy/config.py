@@ -12,6 +12,7 @@ import math
 import os
 import re
 import reprlib
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, cast
@@ -275,12 +276,34 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryCon
             f"{path}: not UTF-8 text: byte {exc.start} is {exc.object[exc.start]:#x}"
         ) from exc
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506  # a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     except RecursionError as exc:
         raise ConfigError(f"{path}: nested too deeply") from exc
     return parse_config(raw, env=env)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key written twice in one mapping is an error:
+    plain YAML keeps the last one, so a second `instances:` further down a long
+    file would silently replace the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges, more than once is fine
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"the key {_shown(key)} is written twice",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:

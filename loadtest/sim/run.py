@@ -21,7 +21,7 @@ from proxy.policy.scaling import ScalingSettings
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, required=True, help="JSONL from `ferry trace`")
-    parser.add_argument("--instances", type=int, required=True)
+    parser.add_argument("--instances", type=_at_least_one, required=True)
     parser.add_argument("--policy", choices=sorted(POLICIES), required=True)
     parser.add_argument("--migration", choices=MODES, default="off")
     parser.add_argument("--profile", type=Path, help="profile JSON (default: llama7b-a10)")
@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-decode", type=float, default=SLO_DECODE_S)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _at_least_one(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {count})")
+    return count
 
 
 def simulate(

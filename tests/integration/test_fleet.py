@@ -82,6 +82,7 @@ def test_add_patch_and_remove_with_streams_in_flight(standins: Any, ferry: Any) 
     wait_until(lambda: rows(proxy.url)["b"]["healthy"])
     code, err = send(proxy.url + "/admin/instances", "POST", {"name": "b", "url": site_b.url})
     assert code == 409 and err["error"]["code"] == "instance_exists"
+    assert err["error"]["type"] == "conflict_error"  # not a fault of the server
     # Another name for a server listed already: it would be billed twice.
     code, err = send(proxy.url + "/admin/instances", "POST", {"name": "c", "url": site_b.url})
     assert code == 409 and err["error"]["message"] == "instance 'b' is that server"

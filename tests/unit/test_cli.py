@@ -42,3 +42,10 @@ def test_an_unknown_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--backend", "http://127.0.0.1:1", "--log-level", "loud"])
     assert exited.value.code == 2 and "--log-level" in capsys.readouterr().err
+
+
+def test_sim_on_no_instances_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["sim", "--trace", "t.jsonl", "--instances", "0", "--policy", "llumnix"])
+    assert exited.value.code == 2
+    assert "--instances: must be at least 1 (got 0)" in capsys.readouterr().err

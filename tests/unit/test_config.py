@@ -407,6 +407,30 @@ def test_a_yaml_alias_bomb_is_refused_in_a_short_message(tmp_path: Path) -> None
     assert len(str(caught.value)) < 500
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "instances: [{name: a, url: 'http://h:1'}]\ninstances: [{name: b, url: 'http://h:2'}]\n",
+        "instances:\n  - name: a\n    url: http://h:1\n    url: http://h:2\n",
+    ],
+)
+def test_a_key_written_twice_is_refused_not_the_last_one_kept(text: str, tmp_path: Path) -> None:
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"(?s)key '(instances|url)' is written twice.*line [24]"):
+        load_config(path)
+
+
+def test_yaml_merge_keys_still_merge(tmp_path: Path) -> None:
+    path = tmp_path / "f.yaml"
+    path.write_text(
+        "instances:\n  - &a {name: a, url: 'http://h:1', labels: {zone: x}}\n"
+        "  - <<: *a\n    name: b\n    url: 'http://h:2'\n"
+    )
+    instances = load_config(path).instances
+    assert [(i.name, i.labels) for i in instances] == [("a", {"zone": "x"}), ("b", {"zone": "x"})]
+
+
 @pytest.mark.parametrize("word", ["on", "yes", "true"])
 def test_a_mode_yaml_reads_as_a_boolean_is_named_with_the_modes(word: str, tmp_path: Path) -> None:
     path = tmp_path / "f.yaml"
