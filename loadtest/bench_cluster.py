@@ -29,6 +29,7 @@ from loadtest.sim.stats import summarize
 from loadtest.tiny_model import build
 from loadtest.trace import TraceSpec, generate
 from loadtest.vllm_servers import start_vllm, wait_ready
+from migration_shim.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = (
@@ -81,8 +82,6 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    from tests.helpers import free_port
-
     trace = generate(
         TraceSpec(
             requests=args.requests,

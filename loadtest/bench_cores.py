@@ -40,7 +40,7 @@ from typing import Any
 
 from loadtest.bench_overhead import Result, cpu_seconds, run_load, ttft_stages, wait_http
 from loadtest.redis_server import start_redis
-from tests.helpers import free_port
+from migration_shim.launcher import free_port
 
 
 def cores(text: str) -> list[int]:

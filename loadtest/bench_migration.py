@@ -32,6 +32,7 @@ import openai
 from loadtest.ferry_process import wait_healthy
 from loadtest.tiny_model import build
 from loadtest.vllm_servers import start_vllm, wait_ready
+from migration_shim.launcher import free_port
 from proxy.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,8 +128,6 @@ Results = dict[str, dict[int, tuple[float, float, float]]]
 
 def measure(urls: list[str], ways: list[str], lengths: list[int], trials: int) -> Results:
     """Run Ferry once per way in front of `urls`; the medians of `one_move`."""
-    from tests.helpers import free_port  # the one place that picks free ports
-
     results: Results = {}
     for way in ways:
         port = free_port()
@@ -201,8 +200,6 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     work = ROOT / ".ferry"
     model = build(work / "tiny-llama")
-    from tests.helpers import free_port
-
     servers = [
         start_vllm(
             model,

@@ -41,7 +41,7 @@ from itertools import cycle
 
 import aiohttp
 
-from tests.helpers import free_port
+from migration_shim.launcher import free_port
 
 CORE_BACKENDS, CORE_PROXY = "0", "1"
 # Read once, before main() pins this process (and so its children) to one core.

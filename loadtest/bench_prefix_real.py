@@ -63,7 +63,7 @@ from loadtest.sim.stats import summarize
 from loadtest.tiny_model import build
 from loadtest.trace import TraceRequest, TraceSpec, generate
 from loadtest.vllm_servers import VLLMServer, metric, start_vllm, wait_ready
-from tests.helpers import free_port
+from migration_shim.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / ".ferry" / "tiny-prefix"

@@ -65,7 +65,7 @@ from loadtest.sim.instance import SimRequest
 from loadtest.sim.profile import save
 from loadtest.sim.stats import summarize
 from loadtest.trace import TraceRequest
-from tests.helpers import free_port
+from migration_shim.launcher import free_port
 
 ENGINE_CORE, FERRY_CORE = 0, 1
 TOKEN = "bench"

@@ -59,9 +59,9 @@ from loadtest.sim.stats import percentile
 from loadtest.trace import TraceRequest, TraceSpec, generate
 from loadtest.ttft_breakdown import read_stages
 from loadtest.vllm_servers import VLLMServer, wait_ready
+from migration_shim.launcher import free_port
 from proxy.policy import Priority
 from proxy.ttft_stages import STAGES
-from tests.helpers import free_port
 
 ROUTERS = ("vllm-router:round_robin", "vllm-router:power_of_two", "vllm-router:cache_aware")
 FERRY, PLAIN = "ferry", "ferry-plain"  # defaults; without prefix_credit

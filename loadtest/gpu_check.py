@@ -33,6 +33,7 @@ from loadtest.ferry_process import wait_healthy
 from loadtest.tiny_model import build
 from loadtest.vllm_servers import metric, start_vllm, wait_ready
 from migration_shim import wire
+from migration_shim.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTERNAL = (
@@ -78,8 +79,6 @@ def greedy(
 
 
 def correctness(urls: list[str]) -> dict[str, Any]:
-    from tests.helpers import free_port
-
     port = free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(bench_migration.ferry_yaml(urls, port, "full pre-copy"))
@@ -124,8 +123,6 @@ def main() -> int:
     if why is not None:
         print(f"gpu_check: cannot run here: {why}", file=sys.stderr)
         return 2
-    from tests.helpers import free_port
-
     started = time.monotonic()
     model = build(ROOT / ".ferry" / "tiny-llama")
     servers = [

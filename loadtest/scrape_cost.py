@@ -22,7 +22,7 @@ import psutil
 from loadtest import bench_prefix_real as real
 from loadtest.tiny_model import build
 from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
-from tests.helpers import free_port
+from migration_shim.launcher import free_port
 
 CALLS = 100
 

@@ -32,8 +32,8 @@ from loadtest.sim.instance import SimRequest
 from loadtest.tiny_model import build
 from loadtest.trace import TraceRequest, TraceSpec, generate
 from loadtest.vllm_servers import start_vllm, wait_ready
+from migration_shim.launcher import free_port
 from proxy.ttft_stages import STAGES
-from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE_SERVER, CORE_PROXY = "0", "1"
