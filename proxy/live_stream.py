@@ -31,7 +31,7 @@ from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
 from proxy.policy import Priority
 from proxy.splicer import MAX_BACKOFF, Fed, Join, Splicer, plan_join
-from proxy.upstream import Call, Upstreams, read_whole
+from proxy.upstream import Call, OutOfFiles, Upstreams, read_whole
 
 log = logging.getLogger("ferry.migration")
 
@@ -529,7 +529,8 @@ class LiveStream:
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("continuation on %s failed: %s", dest, _why(exc))
-            self.blame(dest, f"continuation failed: {_why(exc)}")
+            if not isinstance(exc, OutOfFiles):  # Ferry's own shortage, not dest's fault
+                self.blame(dest, f"continuation failed: {_why(exc)}")
             await self._release_kv(dest, kv_params)
             return False
         if upstream.status != 200:

@@ -36,7 +36,7 @@ from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer
 from proxy.ttft_stages import TTFTStages
-from proxy.upstream import Call, InstanceStopped, Upstreams
+from proxy.upstream import Call, InstanceStopped, OutOfFiles, Upstreams
 
 log = logging.getLogger("ferry.relay")
 
@@ -164,6 +164,16 @@ class Relay:
                     headers=headers,
                     params=request.query,
                     stages=stages,
+                )
+            except OutOfFiles as exc:  # Ferry's own shortage: another instance fares no better
+                record.outcome = "out_of_files"
+                self._judge(retried, record.outcome)
+                self._count(name, record.outcome, str(exc))
+                return error_response(
+                    503,
+                    str(exc),
+                    code="ferry_overloaded",
+                    headers={"Retry-After": self.retry_after},
                 )
             except aiohttp.ClientError as exc:  # nothing reached the client: try another
                 outcome = (

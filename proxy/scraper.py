@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from adapters import MetricsParseError
 from migration_shim import wire
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
-from proxy.upstream import read_whole
+from proxy.upstream import OUT_OF_FILES_LOG_S, OutOfFiles, out_of_files, read_whole
 
 log = logging.getLogger("ferry.scraper")
 
@@ -61,6 +62,7 @@ class Scraper:
         # no answer to `GET /health` either (Migrator.leave_hung).
         self.on_down: Callable[[str], object] | None = None
         self._produced: dict[str, int] = {}  # ledger.produced() at each instance's last look
+        self._out_of_files_logged = -math.inf  # when a look last said Ferry had no files left
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
         """New intervals (a reload), used from each loop's next round."""
@@ -113,6 +115,8 @@ class Scraper:
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # ValueError: MetricsParseError, a body that is not UTF-8, a header
             # value aiohttp refuses to send.
+            if out_of_files(exc):
+                raise OutOfFiles(str(exc)) from exc
             self.metrics.scrape_errors.labels(name).inc()
             self.cluster.record_scrape_failure(name, _describe(exc))
             return
@@ -133,6 +137,8 @@ class Scraper:
                 body = json.loads(await read_whole(resp, MAX_PAGE_BYTES))
             cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
         except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
+            if out_of_files(exc):
+                raise OutOfFiles(str(exc)) from exc
             return f"GET /v1/models: {_describe(exc)}"
         self.cluster.record_models(name, cards)
         return None
@@ -173,6 +179,13 @@ class Scraper:
                 if state.config.migration == "full":
                     await self.refresh_shim(name)
             await self.scrape_once(name)
+        except OutOfFiles as exc:
+            # Ferry's own shortage says nothing of the instance: it keeps its
+            # last look, rather than every instance going down at once.
+            if self.clock() - self._out_of_files_logged >= OUT_OF_FILES_LOG_S:
+                self._out_of_files_logged = self.clock()
+                log.warning("cannot look at %s: %s (raise the open files limit)", name, exc)
+            return read
         except Exception as exc:  # noqa: BLE001
             why = _describe(exc)
             if why != self._unexpected.get(name):  # once per new cause, not per scrape
@@ -202,8 +215,9 @@ class Scraper:
                 state.url + "/health", headers=state.config.auth_headers(), timeout=self.timeout
             ):
                 return  # any status: the process answers
-        except (TimeoutError, aiohttp.ClientError, ValueError):
-            pass
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            if out_of_files(exc):  # not an answer either way
+                return
         if name not in self.cluster.instances:  # removed meanwhile
             return
         try:

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import random
+import resource
 import signal
 import socket
 import time
@@ -71,6 +72,10 @@ ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
 UPSTREAM_KEEPALIVE_S = 4.0
 MAX_HEADER_LINE_BYTES = 64 * 1024  # a client's request line or one header
 SHUTDOWN_CUT_S = 1.0  # aiohttp's shutdown timeout, once Ferry's grace is over
+# Each stream holds two file descriptors (the client's connection and the
+# instance's): a shell's default soft limit of 1,024 runs out near 500 streams.
+# Raised at start as far as the hard limit allows, as vLLM's server does.
+OPEN_FILES_WANTED = 65536
 
 ENGINE_ROUTES = (
     "/tokenize",
@@ -507,11 +512,26 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft limit on open files to `wanted`, or to the hard
+    limit where that is lower; the soft limit it has now. Never lowers it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < ceiling:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+            soft = ceiling
+        except (ValueError, OSError) as exc:  # a sandbox that refuses it
+            log.warning("cannot raise the open files limit from %d: %s", soft, exc)
+    return soft
+
+
 async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = None) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then shut down gracefully:
     not ready at once, still serving for `shutdown_delay_s`, then no new
     connections while in-flight requests get `shutdown_grace_s` to finish.
     SIGHUP reloads the configuration file (`load()`)."""
+    open_files = raise_open_files_limit()
     app = build_app(config, load)
     if config.server.access_log:
         access_log.install_handler()
@@ -533,12 +553,13 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         await runner.cleanup()
         raise
     log.info(
-        "ferry listening on http://%s:%d (%d instances, policy %s, %s)",
+        "ferry listening on http://%s:%d (%d instances, policy %s, %s, %d open files)",
         config.server.host,
         config.server.port,
         len(config.instances),
         config.scheduler.policy,
         client_auth.describe(config),
+        open_files,
     )
     if not config.api_keys and any(i.api_key for i in config.instances):
         log.warning(

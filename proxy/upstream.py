@@ -19,7 +19,9 @@ that is not coming.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import math
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -63,6 +65,30 @@ class Call:
         if self.response is not None:
             self.response.close()  # a no-op after release(); aborts the upstream otherwise
         self.cluster.release(self.entry)
+
+
+class OutOfFiles(aiohttp.ClientConnectionError):
+    """Ferry had no file descriptor left for a connection (EMFILE, ENFILE): its
+    own shortage, not a fault of the instance it was calling, which is neither
+    marked unreachable nor blamed, nor tried again elsewhere (that fails alike)."""
+
+
+def out_of_files(exc: BaseException) -> bool:
+    """Whether `exc`, or what caused it, is this process or host running out of
+    file descriptors."""
+    seen: BaseException | None = exc
+    for _ in range(4):  # aiohttp wraps the OSError once or twice
+        if seen is None:
+            return False
+        if isinstance(seen, OutOfFiles) or getattr(seen, "errno", None) in _NO_FILES:
+            return True
+        seen = seen.__cause__ or getattr(seen, "os_error", None)
+    return False
+
+
+_NO_FILES = (errno.EMFILE, errno.ENFILE)
+# A shortage of file descriptors is logged at most this often, not per call.
+OUT_OF_FILES_LOG_S = 10.0
 
 
 class InstanceStopped(aiohttp.ServerTimeoutError):
@@ -158,6 +184,7 @@ class Upstreams:
         self.session = session
         self.waits = Waits(clock)
         self.max_answer_bytes = server.max_answer_bytes
+        self._out_of_files_logged = -math.inf
         # A whole (non-streamed) response may take as long as its generation.
         self.whole_timeout = aiohttp.ClientTimeout(
             total=None,
@@ -171,6 +198,13 @@ class Upstreams:
             sock_connect=server.upstream_connect_timeout_s,
             sock_read=server.upstream_idle_timeout_s or server.upstream_read_timeout_s,
         )
+
+    def _out_of_files(self, exc: BaseException) -> None:
+        """Log a shortage of file descriptors, at most every OUT_OF_FILES_LOG_S."""
+        now = self.waits.clock()
+        if now - self._out_of_files_logged >= OUT_OF_FILES_LOG_S:
+            self._out_of_files_logged = now
+            log.warning("out of file descriptors, answering 503: %s (raise ulimit -n)", exc)
 
     def url(self, instance: str) -> str:
         return self.cluster.instances[instance].url
@@ -251,6 +285,9 @@ class Upstreams:
                     )  # fmt: skip
         except sse.CONNECT_ERRORS as exc:
             call.close()
+            if out_of_files(exc):
+                self._out_of_files(exc)
+                raise OutOfFiles(f"ferry is out of file descriptors: {exc}") from exc
             self.cluster.mark_unreachable(call.instance, f"{type(exc).__name__}: {exc}")
             raise
         except BaseException:

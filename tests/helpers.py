@@ -151,15 +151,19 @@ def debian_tool(name: str, package: str) -> str:
 
 
 def ferry_process(
-    config: dict[str, Any], path: Any, stderr: Any = subprocess.DEVNULL
+    config: dict[str, Any],
+    path: Any,
+    stderr: Any = subprocess.DEVNULL,
+    launcher: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`ferry serve` in its own process, on `config` (written to `path`) and a free
-    port: the process and its URL, ready."""
+    port, started through `launcher` (such as `prlimit --nofile=...`): the process
+    and its URL, ready."""
     port = free_port()
     server = {**config.get("server", {}), "port": port}
     path.write_text(json.dumps({**config, "server": server}))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        [*launcher, sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
         stdout=subprocess.DEVNULL,
         stderr=stderr,
     )
