@@ -11,7 +11,9 @@
                                                 holder, each peer's totals (proxy/sharing.py)
 
 With a shared view, a change through any process applies on every process; a
-reload re-reads this process's file only.
+reload re-reads this process's file only. While that process cannot reach Redis
+a change is refused (503, `sharing_unavailable`): made here alone it would not
+reach the others, and would be lost with this process.
 
 Without a configured token (config `admin_token` or `FERRY_ADMIN_TOKEN`) the admin
 API refuses every call: an open drain button is worse than none.
@@ -42,6 +44,8 @@ class SharingStatus:
     """What `/admin/sharing` shows: filled in once the shared view runs."""
 
     describe: Callable[[], dict[str, Any]] = _alone
+    # Why a fleet change made here now would not reach the other processes; None: it would.
+    unshared: Callable[[], str | None] = lambda: None
     # This process's /metrics with its peers' merged in; None: alone.
     merged_metrics: Callable[[bytes], Awaitable[bytes]] | None = None
 
@@ -113,12 +117,22 @@ def add_routes(
             return error_response(401, "missing or wrong admin bearer token", code="invalid_token")
         return None
 
-    def guarded(change: Callable[[web.Request], Awaitable[web.Response]]) -> Any:
-        """Check the token; turn a refused change into its OpenAI-shaped error."""
+    def guarded(
+        change: Callable[[web.Request], Awaitable[web.Response]], shared: bool = False
+    ) -> Any:
+        """Check the token; turn a refused change into its OpenAI-shaped error. A
+        `shared` change (one every process makes) waits for the shared view."""
 
         async def handler(request: web.Request) -> web.Response:
             if (denied := authorized(request)) is not None:
                 return denied
+            if shared and (why := status.unshared()) is not None:
+                message = (
+                    f"not changed: {why}, and a change made here alone would not reach the others"
+                )
+                return error_response(
+                    503, message, code="sharing_unavailable", headers={"Retry-After": "1"}
+                )
             try:
                 return await change(request)
             except FleetError as exc:
@@ -173,11 +187,11 @@ def add_routes(
         return web.json_response(status.describe())
 
     app.router.add_get("/admin/instances", guarded(list_instances))
-    app.router.add_post("/admin/instances", guarded(add_instance))
-    app.router.add_patch("/admin/instances/{name}", guarded(patch_instance))
-    app.router.add_delete("/admin/instances/{name}", guarded(delete_instance))
-    app.router.add_post("/admin/instances/{name}/drain", guarded(drain))
-    app.router.add_post("/admin/instances/{name}/undrain", guarded(undrain))
+    app.router.add_post("/admin/instances", guarded(add_instance, shared=True))
+    app.router.add_patch("/admin/instances/{name}", guarded(patch_instance, shared=True))
+    app.router.add_delete("/admin/instances/{name}", guarded(delete_instance, shared=True))
+    app.router.add_post("/admin/instances/{name}/drain", guarded(drain, shared=True))
+    app.router.add_post("/admin/instances/{name}/undrain", guarded(undrain, shared=True))
     app.router.add_post("/admin/reload", guarded(reload))
     app.router.add_get("/admin/sharing", guarded(shared_view))
 

@@ -384,6 +384,13 @@ def _check_key(key: str, where: str) -> None:
 def check_redis_url(url: Any, where: str) -> None:
     if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"{where}: must be a redis://, rediss:// or unix:// URL (got {url!r})")
+    parts = urlsplit(url)
+    # redis-py reads the path as the database number and quietly uses 0 for anything else.
+    if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise ConfigError(
+            f"{where}: the path names the database by number, as in redis://host:6379/0"
+            f" (got {parts.path!r})"
+        )
 
 
 def check_workers(config: FerryConfig) -> None:

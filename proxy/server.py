@@ -298,6 +298,7 @@ async def _shared_view(
         await sharing.start(alone_ok=os.environ.get(RESTARTED_WORKER) == "1")
         app[SHARING].describe = sharing.describe
         app[SHARING].merged_metrics = sharing.merged_metrics
+        app[SHARING].unshared = sharing.unshared
         log.info("sharing the cluster view through %s as %s", config.redis_url, sharing.name)
         yield
     finally:

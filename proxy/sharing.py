@@ -162,6 +162,7 @@ class Sharing:
         self.exposition: Callable[[], bytes] | None = None
         self.metrics_group = socket.gethostname()
         self._metrics_at = -math.inf  # clock() of the last publish
+        self._peer_metrics: list[str] = []  # the peers' expositions, as last read
         self.peers = PeerLoads()
         self.lease_holder: str | None = None
         self._members: list[str] = []
@@ -171,10 +172,19 @@ class Sharing:
         # loses them (the epoch changes).
         self._fleet_state: dict[str, list[dict[str, Any]]] = {}
         self._epoch: str | None = None  # Redis's, as last read
+        self._run_id: Any = None  # Redis's run id (INFO server), as last read
         self._restore_due = False
         # Moves to send: (owner, id, destination, prewarm, reason).
         self._outbox: list[tuple[str, int, str, bool, str]] = []
         self._announced: list[dict[str, Any]] = []  # fleet changes made here, to send
+        # The fleet log orders every change, and every process must end as applying
+        # it in that order would leave it. A change made here was applied at once,
+        # so a peer's change read later but logged before it was applied out of
+        # order: its instance is then `_rebase`d, this process's own changes to it
+        # made again as the log brings them. `_own_last`: where the last change
+        # made here to each instance sits in the log.
+        self._own_last: dict[str, tuple[int, int]] = {}
+        self._rebase: set[str] = set()
         self._gone: list[str] = []  # members whose records expired, to drop from the set
         self._member_bytes: dict[str, Any] = {}  # each member's name as Redis holds it
         self._last_round: float | None = None  # clock() of the last good round
@@ -241,6 +251,11 @@ class Sharing:
     ) -> None:
         self._outbox.append((owner, request_id, destination, prewarm, reason))
 
+    def unshared(self) -> str | None:
+        """Why a fleet change made here now would reach no other process (Redis
+        is unreachable), or None."""
+        return "Redis is unreachable from this process" if self._failing else None
+
     def _announce(self, op: dict[str, Any]) -> None:
         """A fleet change made here: the peers get it next round."""
         self._announced.append(op)
@@ -283,7 +298,7 @@ class Sharing:
         known = [m for m in self._members if m != self.name]
         started = self.clock()
         pipe = self.redis.pipeline(transaction=True)
-        # Answers read by position: these eleven (and SREM's), the records, then writes.
+        # Answers read by position: these twelve (and SREM's), the records, then writes.
         pipe.set(self._load_prefix + self.name, encode(record), px=ttl_ms)
         pipe.sadd(self._members_key, self.name)
         if gone:  # before SMEMBERS, which then no longer names them
@@ -297,6 +312,7 @@ class Sharing:
         pipe.get(self._lease_key)
         pipe.setnx(self._epoch_key, secrets.token_hex(8))  # new each time: never the lost one
         pipe.get(self._epoch_key)
+        pipe.info("server")  # its run_id: new each time Redis starts
         if known:
             pipe.mget([self._load_prefix + m for m in known])
         if self.exposition is not None and started - self._metrics_at >= METRICS_EVERY_S:
@@ -316,9 +332,10 @@ class Sharing:
         self._last_round = started
         if gone:
             del results[2]  # SREM's answer
-        _, _, members, oldest, changes, moves, _, held, holder, _, epoch = results[:11]
-        texts = results[11] if known else []
-        self._check_epoch(None if epoch is None else _text(epoch))
+        _, _, members, oldest, changes, moves, _, held, holder, _, epoch, server = results[:12]
+        texts = results[12] if known else []
+        run_id = server.get("run_id") if isinstance(server, dict) else None
+        self._check_epoch(None if epoch is None else _text(epoch), run_id)
         # (A name that is not UTF-8 is no process's: read with replacement, it has
         # no record, so it is dropped as gone, by the bytes it was stored as.)
         self._member_bytes = {_text(m): m for m in members}
@@ -334,7 +351,12 @@ class Sharing:
             changes = []
         for change_id, fields in changes:
             self._fleet_seen = _text(change_id)
-            self._apply_change({_text(k): _text(v) for k, v in fields.items()})
+            self._apply_change(
+                {_text(k): _text(v) for k, v in fields.items()}, _stream_id(change_id)
+            )
+        for op in self._announced:  # made here, not in the log yet: it will come last
+            if op_instance(op) in self._rebase:
+                self._apply_own(op)
         for raw in moves:
             self._apply_move(_text(raw))
 
@@ -409,10 +431,13 @@ class Sharing:
         if change.process != self.name and self.peers.take_change(change):
             self.cluster.set_peer_load(self.peers.totals())
 
-    def _apply_change(self, fields: dict[str, str]) -> None:
-        if fields.get("origin") == self.name:
-            return  # made here already
+    def _apply_change(self, fields: dict[str, str], at: tuple[int, int] | None = None) -> None:
+        """One change from the fleet log (at its position `at`) or the compacted state."""
         origin = fields.get("origin")
+        if origin == self.name:  # made here already
+            if at is not None:
+                self._own_again(fields, at)
+            return
         try:
             op = json.loads(fields.get("op", ""))
             if op.get("op") == "resync":  # a peer wrote back what Redis lost
@@ -420,6 +445,9 @@ class Sharing:
                 return
             self.fleet.apply_op(op)
             self._remember({"origin": origin, "op": op, "at": _float(fields.get("at"))})
+            name = op_instance(op)
+            if at is not None and name is not None and self._made_here_after(name, at):
+                self._rebase.add(name)
             # The kind and the name only: an added instance's api_key and headers
             # stay out of the logs.
             name = op.get("name") or op["instance"].get("name")  # an add names it within
@@ -430,6 +458,41 @@ class Sharing:
             log.warning("fleet change from %s not applied here: %s", origin, exc)
         except Exception:  # noqa: BLE001 - another writer's record must not stop sharing
             log.exception("fleet change from %s not applied here: malformed", origin)
+
+    def _made_here_after(self, name: str, at: tuple[int, int]) -> bool:
+        """Whether a change to `name` made here comes after position `at` in the log."""
+        return self._own_last.get(name, (0, 0)) > at or any(
+            op_instance(op) == name for op in self._announced
+        )
+
+    def _own_again(self, fields: dict[str, str], at: tuple[int, int]) -> None:
+        """A change made here, read back from the log at `at`: made again if a
+        peer's change logged before it was applied after it."""
+        try:
+            op = json.loads(fields.get("op", ""))
+        except ValueError:
+            return
+        name = op_instance(op)
+        if name not in self._rebase:
+            return
+        self._apply_own(op)
+        if not self._made_here_after(name, at):
+            self._rebase.discard(name)
+
+    def _apply_own(self, op: dict[str, Any]) -> None:
+        """Make a change made here again. Drain, undrain and patch are made as
+        they were; an add or a remove only where it has not taken effect."""
+        kind, name = op.get("op"), op_instance(op)
+        state = self.cluster.instances.get(name) if name is not None else None
+        if (kind == "add" and state is not None) or (
+            kind == "remove" and (state is None or state.leaving)
+        ):
+            return
+        try:
+            self.fleet.apply_op(op)
+            log.info("fleet change made here applied again after a peer's: %s %s", kind, name)
+        except FleetError as exc:
+            log.warning("fleet change made here not applied again: %s", exc)
 
     def _apply_move(self, raw: str) -> None:
         try:
@@ -483,8 +546,9 @@ class Sharing:
                         maxlen=self.settings.fleet_log_length,
                         approximate=False,
                     )
-                    await pipe.execute()
+                    answers = await pipe.execute()
                     if name is not None:
+                        self._own_last[name] = _stream_id(answers[-1])  # XADD's id
                         self._remember(entry)
                     return
                 except WatchError:
@@ -511,16 +575,28 @@ class Sharing:
         """Keep an applied change in this process's compacted state."""
         name = op_instance(entry["op"])
         if name is not None:
-            self._fleet_state[name] = compact(self._fleet_state.get(name, []), entry)
+            # In time order, as the log has them: a peer's change read after one made
+            # here may have been made before it.
+            self._fleet_state[name] = _merged(self._fleet_state.get(name, []), [entry])
 
-    def _check_epoch(self, epoch: str | None) -> None:
-        """Redis's epoch, read this round: one that changed says it lost its data,
-        the fleet log too: what it holds now was written since, read from its start."""
+    def _check_epoch(self, epoch: str | None, run_id: Any = None) -> None:
+        """Redis's epoch and run id, read this round. An epoch that changed says it
+        lost its data, the fleet log too: what it holds now was written since, read
+        from its start. A run id that changed under the same epoch says it started
+        again from a snapshot, which may be older than the last changes: this
+        process writes back what it holds either way (merged by time, a no-op
+        where nothing was lost)."""
+        restarted = run_id is not None and self._run_id is not None and run_id != self._run_id
         if self._epoch is not None and epoch != self._epoch:
             log.warning("Redis lost the shared state (restarted or flushed)")
             self._fleet_seen = "0"
             self._restore_due = bool(self._fleet_state)
+        elif restarted:
+            log.warning("Redis restarted: writing back the fleet changes it may have lost")
+            self._restore_due = bool(self._fleet_state)
         self._epoch = epoch
+        if run_id is not None:
+            self._run_id = run_id
 
     async def _restore(self) -> None:
         """Write back this process's fleet state, merged in time order with what
@@ -571,10 +647,12 @@ class Sharing:
         try:
             # A peer in another group has no key in this one: it reads as None.
             texts = await self.redis.mget([self._metrics_key(m) for m in peers])
+            self._peer_metrics = [_text(t) for t in texts if t is not None]
         except (RedisError, OSError) as exc:
-            log.debug("peers' metrics unreadable, serving this process's: %s", exc)
-            return own
-        found = [_text(t) for t in texts if t is not None]
+            # The peers' counters as last read: without them the sum would drop,
+            # and Prometheus would read every drop as a counter reset.
+            log.debug("peers' metrics unreadable, serving their last: %s", exc)
+        found = self._peer_metrics
         if not found:
             return own
         # Parsing several expositions takes milliseconds: off the event loop.

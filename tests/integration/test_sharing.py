@@ -291,6 +291,29 @@ def test_a_scrape_answers_for_every_worker_on_its_port_and_no_more(ferries: Any)
     assert requests_total(replica.url) == 2
 
 
+def test_a_scrape_while_redis_is_down_still_counts_every_worker(
+    ferries: Any, tmp_path: Path
+) -> None:
+    """Each worker's own counters alone would make the sum drop and rise from
+    scrape to scrape, which Prometheus reads as counter resets: the peers' last
+    counters stand in until Redis is back."""
+    port = free_port()
+    own = start_redis(port, tmp_path)  # this test's own: it is stopped
+    try:
+        [workers] = ferries(1, "--workers", "2", redis_url=f"redis://127.0.0.1:{port}/0")
+        wait_until(lambda: len(workers.sharing()["peers"]) == 1)
+        for _ in range(6):
+            complete(workers.url)  # each call a new connection: spread over the workers
+        wait_until(lambda: all(requests_total(workers.url) == 6 for _ in range(4)), timeout=5)
+        own.kill()
+        own.wait(10)
+        wait_until(lambda: all(not workers.sharing()["redis_ok"] for _ in range(4)), timeout=5)
+        assert [requests_total(workers.url) for _ in range(8)] == [6] * 8
+    finally:
+        own.kill()
+        own.wait(10)
+
+
 def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
     ferries: Any,
 ) -> None:
@@ -452,14 +475,15 @@ def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:
     assert "the lease holder's plan" not in holder.log.read_text()
 
 
-@pytest.mark.parametrize("loss", ["flushed", "restarted"])
+@pytest.mark.parametrize("loss", ["flushed", "restarted", "restored from an older snapshot"])
 def test_a_redis_that_lost_its_data_gets_the_fleet_state_back(
     ferries: Any, redis_prefix: str, tmp_path: Path, loss: str
 ) -> None:
-    """Redis restarted without persistence, or flushed, forgets the drains: the
-    processes that made or applied them write them back, so one that starts
-    afterwards drains the same instances, and so does one that started before
-    they were written back."""
+    """Redis restarted without persistence, or flushed, forgets the drains, and
+    one restarted from a snapshot taken before them (the same epoch) forgets them
+    too: the processes that made or applied them write them back, so one that
+    starts afterwards drains the same instances, and so does one that started
+    before they were written back."""
     import redis
 
     port = free_port()
@@ -468,6 +492,8 @@ def test_a_redis_that_lost_its_data_gets_the_fleet_state_back(
     client = redis.Redis.from_url(url)
     try:
         a, b = ferries(2, redis_url=url)
+        if loss == "restored from an older snapshot":
+            client.save()  # dump.rdb in tmp_path, which the next redis-server loads
         a.admin("/admin/instances/i1/drain", "POST")
         a.admin("/admin/instances/i0", "PATCH", {"labels": {"zone": "a"}})
         wait_until(lambda: b.rows()["i1"]["draining"] and b.rows()["i0"]["labels"] == {"zone": "a"})
@@ -484,7 +510,8 @@ def test_a_redis_that_lost_its_data_gets_the_fleet_state_back(
         assert b"drain" in state[b"i1"] and b"zone" in state[b"i0"]
         [d] = ferries(1)
         assert d.rows()["i1"]["draining"] and d.rows()["i0"]["labels"] == {"zone": "a"}
-        assert "Redis lost the shared state" in a.log.read_text()
+        said = "Redis restarted: writing back" if "snapshot" in loss else "Redis lost the shared"
+        assert said in a.log.read_text()
     finally:
         client.close()
         own.kill()
@@ -507,6 +534,14 @@ def test_without_redis_each_process_goes_on_alone_until_it_is_back(
         assert complete(a.url) == " tok" * 2 and complete(b.url) == " tok" * 2
         wait_until(lambda: not a.sharing()["redis_ok"] and a.inflight() == 0, timeout=TTL_S + 3)
         assert a.sharing()["peers"] == {}
+        # A change now would be made by this process alone, and lost with it.
+        code, answer = call_json(
+            a.url + "/admin/instances/i0/drain",
+            "POST",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert code == 503 and answer["error"]["code"] == "sharing_unavailable", answer
+        assert not a.rows()["i0"]["draining"]
         # Neither can know it still holds the lease: after its TTL, nobody rebalances.
         lost = lambda p: not p.sharing()["holds_lease"]  # noqa: E731
         wait_until(lambda: lost(a) and lost(b), timeout=LEASE_TTL_S + 2)
@@ -518,6 +553,48 @@ def test_without_redis_each_process_goes_on_alone_until_it_is_back(
     finally:
         own.kill()
         own.wait(10)
+
+
+def test_changes_made_at_once_through_two_processes_end_alike_everywhere(
+    ferries: Any, redis_server: str, redis_prefix: str
+) -> None:
+    """A drain through one process and an undrain through another, a few ms
+    apart: each made its own at once and the other's when it read it, so each
+    ended with the other's. The fleet log orders them, and every process ends
+    as that order says, the last change logged winning; patches alike."""
+    import redis
+
+    a, b = ferries(2)
+    client = redis.Redis.from_url(redis_server)
+
+    try:
+        for attempt in range(4):
+            calls = [
+                (a, "/admin/instances/i1/drain", "POST", None),
+                (b, "/admin/instances/i1/undrain", "POST", None),
+                (a, "/admin/instances/i0", "PATCH", {"labels": {"by": "a"}}),
+                (b, "/admin/instances/i0", "PATCH", {"labels": {"by": "b"}}),
+            ]
+            if attempt % 2:  # the other way round
+                calls = [(b if p is a else a, *rest) for p, *rest in calls]
+            threads = [
+                threading.Thread(target=p.admin, args=(path, method, body))
+                for p, path, method, body in calls
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            time.sleep(0.3)  # a few rounds: everything read everywhere
+            ops = [json.loads(f[b"op"]) for _, f in client.xrange(f"{redis_prefix}:fleet")]
+            drained = [o["op"] == "drain" for o in ops if o.get("name") == "i1"][-1]
+            labels = [o["changes"]["labels"] for o in ops if o["op"] == "patch"][-1]
+            for process in (a, b):
+                rows = process.rows()
+                assert rows["i1"]["draining"] is drained, (attempt, process.port, ops[-4:])
+                assert rows["i0"]["labels"] == labels, (attempt, process.port, ops[-4:])
+    finally:
+        client.close()
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess[str]:

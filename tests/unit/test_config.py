@@ -229,6 +229,10 @@ def test_client_keys_from_yaml_or_environment() -> None:
         (base(scheduler=[1]), r"^scheduler: must be a mapping"),
         (base(redis_url="http://h:6379"), r"^redis_url: must be a redis://, rediss:// or unix://"),
         (base(redis_url=6379), r"^redis_url: must be a redis://"),
+        (
+            base(redis_url="redis://h:6379/abc"),
+            r"^redis_url: the path names the database by number",
+        ),
         (base(server={"workers": 0}), r"^server\.workers: must be at least 1"),
         (
             base(server={"workers": 4}),
