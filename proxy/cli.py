@@ -352,11 +352,18 @@ def _wait_empty(args: argparse.Namespace, left: Any) -> int:
     deadline = time.monotonic() + args.timeout
     while True:
         remaining = left(_admin(args, "/admin/instances"))
-        if remaining == 0:
+        # With a shared view, 0 counts every process's streams only while the one
+        # asked can read the others' (Redis reachable): otherwise, wait on.
+        counted = remaining != 0 or _admin(args, "/admin/sharing").get("redis_ok", True)
+        if remaining == 0 and counted:
             print(f"{args.name}: done")
             return 0
         if time.monotonic() > deadline:
-            print(f"{args.name} still has {remaining} in flight after {args.timeout}s")
+            if not counted:
+                print(f"{args.name}: the other processes' streams cannot be counted"
+                      f" (Redis unreachable) after {args.timeout}s")  # fmt: skip
+            else:
+                print(f"{args.name} still has {remaining} in flight after {args.timeout}s")
             return 1
         time.sleep(0.5)
 

@@ -49,3 +49,22 @@ def test_sim_on_no_instances_is_a_usage_error(capsys: pytest.CaptureFixture[str]
         main(["sim", "--trace", "t.jsonl", "--instances", "0", "--policy", "llumnix"])
     assert exited.value.code == 2
     assert "--instances: must be at least 1 (got 0)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("redis_ok", [True, False])
+def test_a_drain_is_not_done_while_the_other_processes_cannot_be_counted(
+    redis_ok: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 in flight, as a process that lost Redis counts it, is its own streams only."""
+    answers = {
+        "/admin/instances/a/drain?migrate=true": {"inflight": 0, "migrating": 0},
+        "/admin/instances": [{"name": "a", "inflight": 0}],
+        "/admin/sharing": {"enabled": True, "redis_ok": redis_ok},
+    }
+    monkeypatch.setattr("proxy.cli._admin", lambda args, path, *rest: answers[path])
+    code = main(["drain", "a", "--url", "http://127.0.0.1:1", "--timeout", "0.2"])
+    out = capsys.readouterr().out
+    if redis_ok:
+        assert code == 0 and "a: done" in out
+    else:
+        assert code == 1 and "cannot be counted (Redis unreachable)" in out
