@@ -28,6 +28,7 @@ view with half its numbers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ class ProcessRecord:
     instances: Mapping[str, InstanceLoad]
     candidates: Mapping[str, tuple[RequestLoad, ...]] = field(default_factory=lambda: _NONE)
     seq: int = 0  # the process's count changes so far, when the record was made
+    fleet: str = ""  # its instance table's fingerprint (`fleet_print`); "": an older Ferry's
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,8 @@ def encode(record: ProcessRecord) -> str:
     }
     body: dict[str, Any] = {"v": VERSION, "process": record.process, "instances": loads}
     body["seq"] = record.seq
+    if record.fleet:
+        body["fleet"] = record.fleet
     if candidates:
         body["candidates"] = candidates
     return json.dumps(body, separators=(",", ":"))
@@ -142,9 +146,20 @@ def decode(text: str | bytes) -> ProcessRecord:
         seq = body.get("seq", 0)
         if not _count(seq):
             raise ValueError(f"seq: must be a count (got {seq!r})")
+        fleet = body.get("fleet", "")
+        if not isinstance(fleet, str):
+            raise ValueError(f"fleet: must be a string (got {fleet!r})")
     except (TypeError, ValueError) as exc:
         raise BadRecord(f"{process}: {exc}") from exc
-    return ProcessRecord(process, instances, candidates, seq)
+    return ProcessRecord(process, instances, candidates, seq, fleet)
+
+
+def fleet_print(urls: Mapping[str, str]) -> str:
+    """A short fingerprint of an instance table (name -> URL): processes sharing a
+    view must agree on which server each name is, or one's load and drains land
+    on another's different server."""
+    table = json.dumps(sorted(urls.items()), separators=(",", ":"))
+    return hashlib.blake2b(table.encode(), digest_size=6).hexdigest()
 
 
 def encode_change(change: LoadChange) -> str:

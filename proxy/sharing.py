@@ -87,6 +87,7 @@ from proxy.peer_load import (
     decode_change,
     encode,
     encode_change,
+    fleet_print,
 )
 from proxy.policy.migration import RequestLoad
 from proxy.rescheduler import Rescheduler
@@ -95,6 +96,9 @@ log = logging.getLogger("ferry.sharing")
 
 METRICS_EVERY_S = 1.0  # how often a process publishes its exposition
 METRICS_TTL_S = 3 * METRICS_EVERY_S  # a dead process's counters leave the sum after this
+# A peer whose instance table differs from this one's this long is told of in
+# the log: shorter differences are a fleet change or a reload on its way.
+FLEET_MISMATCH_S = 5.0
 
 # Take the lease when nobody holds it, renew it when we do: atomically, so two
 # processes never both believe they hold it.
@@ -163,6 +167,8 @@ class Sharing:
         self.metrics_group = socket.gethostname()
         self._metrics_at = -math.inf  # clock() of the last publish
         self._peer_metrics: list[str] = []  # the peers' expositions, as last read
+        self._differ_since: dict[str, float] = {}  # peers whose instance table differs
+        self._differ_told: set[str] = set()  # ... and have been told of
         self.peers = PeerLoads()
         self.lease_holder: str | None = None
         self._members: list[str] = []
@@ -285,6 +291,7 @@ class Sharing:
             {name: self.cluster.local_load(name) for name in self.cluster.instances},
             {n: tuple(loads) for n, loads in self.rescheduler.local_candidates().items()},
             self._seq,
+            self._fleet_print(),
         )
         ttl_ms = int(self.settings.ttl_s * 1000)
         lease_ms = int(self.settings.lease_ttl_s * 1000)
@@ -376,11 +383,37 @@ class Sharing:
             log.info("peers gone (their totals expired): %s", ", ".join(gone))
             self._gone += gone  # dropped from the member set next round
         self._members = sorted(members)
+        self._compare_fleets(records)
         self.peers.take_records(records)
         self.cluster.set_peer_load(self.peers.totals())
         if self._failing:
             log.info("Redis reachable again: sharing the view")
             self._failing = False
+
+    def _fleet_print(self) -> str:
+        return fleet_print({name: state.url for name, state in self.cluster.instances.items()})
+
+    def _compare_fleets(self, records: Mapping[str, ProcessRecord]) -> None:
+        """Tell of peers whose instance table has differed from this one's for
+        FLEET_MISMATCH_S (once each time it starts to): names are how processes
+        share load and drains, so a name that is another server on a peer
+        gets this one's load, and a name it lacks, none of its drains."""
+        own, now = self._fleet_print(), self.clock()
+        differing = {p for p, r in records.items() if r.fleet and r.fleet != own}
+        for peer in set(self._differ_since) - differing:
+            del self._differ_since[peer]
+            self._differ_told.discard(peer)
+        for peer in differing:
+            since = self._differ_since.setdefault(peer, now)
+            if now - since >= FLEET_MISMATCH_S and peer not in self._differ_told:
+                self._differ_told.add(peer)
+                log.warning(
+                    "%s has other instances (names or URLs) than this process for %.0f s:"
+                    " processes sharing a view must list the same ones (keep their"
+                    " files the same)",
+                    peer,
+                    now - since,
+                )
 
     # -- count changes, announced between rounds --------------------------------------
     def _counted(self, instance: str) -> None:
@@ -669,6 +702,8 @@ class Sharing:
             "holds_lease": self.holds_lease(),
             "lease_holder": self.lease_holder,
             "redis_ok": not self._failing,
+            # Peers listing other instances (names or URLs) than this process.
+            "other_instances": sorted(self._differ_since),
             "peers": {
                 name: {
                     n: {

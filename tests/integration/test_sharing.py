@@ -597,6 +597,37 @@ def test_changes_made_at_once_through_two_processes_end_alike_everywhere(
         client.close()
 
 
+def test_replicas_listing_other_instances_are_told_of(
+    ferries: Any, redis_server: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    """A replica whose file names a server otherwise than the others' gets their
+    load and drains by name: each says so, on /admin/sharing at once and in its
+    log once the difference has lasted FLEET_MISMATCH_S."""
+    [a] = ferries(1)
+    rows = a.rows()
+    other = tmp_path / "other.yaml"  # i1's server under another name
+    body = json.loads((tmp_path / "ferry.yaml").read_text())
+    body["instances"] = [
+        {"name": "i0", "url": rows["i0"]["url"]},
+        {"name": "x", "url": rows["i1"]["url"]},
+    ]
+    other.write_text(json.dumps(body))
+    b = FerryProcess(other, free_port(), tmp_path / "other.log")
+    try:
+        b.wait_ready()
+        names = {p.sharing()["process"]: p for p in (a, b)}
+        wait_until(lambda: a.sharing()["other_instances"] == [b.sharing()["process"]])
+        assert b.sharing()["other_instances"] == [a.sharing()["process"]]
+        wait_until(lambda: "has other instances (names or URLs)" in a.log.read_text(), timeout=10)
+        assert len(names) == 2
+    finally:
+        b.stop()
+    wait_until(lambda: a.sharing()["other_instances"] == [], timeout=TTL_S + 3)  # b expired
+    [c] = ferries(1)  # the same file as a's: nothing to tell
+    wait_until(lambda: a.sharing()["process"] in c.sharing()["peers"])  # c has read a's record
+    assert c.sharing()["other_instances"] == [] and a.sharing()["other_instances"] == []
+
+
 def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "proxy.cli", "serve", "--backend", "http://127.0.0.1:9", *args],

@@ -18,6 +18,7 @@ from proxy.peer_load import (
     decode_change,
     encode,
     encode_change,
+    fleet_print,
 )
 from proxy.policy import DispatchRequest, Priority, dispatch, make_policy
 from proxy.policy.migration import RequestLoad
@@ -37,14 +38,23 @@ def test_a_record_reads_back_as_written_without_its_idle_instances() -> None:
         {"a": InstanceLoad(12, 3, 1, 40, 2), "b": InstanceLoad()},
         {"a": (moving, RequestLoad(9, 20, Priority.NORMAL, running=False))},
         seq=31,
+        fleet=fleet_print({"a": "http://h:1", "b": "http://h:2"}),
     )
     read = decode(encode(written))
-    assert read.process == "host:1:ab" and read.seq == 31
+    assert read.process == "host:1:ab" and read.seq == 31 and read.fleet == written.fleet
     assert dict(read.instances) == {"a": InstanceLoad(12, 3, 1, 40, 2)}  # b: nothing in flight
     assert read.candidates["a"][0] == moving
     assert (
         read.candidates["a"][1].priority is Priority.NORMAL and not read.candidates["a"][1].running
     )
+
+
+def test_the_fleet_print_tells_instance_tables_apart_in_any_order() -> None:
+    same = fleet_print({"a": "http://h:1", "b": "http://h:2"})
+    assert fleet_print({"b": "http://h:2", "a": "http://h:1"}) == same
+    assert fleet_print({"a": "http://h:2", "b": "http://h:1"}) != same  # names swapped
+    assert fleet_print({"a": "http://h:1"}) != same
+    assert decode(encode(record("p"))).fleet == ""  # an older Ferry sends none
 
 
 def test_the_peers_totals_sum_by_instance() -> None:
