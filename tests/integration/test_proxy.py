@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import Ferry, start_site, wait_until
+from tests.helpers import Ferry, free_port, start_site, wait_until
 
 
 def post(
@@ -183,6 +183,18 @@ def test_openai_client_sees_typed_errors(standins: Any, ferry: Any) -> None:
     api = client(ferry([site.url]))
     with pytest.raises(openai.NotFoundError, match="not served here"):
         api.completions.create(model="nope", prompt="x")
+
+
+def test_before_any_instance_was_reached_a_model_is_unavailable_not_unknown(ferry: Any) -> None:
+    """An engine still loading (vLLM takes a minute) has said nothing of its
+    models: 503 with Retry-After, which clients retry, not a 404 they give up on."""
+    proxy = ferry([f"http://127.0.0.1:{free_port()}"])  # nothing listens there yet
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1}).encode()
+    status, payload, headers = post(proxy.url + "/v1/completions", body)
+    assert status == 503 and "Retry-After" in headers, payload
+    assert "not reached yet" in payload["error"]["message"]
+    with pytest.raises(openai.InternalServerError):
+        client(proxy).completions.create(model="tiny", prompt="x")
 
 
 def test_unknown_route_and_method(standins: Any, ferry: Any) -> None:

@@ -128,6 +128,11 @@ def test_no_candidate_says_why() -> None:
         pick("round_robin", inst("a", draining=True), inst("b", healthy=False))
     with pytest.raises(NoCandidate, match="tried"):
         pick("random", inst("a"), exclude=frozenset({"a"}))
+    # Not reached yet (no models read: starting up): it may serve the model.
+    starting = inst("b", healthy=False, models=frozenset())
+    with pytest.raises(NoCandidate, match="1 not reached yet \\(b\\)") as early:
+        pick("llumnix", inst("a", models=frozenset({"other"})), starting)
+    assert not early.value.model_unknown
 
 
 def test_excluded_instances_are_skipped() -> None:
