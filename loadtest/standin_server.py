@@ -104,12 +104,14 @@ class StandIn:
         # for as long as the client reads them
         self.endless_after: int | None = None
         self._live: set[asyncio.BaseTransport] = set()
+        self.extra_headers: dict[str, str] = {}  # tests: on every answer (CORS, rate limits)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth])
         app.on_response_prepare.append(self._note_answer)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/invocations", self._generate)  # SageMaker's, as vLLM serves it
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/v1/audio/transcriptions", self._transcribe)
@@ -137,6 +139,7 @@ class StandIn:
         if request.method == "POST":  # recorded before the client can see the answer
             self.answers.append((request.path, response.status))
             self.seen_headers.append(dict(request.headers))
+        response.headers.extend(self.extra_headers)
         if self.cookie is not None:  # (headers are made before this hook: not set_cookie)
             response.headers.add("Set-Cookie", f"session={self.cookie}; Path=/")
 
@@ -345,7 +348,7 @@ class StandIn:
         body = await self._body(request)
         self.seen_bodies.append(body)
         self._refuse_if_told()
-        chat = request.path.endswith("/chat/completions")
+        chat = request.path.endswith("/chat/completions") or "messages" in body
         n = _tokens(body, "max_tokens")
         if chat and self.max_model_len and body.get("max_tokens") is None:
             n = self.max_model_len - len(PROMPT_IDS)

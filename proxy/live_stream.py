@@ -31,7 +31,7 @@ from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
 from proxy.policy import Priority
 from proxy.splicer import MAX_BACKOFF, Fed, Join, Splicer, plan_join
-from proxy.upstream import Call, OutOfFiles, Upstreams, read_whole
+from proxy.upstream import Call, OutOfFiles, Upstreams, answer_headers, read_whole
 
 log = logging.getLogger("ferry.migration")
 
@@ -189,7 +189,9 @@ class LiveStream:
 
     # -- driving ------------------------------------------------------------------
     async def run(self, request: web.Request) -> tuple[web.StreamResponse, str]:
-        response = await sse.open_response(request, self.instance)
+        upstream = self.call.response
+        passed = None if upstream is None else answer_headers(upstream)
+        response = await sse.open_response(request, self.instance, True, passed)
         try:
             while True:
                 result = await self._relay(response)

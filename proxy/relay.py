@@ -36,7 +36,7 @@ from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer
 from proxy.ttft_stages import TTFTStages
-from proxy.upstream import Call, InstanceStopped, OutOfFiles, Upstreams
+from proxy.upstream import Call, InstanceStopped, OutOfFiles, Upstreams, answer_headers
 
 log = logging.getLogger("ferry.relay")
 
@@ -230,7 +230,7 @@ class Relay:
                     # A pass-through event stream (a streamed /v1/responses): byte for byte.
                     response, outcome = await self._pipe(request, upstream, call, _as_is)
                 elif body is not None and stream and not answered_whole:
-                    ending = StreamEnd.of(body, _endpoint(path))
+                    ending = StreamEnd.of(body, _endpoint(path, body))
                     response, outcome = await self._stream(
                         request, upstream, call, wants_ids, timing, ending
                     )
@@ -337,7 +337,7 @@ class Relay:
         state = self.cluster.instances[name]
         if body is None or state.config.migration == "off" or not state.adapter.returns_token_ids:
             return None
-        endpoint = _endpoint(path)
+        endpoint = _endpoint(path, body)
         why = continuation.not_migratable(body, endpoint)
         if why is not None:
             if body.get("stream"):
@@ -397,12 +397,9 @@ class Relay:
         outcome = "ok" if status < 400 else "upstream_429" if status == 429 else "upstream_4xx"
         if status == 200 and not passthrough:
             raw = self._account_whole(raw, call, wants_ids)
-        headers = {
-            "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-            "x-ferry-instance": call.instance,
-        }
-        if "Retry-After" in upstream.headers:
-            headers["Retry-After"] = upstream.headers["Retry-After"]
+        headers = answer_headers(upstream)
+        headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+        headers["x-ferry-instance"] = call.instance
         if "Content-Encoding" in upstream.headers:  # compressed though asked not to be
             headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
         response = web.Response(status=status, body=raw, headers=headers)
@@ -497,7 +494,8 @@ class Relay:
                 if out:
                     if response is None:
                         events = relay is not _as_is  # a pass-through's bytes are as they come
-                        response = await sse.open_response(request, call.instance, events)
+                        passed = answer_headers(upstream)
+                        response = await sse.open_response(request, call.instance, events, passed)
                         # From here chunks go out from the connection's callback
                         # while the client keeps up (proxy/tap.py), and come here otherwise.
                         transport = sse.client_transport(response)
@@ -521,7 +519,9 @@ class Relay:
         finally:
             tap.detach(content)
         if response is None:  # an empty body, and nothing said it was short
-            response = await sse.open_response(request, call.instance)
+            response = await sse.open_response(
+                request, call.instance, True, answer_headers(upstream)
+            )
         return response, await _ended(response)
 
     def _account_event(self, event: bytes, call: Call, timing: sse.TokenTiming) -> bool:
@@ -548,9 +548,12 @@ class NothingRelayed(Exception):
     """An answer that failed before any of it reached the client."""
 
 
-def _endpoint(path: str) -> str:
-    """ "chat" or "completions", for a path Ferry parses."""
-    return "chat" if path.endswith("/chat/completions") else "completions"
+def _endpoint(path: str, body: dict[str, Any]) -> str:
+    """ "chat" or "completions", for a path Ferry parses (SageMaker's
+    `/invocations` is a chat where its body has `messages`)."""
+    if path.endswith("/chat/completions") or (path == "/invocations" and "messages" in body):
+        return "chat"
+    return "completions"
 
 
 def forwarded_headers(request: web.Request) -> dict[str, str]:

@@ -7,6 +7,7 @@ Routes:
 - vLLM's routes outside `/v1` (`ENGINE_ROUTES`: `/tokenize`, `/detokenize`,
   `/pooling`, `/classify`, `/score`, `/rerank`, `/v2/rerank`, `/v2/embed`, ...),
   passed through, and `GET /version`;
+- SageMaker's `POST /invocations`, read as the chat or completion its body is;
 - `/health`, `/livez`, `/readyz` (and vLLM's `/ping`), `/metrics` and `/admin/*`.
 A pass-through call goes to an instance serving its JSON body's `model` (any
 instance when it names none) and is answered as the instance answers: a stream
@@ -28,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from aiohttp.helpers import parse_mimetype
 
@@ -244,9 +246,11 @@ def build_app(
         app.router.add_post(path, _passthrough)
     app.router.add_get("/version", _passthrough)  # the engine's version, as vLLM answers it
     app.router.add_get("/health", _health)
-    # vLLM's SageMaker-style health check, GET or POST: Ferry's readiness here.
+    # vLLM's SageMaker-style health check, GET or POST: Ferry's readiness here;
+    # and SageMaker's one inference route.
     app.router.add_get("/ping", _readyz)
     app.router.add_post("/ping", _readyz)
+    app.router.add_post("/invocations", _invocations)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
@@ -394,6 +398,27 @@ def _openai_handler(endpoint: str) -> Any:
         )
 
     return handler
+
+
+_CHAT, _COMPLETIONS = _openai_handler("chat"), _openai_handler("completions")
+
+
+async def _invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's `POST /invocations`, which vLLM serves as the request its body
+    is: a chat (it has `messages`) or a completion (`prompt`) is read and placed
+    as on its own route (and sent to the instance's `/invocations`); anything
+    else (an embedding, a score) passes through."""
+    try:
+        body = orjson.loads(await _body(request))
+    except openai_request.BadRequest as exc:
+        return error_response(exc.status, exc.message, param=exc.param)
+    except orjson.JSONDecodeError:
+        body = None  # the pass-through says what is wrong with it
+    if isinstance(body, dict) and "messages" in body:
+        return await _CHAT(request)
+    if isinstance(body, dict) and "prompt" in body:
+        return await _COMPLETIONS(request)
+    return await _passthrough(request)
 
 
 async def _passthrough(request: web.Request) -> web.StreamResponse:

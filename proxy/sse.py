@@ -15,7 +15,8 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
+from multidict import CIMultiDict
 
 from proxy import tap
 from proxy.errors import error_body
@@ -195,18 +196,23 @@ def cancelled(request: web.Request) -> str:
 
 
 async def open_response(
-    request: web.Request, instance: str, events: bool = True
+    request: web.Request,
+    instance: str,
+    events: bool = True,
+    headers: CIMultiDict[str] | None = None,
 ) -> web.StreamResponse:
-    """Open a stream to the client. `events`: its bytes go out whole events at a
-    time (Ferry's own streams, not a pass-through's), so that `end_cut` can end
-    it with one."""
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "x-ferry-instance": instance,
-        }
-    )
+    """Open a stream to the client, with the instance's `headers` that go on
+    (proxy/upstream.py's `answer_headers`). `events`: its bytes go out whole
+    events at a time (Ferry's own streams, not a pass-through's), so that
+    `end_cut` can end it with one."""
+    sent = CIMultiDict(headers or ())
+    sent["Content-Type"] = "text/event-stream"
+    sent.setdefault("Cache-Control", "no-cache")
+    sent["x-ferry-instance"] = instance
+    response = web.StreamResponse(headers=sent)
+    if request.version < HttpVersion11:
+        # HTTP/1.0 has no chunks: the connection's close ends the body.
+        response.force_close()
     response[_CLIENT] = _Client(request.transport, request.app.get(SEND_TIMEOUT, 0.0))
     try:
         await response.prepare(request)

@@ -27,6 +27,8 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+from aiohttp import hdrs
+from multidict import CIMultiDict
 
 from proxy import sse
 from proxy.cluster import Cluster
@@ -156,6 +158,28 @@ class Waits:
         if not waiting:
             self.on.pop(instance, None)
         return len(stale)
+
+
+# An instance's answer headers the client is not sent: hop-by-hop ones (RFC 9110
+# 7.6.1), those of the body's framing (aiohttp frames what Ferry writes), and
+# those Ferry sets itself. The rest go on: CORS (vLLM's --allowed-origins),
+# rate limits and retry hints (retry-after-ms), an engine's own.
+_NOT_RELAYED = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te",
+        "trailer", "transfer-encoding", "upgrade", "content-length", "content-type",
+        "content-encoding", "date", "server", "x-request-id", "x-ferry-instance",
+    }
+)  # fmt: skip
+
+
+def answer_headers(response: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    """The headers of an instance's answer that go on to the client."""
+    dropped = _NOT_RELAYED
+    if hdrs.CONNECTION in response.headers:  # and the headers it names
+        named = response.headers.getall(hdrs.CONNECTION)
+        dropped = dropped | {t.strip().lower() for v in named for t in v.split(",")}
+    return CIMultiDict((k, v) for k, v in response.headers.items() if k.lower() not in dropped)
 
 
 async def read_whole(response: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -415,6 +415,88 @@ def test_a_cookie_an_instance_sets_is_not_sent_with_other_clients_calls(
     assert "cookie" not in {k.lower() for k in standin.seen_headers[-1]}
 
 
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_an_instances_answer_headers_reach_the_client_but_hop_by_hop_ones(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """vLLM's CORS headers (--allowed-origins), a gateway's rate limits and retry
+    hints go on, on whole answers, streams (moving or not), errors and
+    pass-throughs; those of one hop and the body's framing do not."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.extra_headers = {
+        "Access-Control-Allow-Origin": "*",
+        "x-ratelimit-remaining-requests": "7",
+        "Connection": "x-hop",
+        "x-hop": "this hop only",
+        "Server": "uvicorn",
+    }
+    proxy = ferry([site.url], instances_migration=migration)
+    body = {"model": "standin", "prompt": "x", "max_tokens": 3}
+    answers = [
+        httpx.post(proxy.url + "/v1/completions", json=body),
+        httpx.post(proxy.url + "/v1/completions", json={**body, "stream": True}),
+        httpx.post(proxy.url + "/tokenize", json={"model": "standin", "prompt": "x"}),
+    ]
+    standin.fail_status = 429  # an engine's (or its gateway's) refusal
+    answers.append(httpx.post(proxy.url + "/v1/completions", json=body))
+    assert [a.status_code for a in answers] == [200, 200, 200, 429]
+    for answer in answers:
+        headers = answer.headers
+        assert headers["access-control-allow-origin"] == "*", headers
+        assert headers["x-ratelimit-remaining-requests"] == "7"
+        assert "x-hop" not in headers and headers.get("server", "") != "uvicorn"
+        assert headers["x-ferry-instance"] == "i0"
+    assert answers[1].headers["content-type"].startswith("text/event-stream")
+    assert b"data: [DONE]" in answers[1].content
+
+
+def test_sagemaker_invocations_are_read_as_the_request_their_body_is(
+    standins: Any, ferry: Any
+) -> None:
+    """`/invocations` (SageMaker's one route, which vLLM serves) is a chat where
+    the body has `messages`, a completion where it has `prompt`: placed, counted
+    and streamed as those are; anything else passes through as it came."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url], instances_migration="lite")
+    chat = {"model": "standin", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    streamed = httpx.post(proxy.url + "/invocations", json={**chat, "stream": True})
+    events = [json.loads(e[6:]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == " tok" * 3
+    assert standin.seen_bodies[-1]["return_token_ids"] is True  # Ferry's own: it can move
+    assert all(e["choices"][0].get("token_ids") is None for e in events)  # ... and hid them
+    whole = httpx.post(proxy.url + "/invocations", json={"model": "standin", "prompt": "x"})
+    assert whole.status_code == 200 and whole.json()["object"] == "text_completion"
+    other = {"model": "standin", "input": "x"}
+    httpx.post(proxy.url + "/invocations", json=other)
+    assert standin.seen_bodies[-1] == other  # passed through, as it came
+    assert [path for path, _ in standin.answers] == ["/invocations"] * 3
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_an_http_1_0_stream_ends_with_its_connection(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """HTTP/1.0 has no chunks: the body ends where the connection does. Kept
+    alive, the client waited out the idle timeout for the end of its stream."""
+    [(_, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url], instances_migration=migration)
+    body = json.dumps({"model": "standin", "prompt": "x", "max_tokens": 3, "stream": True})
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        received = b""
+        while chunk := conn.recv(65536):  # times out (5 s) if the connection stays open
+            received += chunk
+    head, _, answer = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+    assert answer.endswith(b"data: [DONE]\n\n")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_redirect_from_an_instance_is_not_followed(
     standins: Any, ferry: Any, stream: bool
