@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -124,6 +124,7 @@ class FerryMetrics:
         # The scaling rule's thresholds; a reload may swap them (a frozen value).
         self.scaling = ScalingSettings() if scaling is None else scaling
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self._sharing: Callable[[], tuple[bool, bool, int]] | None = None
         # The process's CPU, memory and file descriptors, and Python's GC: what one
         # event loop on one core runs out of first.
         for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):
@@ -342,6 +343,24 @@ class FerryMetrics:
             except KeyError:
                 pass
 
+    def share(self, state: Callable[[], tuple[bool, bool, int]]) -> None:
+        """With a shared view (proxy/sharing.py): `state()` says, at each scrape,
+        whether Redis answers, whether this process holds the rescheduler lease,
+        and how many peers it reads. Alone, these series are absent."""
+        self._sharing = state
+        r = self.registry
+        self.sharing_redis_up = Gauge(
+            "ferry_sharing_redis_up", "1 while this process reaches Redis.", registry=r
+        )
+        self.sharing_lease_held = Gauge(
+            "ferry_sharing_lease_held",
+            "1 while this process holds the rescheduler lease (one process should).",
+            registry=r,
+        )
+        self.sharing_peers = Gauge(
+            "ferry_sharing_peers", "The other processes whose load this one reads.", registry=r
+        )
+
     def model_label(self, model: str | None, served: frozenset[str]) -> str:
         """The `model` label: bounded by the models the instances serve."""
         if not model:
@@ -370,6 +389,11 @@ class FerryMetrics:
             self.ejections.labels(view.name)  # at 0 until the first (see the migrations)
             age = now - state.snapshot_at if state.snapshot_at is not None else float("inf")
             self.scrape_age.labels(view.name).set(age)
+        if self._sharing is not None:
+            up, lease, peers = self._sharing()
+            self.sharing_redis_up.set(1 if up else 0)
+            self.sharing_lease_held.set(1 if lease else 0)
+            self.sharing_peers.set(peers)
         signal = scaling_signal(cluster.view(), self.scaling)
         self.desired_instances.set(signal.desired)
         self.average_freeness.set(math.nan if signal.freeness is None else signal.freeness)

@@ -303,6 +303,7 @@ async def _shared_view(
         app[SHARING].describe = sharing.describe
         app[SHARING].merged_metrics = sharing.merged_metrics
         app[SHARING].unshared = sharing.unshared
+        app[METRICS].share(sharing.health)
         log.info("sharing the cluster view through %s as %s", config.redis_url, sharing.name)
         yield
     finally:

@@ -257,6 +257,11 @@ class Sharing:
     ) -> None:
         self._outbox.append((owner, request_id, destination, prewarm, reason))
 
+    def health(self) -> tuple[bool, bool, int]:
+        """Whether Redis answers, whether this process holds the lease, and how
+        many peers it reads (`ferry_sharing_*`)."""
+        return not self._failing, self.holds_lease(), len(self.peers.records)
+
     def unshared(self) -> str | None:
         """Why a fleet change made here now would reach no other process (Redis
         is unreachable), or None."""
@@ -700,7 +705,7 @@ class Sharing:
             "enabled": True,
             "process": self.name,
             "holds_lease": self.holds_lease(),
-            "lease_holder": self.lease_holder,
+            "lease_holder": None if self._failing else self.lease_holder,  # unknown then
             "redis_ok": not self._failing,
             # Peers listing other instances (names or URLs) than this process.
             "other_instances": sorted(self._differ_since),

@@ -277,6 +277,18 @@ def requests_total(url: str) -> float:
     )
 
 
+def gauges(url: str) -> dict[str, float]:
+    """The `ferry_sharing_*` gauges of one scrape of `url`, by their names' tails."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.name.removeprefix("ferry_sharing_"): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("ferry_sharing_")
+    }
+
+
 def test_a_scrape_answers_for_every_worker_on_its_port_and_no_more(ferries: Any) -> None:
     [workers] = ferries(1, "--workers", "2")
     [replica] = ferries(1)  # another port, as a replica on another host: scraped apart
@@ -526,6 +538,9 @@ def test_without_redis_each_process_goes_on_alone_until_it_is_back(
     try:
         a, b = ferries(2, redis_url=f"redis://127.0.0.1:{port}/0")
         wait_until(lambda: len(a.sharing()["peers"]) == 1)
+        shown = gauges(a.url)
+        assert shown["redis_up"] == 1.0 and shown["peers"] == 1.0
+        wait_until(lambda: gauges(a.url)["lease_held"] + gauges(b.url)["lease_held"] == 1.0)
         streams = Streams(b.url, 2, tokens=200)  # 10 s each
         wait_until(lambda: a.inflight() == 2, timeout=5)
         own.kill()
@@ -533,7 +548,8 @@ def test_without_redis_each_process_goes_on_alone_until_it_is_back(
         # Both serve on; after the TTL each forgets the other's (maybe dead) load.
         assert complete(a.url) == " tok" * 2 and complete(b.url) == " tok" * 2
         wait_until(lambda: not a.sharing()["redis_ok"] and a.inflight() == 0, timeout=TTL_S + 3)
-        assert a.sharing()["peers"] == {}
+        assert a.sharing()["peers"] == {} and a.sharing()["lease_holder"] is None
+        assert gauges(a.url)["redis_up"] == 0.0 and gauges(a.url)["peers"] == 0.0
         # A change now would be made by this process alone, and lost with it.
         code, answer = call_json(
             a.url + "/admin/instances/i0/drain",
