@@ -481,14 +481,19 @@ class Sharing:
             if op.get("op") == "resync":  # a peer wrote back what Redis lost
                 self._resync_due = True
                 return
-            self.fleet.apply_op(op)
-            self._remember({"origin": origin, "op": op, "at": _float(fields.get("at"))})
             name = op_instance(op)
+            entry = {"origin": origin, "op": op, "at": _float(fields.get("at"))}
+            if op.get("op") == "remove" and name is not None and name not in self.cluster.instances:
+                # Gone here already (the compacted state keeps every removal, so a
+                # process that starts reads them all): nothing to say.
+                self._remember(entry)
+                return
+            self.fleet.apply_op(op)
+            self._remember(entry)
             if at is not None and name is not None and self._made_here_after(name, at):
                 self._rebase.add(name)
             # The kind and the name only: an added instance's api_key and headers
             # stay out of the logs.
-            name = op.get("name") or op["instance"].get("name")  # an add names it within
             log.info("fleet change from %s applied: %s %s", origin, op["op"], name)
         except (ValueError, FleetError) as exc:
             # A peer's change that does not fit here (an instance this process

@@ -210,6 +210,9 @@ def test_each_process_sees_the_others_load_and_fleet_changes_apply_everywhere(
     wait_until(lambda: a.rows()["i2"]["migration_configured"] == "lite", timeout=2)
     a.admin("/admin/instances/i2", "DELETE")
     wait_until(lambda: "i2" not in b.rows() and "i2" not in a.rows(), timeout=5)
+    # One that starts later reads the removal and, having no i2, has nothing to say.
+    [c] = ferries(1)
+    assert "i2" not in c.rows() and "not applied here" not in c.log.read_text()
 
     for s in (streams, late):
         s.join()
