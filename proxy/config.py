@@ -290,19 +290,21 @@ class _StrictLoader(yaml.SafeLoader):
     file would silently replace the first."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
+        seen: dict[Any, yaml.Mark] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges, more than once is fine
                 continue
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, Hashable) and key in seen:
+            if not isinstance(key, Hashable):
+                continue
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    "while reading a mapping",
-                    node.start_mark,
-                    f"the key {_shown(key)} is written twice",
+                    f"the key {_shown(key)} is written first",
+                    seen[key],
+                    "and again",
                     key_node.start_mark,
                 )
-            seen.add(key)
+            seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
 

@@ -178,7 +178,6 @@ class Sharing:
         # loses them (the epoch changes).
         self._fleet_state: dict[str, list[dict[str, Any]]] = {}
         self._epoch: str | None = None  # Redis's, as last read
-        self._run_id: Any = None  # Redis's run id (INFO server), as last read
         self._restore_due = False
         # Moves to send: (owner, id, destination, prewarm, reason).
         self._outbox: list[tuple[str, int, str, bool, str]] = []
@@ -324,13 +323,18 @@ class Sharing:
         pipe.get(self._lease_key)
         pipe.setnx(self._epoch_key, secrets.token_hex(8))  # new each time: never the lost one
         pipe.get(self._epoch_key)
-        pipe.info("server")  # its run_id: new each time Redis starts
+        pipe.xrevrange(self._fleet_key, count=1)  # the newest change: older after a rollback
         if known:
             pipe.mget([self._load_prefix + m for m in known])
-        if self.exposition is not None and started - self._metrics_at >= METRICS_EVERY_S:
+        # Once a second, this process's exposition, and the peers' read back: what
+        # a scrape sums while Redis is down.
+        exposition = self.exposition if started - self._metrics_at >= METRICS_EVERY_S else None
+        if exposition is not None and known:
+            pipe.mget([self._metrics_key(m) for m in known])
+        if exposition is not None:
             self._metrics_at = started
             ttl = int(METRICS_TTL_S * 1000)
-            pipe.set(self._metrics_key(self.name), self.exposition(), px=ttl)
+            pipe.set(self._metrics_key(self.name), exposition(), px=ttl)
         for owner, request_id, destination, prewarm, reason in outbox:
             key = f"{self.settings.key_prefix}:moves:{owner}"
             pipe.rpush(key, json.dumps([request_id, destination, prewarm, reason]))
@@ -344,10 +348,12 @@ class Sharing:
         self._last_round = started
         if gone:
             del results[2]  # SREM's answer
-        _, _, members, oldest, changes, moves, _, held, holder, _, epoch, server = results[:12]
+        _, _, members, oldest, changes, moves, _, held, holder, _, epoch, newest = results[:12]
         texts = results[12] if known else []
-        run_id = server.get("run_id") if isinstance(server, dict) else None
-        self._check_epoch(None if epoch is None else _text(epoch), run_id)
+        if exposition is not None and known:
+            self._peer_metrics = [_text(t) for t in results[13] if t is not None]
+        if not self._check_epoch(None if epoch is None else _text(epoch)):
+            self._check_rollback(_stream_id(newest[0][0]) if newest else (0, 0))
         # (A name that is not UTF-8 is no process's: read with replacement, it has
         # no record, so it is dropped as gone, by the bytes it was stored as.)
         self._member_bytes = {_text(m): m for m in members}
@@ -396,7 +402,17 @@ class Sharing:
             self._failing = False
 
     def _fleet_print(self) -> str:
-        return fleet_print({name: state.url for name, state in self.cluster.instances.items()})
+        """The fingerprint of the instances this process lists: not those on their
+        way out (each process keeps one until its own streams end), nor those
+        DNS discovery found (each process resolves on its own clock)."""
+        discovered = self.fleet.discovered
+        return fleet_print(
+            {
+                name: state.url
+                for name, state in self.cluster.instances.items()
+                if not state.leaving and name not in discovered
+            }
+        )
 
     def _compare_fleets(self, records: Mapping[str, ProcessRecord]) -> None:
         """Tell of peers whose instance table has differed from this one's for
@@ -579,6 +595,9 @@ class Sharing:
                     if name is not None:
                         await pipe.watch(self._fleet_state_key)
                         history = _history(await pipe.hget(self._fleet_state_key, name))
+                    # A rollback seen only by this round would be hidden by this change.
+                    newest = await self.redis.xrevrange(self._fleet_key, count=1)
+                    self._check_rollback(_stream_id(newest[0][0]) if newest else (0, 0))
                     pipe.multi()
                     if name is not None:
                         state = json.dumps(compact(history, entry))
@@ -612,34 +631,41 @@ class Sharing:
             self._fleet_state[_text(name)] = _history(state[name])
         # No state but a log: written by an older Ferry, so replay it from the start.
         self._fleet_seen = _text(newest[0][0]) if state and newest else "0"
+        self._rebase.clear()  # the state says how each instance ends, in log order
         self._resync_due = False
 
     def _remember(self, entry: dict[str, Any]) -> None:
         """Keep an applied change in this process's compacted state."""
         name = op_instance(entry["op"])
         if name is not None:
-            # In time order, as the log has them: a peer's change read after one made
-            # here may have been made before it.
+            # In the order they were made (by their makers' clocks): a peer's change
+            # read after one made here may have been made before it.
             self._fleet_state[name] = _merged(self._fleet_state.get(name, []), [entry])
 
-    def _check_epoch(self, epoch: str | None, run_id: Any = None) -> None:
-        """Redis's epoch and run id, read this round. An epoch that changed says it
-        lost its data, the fleet log too: what it holds now was written since, read
-        from its start. A run id that changed under the same epoch says it started
-        again from a snapshot, which may be older than the last changes: this
-        process writes back what it holds either way (merged by time, a no-op
-        where nothing was lost)."""
-        restarted = run_id is not None and self._run_id is not None and run_id != self._run_id
-        if self._epoch is not None and epoch != self._epoch:
+    def _check_epoch(self, epoch: str | None) -> bool:
+        """Redis's epoch, read this round: one that changed says it lost its data,
+        the fleet log too: what it holds now was written since, read from its
+        start. Whether it did."""
+        lost = self._epoch is not None and epoch != self._epoch
+        if lost:
             log.warning("Redis lost the shared state (restarted or flushed)")
             self._fleet_seen = "0"
-            self._restore_due = bool(self._fleet_state)
-        elif restarted:
-            log.warning("Redis restarted: writing back the fleet changes it may have lost")
+            self._own_last.clear()
             self._restore_due = bool(self._fleet_state)
         self._epoch = epoch
-        if run_id is not None:
-            self._run_id = run_id
+        return lost
+
+    def _check_rollback(self, newest: tuple[int, int]) -> None:
+        """The fleet log's newest change, read this round (or before a change is
+        written). Older than one this process read or wrote, it says Redis went
+        back to a snapshot (same epoch) that predates the last changes: this
+        process writes back what it holds, merged by time with what is there."""
+        known = max([_stream_id(self._fleet_seen), *self._own_last.values()])
+        if newest < known and not self._restore_due:
+            log.warning("Redis went back to an older snapshot: writing back the fleet changes")
+            self._restore_due = bool(self._fleet_state)
+            self._fleet_seen = f"{newest[0]}-{newest[1]}"
+            self._own_last = {n: min(at, newest) for n, at in self._own_last.items()}
 
     async def _restore(self) -> None:
         """Write back this process's fleet state, merged in time order with what

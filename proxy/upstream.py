@@ -27,7 +27,6 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
-from aiohttp import hdrs
 from multidict import CIMultiDict
 
 from proxy import sse
@@ -160,26 +159,31 @@ class Waits:
         return len(stale)
 
 
-# An instance's answer headers the client is not sent: hop-by-hop ones (RFC 9110
-# 7.6.1), those of the body's framing (aiohttp frames what Ferry writes), and
-# those Ferry sets itself. The rest go on: CORS (vLLM's --allowed-origins),
-# rate limits and retry hints (retry-after-ms), an engine's own.
-_NOT_RELAYED = frozenset(
-    {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te",
-        "trailer", "transfer-encoding", "upgrade", "content-length", "content-type",
-        "content-encoding", "date", "server", "x-request-id", "x-ferry-instance",
-    }
-)  # fmt: skip
+# An instance's answer headers that go on to the client: retry hints and rate
+# limits (a gateway's before the engine, OpenAI's `x-ratelimit-*`) and other
+# `x-` headers of the engine's own. Not the rest: the body's framing and
+# hop-by-hop ones are Ferry's to set, and what would speak for Ferry's origin
+# (CORS, cookies, HSTS, Alt-Svc) is not an instance's to say: vLLM allows every
+# origin by default, which would open a Ferry without client keys to any page a
+# browser visits.
+_RELAYED = frozenset({"retry-after", "retry-after-ms"})
+_RELAYED_PREFIXES = ("x-", "ratelimit-")
+_NOT_RELAYED = frozenset({"x-request-id", "x-ferry-instance"})  # Ferry's own
 
 
 def answer_headers(response: aiohttp.ClientResponse) -> CIMultiDict[str]:
     """The headers of an instance's answer that go on to the client."""
-    dropped = _NOT_RELAYED
-    if hdrs.CONNECTION in response.headers:  # and the headers it names
-        named = response.headers.getall(hdrs.CONNECTION)
-        dropped = dropped | {t.strip().lower() for v in named for t in v.split(",")}
-    return CIMultiDict((k, v) for k, v in response.headers.items() if k.lower() not in dropped)
+    hop = {
+        t.strip().lower() for v in response.headers.getall("Connection", ()) for t in v.split(",")
+    }
+    relayed: CIMultiDict[str] = CIMultiDict()
+    for key, value in response.headers.items():
+        name = key.lower()
+        if name in hop or name in _NOT_RELAYED:
+            continue
+        if name in _RELAYED or name.startswith(_RELAYED_PREFIXES):
+            relayed.add(key, value)
+    return relayed
 
 
 async def read_whole(response: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -416,16 +416,20 @@ def test_a_cookie_an_instance_sets_is_not_sent_with_other_clients_calls(
 
 
 @pytest.mark.parametrize("migration", ["off", "lite"])
-def test_an_instances_answer_headers_reach_the_client_but_hop_by_hop_ones(
+def test_an_instances_rate_limits_and_retry_hints_reach_the_client_and_no_more(
     standins: Any, ferry: Any, migration: str
 ) -> None:
-    """vLLM's CORS headers (--allowed-origins), a gateway's rate limits and retry
-    hints go on, on whole answers, streams (moving or not), errors and
-    pass-throughs; those of one hop and the body's framing do not."""
+    """A gateway's rate limits and retry hints and an engine's own `x-` headers go
+    on, on whole answers, streams (moving or not), errors and pass-throughs;
+    those of one hop, the body's framing, and what would speak for Ferry's own
+    origin (vLLM's CORS headers allow every origin by default; cookies) do not."""
     [(standin, site)] = standins(1, itl_s=0.001)
     standin.extra_headers = {
         "Access-Control-Allow-Origin": "*",
+        "Set-Cookie": "gateway=secret",
+        "Strict-Transport-Security": "max-age=1",
         "x-ratelimit-remaining-requests": "7",
+        "retry-after-ms": "250",
         "Connection": "x-hop",
         "x-hop": "this hop only",
         "Server": "uvicorn",
@@ -442,10 +446,12 @@ def test_an_instances_answer_headers_reach_the_client_but_hop_by_hop_ones(
     assert [a.status_code for a in answers] == [200, 200, 200, 429]
     for answer in answers:
         headers = answer.headers
-        assert headers["access-control-allow-origin"] == "*", headers
-        assert headers["x-ratelimit-remaining-requests"] == "7"
-        assert "x-hop" not in headers and headers.get("server", "") != "uvicorn"
+        assert headers["x-ratelimit-remaining-requests"] == "7", headers
+        assert headers["retry-after-ms"] == "250"
         assert headers["x-ferry-instance"] == "i0"
+        dropped = ("access-control-allow-origin", "set-cookie", "strict-transport-security")
+        assert not set(dropped) & set(headers), headers
+        assert "x-hop" not in headers and headers.get("server", "") != "uvicorn"
     assert answers[1].headers["content-type"].startswith("text/event-stream")
     assert b"data: [DONE]" in answers[1].content
 

@@ -421,7 +421,10 @@ def test_a_yaml_alias_bomb_is_refused_in_a_short_message(tmp_path: Path) -> None
 def test_a_key_written_twice_is_refused_not_the_last_one_kept(text: str, tmp_path: Path) -> None:
     path = tmp_path / "f.yaml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=r"(?s)key '(instances|url)' is written twice.*line [24]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"(?s)key '(instances|url)' is written first.*line [13].*and again.*line [24]",
+    ):
         load_config(path)
 
 
