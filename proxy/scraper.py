@@ -158,6 +158,8 @@ class Scraper:
                     info = json.loads(await read_whole(resp, MAX_PAGE_BYTES))
                 why = f"GET {wire.INFO}: HTTP {resp.status} (shim not loaded)"
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            if out_of_files(exc):  # Ferry's shortage: what it knew of the shim stands
+                return
             why = _describe(exc)
         if isinstance(info, dict) and info.get("shim_version") == wire.SHIM_VERSION:
             state.shim, state.shim_error = info, None

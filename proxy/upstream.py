@@ -22,6 +22,10 @@ import asyncio
 import errno
 import logging
 import math
+import os
+import resource
+import socket
+import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -83,11 +87,37 @@ def out_of_files(exc: BaseException) -> bool:
             return False
         if isinstance(seen, OutOfFiles) or getattr(seen, "errno", None) in _NO_FILES:
             return True
+        if isinstance(seen, socket.gaierror):
+            # glibc's resolver out of descriptors says "Name or service not
+            # known", even of localhost: ask the process's own count.
+            return _at_file_limit()
         seen = seen.__cause__ or getattr(seen, "os_error", None)
     return False
 
 
+def _at_file_limit() -> bool:
+    """Whether this process holds about as many descriptors as it may: counted
+    at most once a second (a listing of 65,536 takes milliseconds, and a storm
+    of failures would ask for each)."""
+    now = time.monotonic()
+    if now - _FILE_COUNT[0] < 1.0:
+        return _FILE_COUNT[1]
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        at_limit = soft != resource.RLIM_INFINITY and used >= soft - FILES_SPARE
+    except OSError as exc:
+        at_limit = exc.errno in _NO_FILES  # the listing needs one too
+    _FILE_COUNT[:] = [now, at_limit]
+    return at_limit
+
+
+# The process's last count: when, and whether it was at its limit (one process, one count).
+_FILE_COUNT: list[Any] = [-math.inf, False]
+
+
 _NO_FILES = (errno.EMFILE, errno.ENFILE)
+FILES_SPARE = 8  # descriptors short of the limit that count as at it
 # A shortage of file descriptors is logged at most this often, not per call.
 OUT_OF_FILES_LOG_S = 10.0
 
