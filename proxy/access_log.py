@@ -59,7 +59,7 @@ log = logging.getLogger("ferry.access")
 REQUEST_ID = "x-request-id"
 TRACE_HEADERS = ("traceparent", "tracestate")
 _MAX_ID = 128
-QUIET_PATHS = frozenset({"/metrics", "/health", "/livez", "/readyz"})
+QUIET_PATHS = frozenset({"/metrics", "/health", "/livez", "/readyz", "/ping"})
 
 
 @dataclass(slots=True)

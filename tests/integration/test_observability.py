@@ -118,6 +118,18 @@ def test_every_answer_has_a_request_id(
     assert lines[2]["instance"] is None and lines[2]["request_id"] == "mine-1"
 
 
+def test_probes_and_scrapes_stay_out_of_the_access_log(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ferry.access")
+    [(_, a)] = standins(1)
+    proxy = ferry([a.url], server={"access_log": True})
+    for path in ("/health", "/livez", "/readyz", "/ping", "/metrics", "/v1/models"):
+        urllib.request.urlopen(proxy.url + path, timeout=5).close()
+    wait_until(lambda: len(access_lines(caplog)) >= 1)
+    assert [x["path"] for x in access_lines(caplog)] == ["/v1/models"]
+
+
 def test_metrics_are_labelled_and_pass_promtool(standins: Any, ferry: Any) -> None:
     tool = debian_tool("promtool", "prometheus")
     [(_, a), (_, b)] = standins(2, itl_s=0.001)
