@@ -320,6 +320,12 @@ def test_a_scrape_while_redis_is_down_still_counts_every_worker(
         for _ in range(6):
             complete(workers.url)  # each call a new connection: spread over the workers
         wait_until(lambda: all(requests_total(workers.url) == 6 for _ in range(4)), timeout=5)
+        # Each worker publishes its counters and reads its peers' once a second: two
+        # seconds on, each holds the other's as they are now (before, a read of a
+        # peer's older publication would be summed: up to two seconds behind).
+        from proxy.sharing import METRICS_EVERY_S  # (redis is imported with it)
+
+        time.sleep(2 * METRICS_EVERY_S + 0.2)
         own.kill()
         own.wait(10)
         wait_until(lambda: all(not workers.sharing()["redis_ok"] for _ in range(4)), timeout=5)
