@@ -96,10 +96,12 @@ class Relay:
         arrived: float,
         parsed: float | None = None,
         stream: bool = False,
+        endpoint: str = "completions",
     ) -> web.StreamResponse:
         """Relay a request to the instance the policy picks. `body` is None for a
         pass-through call, sent as it came and answered as the instance answers;
-        `stream` says whether its body asked for a stream (an idle timeout applies).
+        `stream` says whether its body asked for a stream (an idle timeout applies);
+        `endpoint` how a body Ferry read reads ("chat" or "completions").
         `arrived` and `parsed` (monotonic seconds) bound the TTFT's first stage."""
         stream = stream if body is None else bool(body.get("stream"))
         record = access_log.record_of(request)
@@ -215,7 +217,9 @@ class Relay:
                 live = (
                     None
                     if answered_whole
-                    else self._live(call, body, path, priority, wants_ids, tag, timing, headers)
+                    else self._live(
+                        call, body, path, endpoint, priority, wants_ids, tag, timing, headers
+                    )
                 )
                 if live is not None:
                     self.migrator.register(live)
@@ -230,7 +234,7 @@ class Relay:
                     # A pass-through event stream (a streamed /v1/responses): byte for byte.
                     response, outcome = await self._pipe(request, upstream, call, _as_is)
                 elif body is not None and stream and not answered_whole:
-                    ending = StreamEnd.of(body, _endpoint(path, body))
+                    ending = StreamEnd.of(body, endpoint)
                     response, outcome = await self._stream(
                         request, upstream, call, wants_ids, timing, ending
                     )
@@ -325,6 +329,7 @@ class Relay:
         call: Call,
         body: dict[str, Any] | None,
         path: str,
+        endpoint: str,
         priority: Priority,
         wants_ids: bool,
         tag: str | None,
@@ -337,7 +342,6 @@ class Relay:
         state = self.cluster.instances[name]
         if body is None or state.config.migration == "off" or not state.adapter.returns_token_ids:
             return None
-        endpoint = _endpoint(path, body)
         why = continuation.not_migratable(body, endpoint)
         if why is not None:
             if body.get("stream"):
@@ -546,14 +550,6 @@ class Relay:
 
 class NothingRelayed(Exception):
     """An answer that failed before any of it reached the client."""
-
-
-def _endpoint(path: str, body: dict[str, Any]) -> str:
-    """ "chat" or "completions", for a path Ferry parses (SageMaker's
-    `/invocations` is a chat where its body has `messages`)."""
-    if path.endswith("/chat/completions") or (path == "/invocations" and "messages" in body):
-        return "chat"
-    return "completions"
 
 
 def forwarded_headers(request: web.Request) -> dict[str, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +26,7 @@ from adapters import MetricsParseError
 from migration_shim import wire
 from proxy.cluster import Cluster
 from proxy.metrics import FerryMetrics
-from proxy.upstream import OUT_OF_FILES_LOG_S, OutOfFiles, out_of_files, read_whole
+from proxy.upstream import OutOfFiles, ShortageLog, out_of_files, read_whole
 
 log = logging.getLogger("ferry.scraper")
 
@@ -62,7 +61,7 @@ class Scraper:
         # no answer to `GET /health` either (Migrator.leave_hung).
         self.on_down: Callable[[str], object] | None = None
         self._produced: dict[str, int] = {}  # ledger.produced() at each instance's last look
-        self._out_of_files_logged = -math.inf  # when a look last said Ferry had no files left
+        self._short_of_files = ShortageLog(log, clock)
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
         """New intervals (a reload), used from each loop's next round."""
@@ -184,9 +183,9 @@ class Scraper:
         except OutOfFiles as exc:
             # Ferry's own shortage says nothing of the instance: it keeps its
             # last look, rather than every instance going down at once.
-            if self.clock() - self._out_of_files_logged >= OUT_OF_FILES_LOG_S:
-                self._out_of_files_logged = self.clock()
-                log.warning("cannot look at %s: %s (raise the open files limit)", name, exc)
+            self._short_of_files.warn(
+                "cannot look at %s: %s (raise the open files limit)", name, exc
+            )
             return read
         except Exception as exc:  # noqa: BLE001
             why = _describe(exc)

@@ -396,6 +396,7 @@ def _openai_handler(endpoint: str) -> Any:
             prompt_estimate=parsed.prompt_estimate,
             arrived=arrived,
             parsed=time.monotonic(),
+            endpoint=endpoint,
         )
 
     return handler

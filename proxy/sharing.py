@@ -290,12 +290,13 @@ class Sharing:
 
     async def round(self) -> None:
         """One exchange with Redis; raises RedisError or OSError if it fails."""
+        fleet = self._fleet_print()
         record = ProcessRecord(
             self.name,
             {name: self.cluster.local_load(name) for name in self.cluster.instances},
             {n: tuple(loads) for n, loads in self.rescheduler.local_candidates().items()},
             self._seq,
-            self._fleet_print(),
+            fleet,
         )
         ttl_ms = int(self.settings.ttl_s * 1000)
         lease_ms = int(self.settings.lease_ttl_s * 1000)
@@ -357,7 +358,7 @@ class Sharing:
         # (A name that is not UTF-8 is no process's: read with replacement, it has
         # no record, so it is dropped as gone, by the bytes it was stored as.)
         self._member_bytes = {_text(m): m for m in members}
-        self._read(set(self._member_bytes), dict(zip(known, texts, strict=True)))
+        self._read(set(self._member_bytes), dict(zip(known, texts, strict=True)), fleet)
         # From the round's start: the lease was renewed no earlier than that.
         self._lease_until = started + self.settings.lease_ttl_s if held else -1.0
         self.lease_holder = None if holder is None else _text(holder)
@@ -378,8 +379,9 @@ class Sharing:
         for raw in moves:
             self._apply_move(_text(raw))
 
-    def _read(self, members: set[str], texts: dict[str, Any]) -> None:
-        """Take the peers' records; a member whose record expired is gone."""
+    def _read(self, members: set[str], texts: dict[str, Any], fleet: str) -> None:
+        """Take the peers' records; a member whose record expired is gone. `fleet`:
+        this process's instance table's fingerprint, as it published it."""
         records: dict[str, ProcessRecord] = {}
         for member, text in texts.items():
             if text is None:  # expired: that process died
@@ -394,7 +396,7 @@ class Sharing:
             log.info("peers gone (their totals expired): %s", ", ".join(gone))
             self._gone += gone  # dropped from the member set next round
         self._members = sorted(members)
-        self._compare_fleets(records)
+        self._compare_fleets(records, fleet)
         self.peers.take_records(records)
         self.cluster.set_peer_load(self.peers.totals())
         if self._failing:
@@ -414,12 +416,12 @@ class Sharing:
             }
         )
 
-    def _compare_fleets(self, records: Mapping[str, ProcessRecord]) -> None:
+    def _compare_fleets(self, records: Mapping[str, ProcessRecord], own: str) -> None:
         """Tell of peers whose instance table has differed from this one's for
         FLEET_MISMATCH_S (once each time it starts to): names are how processes
         share load and drains, so a name that is another server on a peer
         gets this one's load, and a name it lacks, none of its drains."""
-        own, now = self._fleet_print(), self.clock()
+        now = self.clock()
         differing = {p for p, r in records.items() if r.fleet and r.fleet != own}
         for peer in set(self._differ_since) - differing:
             del self._differ_since[peer]

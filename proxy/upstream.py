@@ -122,6 +122,21 @@ FILES_SPARE = 8  # descriptors short of the limit that count as at it
 OUT_OF_FILES_LOG_S = 10.0
 
 
+class ShortageLog:
+    """Warns of a shortage of file descriptors at most every OUT_OF_FILES_LOG_S:
+    in a storm, every call and every look would."""
+
+    def __init__(self, logger: logging.Logger, clock: Callable[[], float]) -> None:
+        self.logger, self.clock = logger, clock
+        self._at = -math.inf
+
+    def warn(self, message: str, *args: object) -> None:
+        now = self.clock()
+        if now - self._at >= OUT_OF_FILES_LOG_S:
+            self._at = now
+            self.logger.warning(message, *args)
+
+
 class InstanceStopped(aiohttp.ServerTimeoutError):
     """A wait given up because its instance stopped answering (proxy/scraper.py `on_down`)."""
 
@@ -242,7 +257,7 @@ class Upstreams:
         self.session = session
         self.waits = Waits(clock)
         self.max_answer_bytes = server.max_answer_bytes
-        self._out_of_files_logged = -math.inf
+        self._short_of_files = ShortageLog(log, clock)
         # A whole (non-streamed) response may take as long as its generation.
         self.whole_timeout = aiohttp.ClientTimeout(
             total=None,
@@ -256,13 +271,6 @@ class Upstreams:
             sock_connect=server.upstream_connect_timeout_s,
             sock_read=server.upstream_idle_timeout_s or server.upstream_read_timeout_s,
         )
-
-    def _out_of_files(self, exc: BaseException) -> None:
-        """Log a shortage of file descriptors, at most every OUT_OF_FILES_LOG_S."""
-        now = self.waits.clock()
-        if now - self._out_of_files_logged >= OUT_OF_FILES_LOG_S:
-            self._out_of_files_logged = now
-            log.warning("out of file descriptors, answering 503: %s (raise ulimit -n)", exc)
 
     def url(self, instance: str) -> str:
         return self.cluster.instances[instance].url
@@ -344,7 +352,9 @@ class Upstreams:
         except sse.CONNECT_ERRORS as exc:
             call.close()
             if out_of_files(exc):
-                self._out_of_files(exc)
+                self._short_of_files.warn(
+                    "out of file descriptors, answering 503: %s (raise ulimit -n)", exc
+                )
                 raise OutOfFiles(f"ferry is out of file descriptors: {exc}") from exc
             self.cluster.mark_unreachable(call.instance, f"{type(exc).__name__}: {exc}")
             raise

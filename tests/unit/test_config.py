@@ -10,6 +10,7 @@ from adapters import ADAPTERS
 from proxy.config import (
     ENGINES,
     ConfigError,
+    FerryConfig,
     SchedulerConfig,
     config_from_backends,
     load_config,
@@ -411,6 +412,13 @@ def test_a_yaml_alias_bomb_is_refused_in_a_short_message(tmp_path: Path) -> None
     assert len(str(caught.value)) < 500
 
 
+def load_yaml(tmp_path: Path, text: str) -> FerryConfig:
+    """`text` as a config file, loaded."""
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    return load_config(path)
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -419,42 +427,36 @@ def test_a_yaml_alias_bomb_is_refused_in_a_short_message(tmp_path: Path) -> None
     ],
 )
 def test_a_key_written_twice_is_refused_not_the_last_one_kept(text: str, tmp_path: Path) -> None:
-    path = tmp_path / "f.yaml"
-    path.write_text(text)
     with pytest.raises(
         ConfigError,
         match=r"(?s)key '(instances|url)' is written first.*line [13].*and again.*line [24]",
     ):
-        load_config(path)
+        load_yaml(tmp_path, text)
 
 
 def test_yaml_merge_keys_still_merge(tmp_path: Path) -> None:
-    path = tmp_path / "f.yaml"
-    path.write_text(
+    text = (
         "instances:\n  - &a {name: a, url: 'http://h:1', labels: {zone: x}}\n"
         "  - <<: *a\n    name: b\n    url: 'http://h:2'\n"
     )
-    instances = load_config(path).instances
+    instances = load_yaml(tmp_path, text).instances
     assert [(i.name, i.labels) for i in instances] == [("a", {"zone": "x"}), ("b", {"zone": "x"})]
 
 
 @pytest.mark.parametrize("word", ["on", "yes", "true"])
 def test_a_mode_yaml_reads_as_a_boolean_is_named_with_the_modes(word: str, tmp_path: Path) -> None:
-    path = tmp_path / "f.yaml"
-    path.write_text(f"instances: [{{name: a, url: 'http://h:1', migration: {word}}}]\n")
     expected = r"instances\[0\]\.migration: must be one of off, lite, full \(got True\)"
     with pytest.raises(ConfigError, match=expected):
-        load_config(path)
+        load_yaml(tmp_path, f"instances: [{{name: a, url: 'http://h:1', migration: {word}}}]\n")
 
 
 def test_a_float_yaml_reads_as_text_is_a_float(tmp_path: Path) -> None:
     """YAML 1.1 reads 1e4 (no dot) as text; it means 10,000."""
-    path = tmp_path / "f.yaml"
-    path.write_text(
+    text = (
         "instances: [{name: a, url: 'http://h:1'}]\n"
         "scheduler:\n  migration_prefill_tokens_per_s: 2e4\n"
     )
-    assert load_config(path).scheduler.migration_prefill_tokens_per_s == 20_000.0
+    assert load_yaml(tmp_path, text).scheduler.migration_prefill_tokens_per_s == 20_000.0
 
 
 @pytest.mark.parametrize("token", ["tok ", "t\u00f6k", "to\nk"])
