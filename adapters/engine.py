@@ -25,6 +25,9 @@ class EngineAdapter:
       pure parser from that text to an `EngineSnapshot`; both None for an engine
       without metrics (its health then comes from `GET /v1/models`, its load from
       Ferry's ledger alone).
+    - `metrics_narrow_path`: the same metrics narrowed to the series the parser
+      reads, cheaper for the engine to render; tried first, with `metrics_path`
+      used for good on an instance where it fails or reads differently.
     - `token_id_request_fields`: added to every completion request so the engine
       answers with `prompt_token_ids`/`token_ids` (exact ledger counts, and what a
       lite move continues from); empty when the engine has no such option.
@@ -41,6 +44,7 @@ class EngineAdapter:
 
     name: str
     metrics_path: str | None = None
+    metrics_narrow_path: str | None = None
     parse_metrics: Callable[[str], EngineSnapshot] | None = None
     token_id_request_fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     returns_token_ids: bool = False
@@ -51,6 +55,8 @@ class EngineAdapter:
     def __post_init__(self) -> None:
         if (self.metrics_path is None) != (self.parse_metrics is None):
             raise ValueError(f"engine {self.name}: metrics_path and parse_metrics go together")
+        if self.metrics_narrow_path is not None and self.metrics_path is None:
+            raise ValueError(f"engine {self.name}: metrics_narrow_path needs metrics_path")
         if self.returns_token_ids and not self.token_id_request_fields:
             raise ValueError(f"engine {self.name}: token ids need the request fields that ask")
         # A frozen view, so no caller can change what every request is sent.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
+from urllib.parse import urlencode
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,6 +31,16 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
 }
 CACHE_INFO = "vllm:cache_config_info"
 BLOCK_COUNT_LABELS = ("num_gpu_blocks", "num_cpu_blocks")
+
+# The series above asked for by name: prometheus_client's `name[]` filter, which
+# vLLM serves under its `/metrics/` mount (the `/metrics` route itself renders
+# everything). Measured on vLLM 0.32 CPU (`python -m loadtest.scrape_cost`):
+# 1.9 KB and 0.5 ms of the server's CPU a scrape, against 52 KB and 3.8 ms, on
+# the core its engine uses, four times a second.
+METRICS_NARROW_PATH = "/metrics/?" + urlencode(
+    [("name[]", name) for names in METRIC_NAMES.values() for name in names]
+    + [("name[]", CACHE_INFO)]
+)
 
 # Fields the proxy adds to a request so the engine reports token ids; the relay
 # strips the matching response fields unless the client asked for them itself.
@@ -132,6 +143,7 @@ _LOAD_PREFIXES = tuple(_FIELD_BY_NAME)
 ADAPTER = EngineAdapter(
     name="vllm",
     metrics_path=METRICS_PATH,
+    metrics_narrow_path=METRICS_NARROW_PATH,
     parse_metrics=parse_metrics,
     token_id_request_fields=TOKEN_ID_REQUEST_FIELDS,
     returns_token_ids=True,

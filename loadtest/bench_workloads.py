@@ -15,9 +15,13 @@ workloads at moderate load, each through every path, one after another:
 
 Paths: vllm-router `round_robin`, `power_of_two` and `cache_aware`, and Ferry
 with its defaults (`llumnix` with `prefix_credit`); on `prefix` also
-`ferry-plain`, Ferry without the credit, and on request `ferry+loose`, the
-credit's crowd bound loosened (`--paths` runs any of them on any workload,
-e.g. `ferry,ferry-plain` on `heavy`: the credit where nothing is shared).
+`ferry-plain`, Ferry without the credit. `--paths` runs any of them on any
+workload (e.g. `ferry,ferry-plain` on `heavy`: the credit where nothing is
+shared), and any Ferry spelled `ferry[:POLICY][+VARIANT...]`: `ferry:round_robin`
+places as the router's `round_robin` does, and the variants (`VARIANTS`) loosen
+the crowd bound (`+loose`), rank by memory alone (`+queue-blind`), scrape every
+2 s (`+scrape2s`) or treat the servers as plain OpenAI-compatible engines
+(`+openai`: no scrapes, no token ids).
 `--engine-priority` starts the
 servers with vLLM's `--scheduling-policy priority`: Ferry's instances get
 `engine_priority: true`, and the routers' client sets the body's `priority`
@@ -60,18 +64,34 @@ from loadtest.trace import TraceRequest, TraceSpec, generate
 from loadtest.ttft_breakdown import read_stages
 from loadtest.vllm_servers import VLLMServer, wait_ready
 from migration_shim.launcher import free_port
-from proxy.policy import Priority
+from proxy.policy import POLICIES, Priority
 from proxy.ttft_stages import STAGES
 
 ROUTERS = ("vllm-router:round_robin", "vllm-router:power_of_two", "vllm-router:cache_aware")
 FERRY, PLAIN = "ferry", "ferry-plain"  # defaults; without prefix_credit
-# Ferry scraping every 2 s instead of 0.25 s: what its /metrics scrapes cost the
-# engines (`--paths ...,ferry+scrape2s`; not run by default).
-SLOW_SCRAPE = "ferry+scrape2s"
-# Ferry with the prefix credit's crowd bound loosened (scheduler.prefix_crowd_*),
-# as the README advises where prefill is dear (as on these CPU servers).
-LOOSE = "ferry+loose"
-LOOSE_CROWD = {"prefix_crowd_factor": 3.0, "prefix_crowd_grace": 8.0}
+# A Ferry path may name a policy and variants, `ferry[:POLICY][+VARIANT...]`
+# (`ferry:round_robin` places as the router's round_robin does, so what differs
+# is the proxy, not the placement). Each variant changes Ferry's config:
+VARIANTS = {
+    # Scraping every 2 s instead of 0.25 s: what the scrapes cost the engines.
+    "scrape2s": {"scheduler": {"scrape_interval_s": 2.0}},
+    # The prefix credit's crowd bound loosened, as the README advises where
+    # prefill is dear (as on these CPU servers).
+    "loose": {"scheduler": {"prefix_crowd_factor": 3.0, "prefix_crowd_grace": 8.0}},
+    # Ranking by memory alone (scheduler.prefill_aware off): what placing beside
+    # decodes rather than behind a queued prefill buys.
+    "queue-blind": {"scheduler": {"prefill_aware": False}},
+    # The servers as any OpenAI-compatible engine: no scrapes, no token ids asked
+    # for (the ledger estimates them), no moves; what Ferry's asks cost the engines.
+    "openai": {
+        "instance": {
+            "engine": "openai",
+            "migration": "off",
+            "kv_events": None,
+            "kv_events_replay": None,
+        }
+    },
+}
 # Heavy-tailed lengths (lognormal around 128/128 tokens); requests and seed are
 # the command line's.
 HEAVY = TraceSpec(requests=0, rate=1.5, seed=0, input_mean=128, output_mean=128, max_len=480)
@@ -132,6 +152,18 @@ def paths(workload: str) -> tuple[str, ...]:
     return (*ROUTERS, FERRY, PLAIN) if workload == "prefix" else (*ROUTERS, FERRY)
 
 
+def ferry_path(path: str) -> tuple[str | None, list[str]] | None:
+    """`ferry[:POLICY][+VARIANT...]` as (policy or None, variants); None if
+    `path` is not one (`ferry-plain` is spelled out)."""
+    head, *variants = path.split("+")
+    name, _, policy = head.partition(":")
+    if name != FERRY or (policy and policy not in POLICIES):
+        return None
+    if any(v not in VARIANTS for v in variants):
+        return None
+    return policy or None, variants
+
+
 def start_ferry(
     servers: list[VLLMServer], port: int, path: str, log: Path, engine_priority: bool
 ) -> subprocess.Popen[bytes]:
@@ -139,10 +171,14 @@ def start_ferry(
     config["server"]["access_log"] = True
     for instance in config["instances"]:
         instance["engine_priority"] = engine_priority
-    if path == SLOW_SCRAPE:
-        config["scheduler"]["scrape_interval_s"] = 2.0
-    if path == LOOSE:
-        config["scheduler"].update(LOOSE_CROWD)
+    policy, variants = ferry_path(path) or (None, [])
+    if policy is not None:
+        config["scheduler"]["policy"] = policy
+    for variant in variants:
+        changes = VARIANTS[variant]
+        config["scheduler"].update(changes.get("scheduler", {}))
+        for instance in config["instances"]:
+            instance.update(changes.get("instance", {}))
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump(config, f)  # JSON is YAML
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", f.name]
@@ -262,7 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     chosen = args.workloads.split(",")
     if unknown := sorted(set(chosen) - set(WORKLOADS)):
         parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
-    only = set(args.paths.split(",")) - {""}
+    only_order = [p for p in args.paths.split(",") if p]
+    only = set(only_order)
+    known = (*ROUTERS, PLAIN)
+    if unknown := sorted(p for p in only if p not in known and ferry_path(p) is None):
+        parser.error(
+            f"unknown paths {unknown}; choose from {', '.join(known)}"
+            f" or ferry[:POLICY][+VARIANT...], VARIANT one of {', '.join(VARIANTS)}"
+        )
     flags = ("--scheduling-policy", "priority") if args.engine_priority else ()
     if args.apart:  # each server its own core, as GPUs are; routers and client float
         servers = real.start_servers(args, ("0", "1"), flags)
@@ -280,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             trace = make_trace(workload, args.requests, args.seed)
             # Named in --paths, any path runs on any workload: ferry-plain on
             # `heavy` shows what the credit costs where no prefix is shared.
-            every = (*ROUTERS, FERRY, PLAIN, SLOW_SCRAPE, LOOSE)
-            chosen_paths = [p for p in every if p in only] if only else list(paths(workload))
+            chosen_paths = list(dict.fromkeys(only_order)) if only else list(paths(workload))
             rounds: dict[str, list[Run]] = {p: [] for p in chosen_paths}
             for n in range(1, args.repeat + 1):
                 for path in chosen_paths:  # the paths interleave, round by round

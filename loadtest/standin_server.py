@@ -84,6 +84,12 @@ class StandIn:
         # tests: the bodies `/metrics` and `/v1/models` answer instead of the real
         # ones (a broken engine, or something else on its port)
         self.metrics_body: bytes | None = None
+        # tests: `/metrics/` filters by `name[]`, as vLLM's prometheus mount does;
+        # False: a 404 there (an engine that cannot be asked by name), and
+        # these series are left out though asked for
+        self.metrics_by_name = True
+        self.metrics_by_name_drops: frozenset[str] = frozenset()
+        self.metrics_reads: list[str] = []  # "by name" or "whole", each look in order
         self.models_body: bytes | None = None
         # tests: the model's context length, as vLLM lists it; once set, a chat
         # without a budget runs to its end, as in vLLM (else it gets 16 tokens)
@@ -121,6 +127,7 @@ class StandIn:
             app.router.add_post(path, self._pooling)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics/", self._metrics_by_name)
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         return app
@@ -183,7 +190,23 @@ class StandIn:
         }
         return web.json_response({"object": "list", "data": [card]})
 
+    async def _metrics_by_name(self, request: web.Request) -> web.Response:
+        """vLLM's `/metrics/` mount: only the series `name[]` asks for."""
+        if not self.metrics_by_name:
+            raise web.HTTPNotFound()
+        self.metrics_reads.append("by name")
+        page = await self._page()
+        names = set(request.query.getall("name[]", [])) - self.metrics_by_name_drops
+        if self.metrics_body is not None or page.text is None:
+            return page
+        kept = [ln for ln in page.text.splitlines() if ln.split("{")[0].split(" ")[0] in names]
+        return web.Response(text="".join(ln + "\n" for ln in kept))
+
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_reads.append("whole")
+        return await self._page()
+
+    async def _page(self) -> web.Response:
         await asyncio.sleep(self.metrics_delay_s)
         if self.metrics_body is not None:
             return web.Response(body=self.metrics_body, content_type="text/plain")
@@ -196,6 +219,7 @@ class StandIn:
             f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
             f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0",'
             f'num_gpu_blocks="{self.kv_blocks}"}} 1.0\n'
+            f"vllm:e2e_request_latency_seconds_count{{{labels}}} {self.served}.0\n"
         )
         return web.Response(text=text)
 

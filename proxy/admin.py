@@ -66,6 +66,7 @@ def instances_json(
                 "migration_configured": state.config.migration,
                 "shim": state.shim,
                 "shim_error": state.shim_error,
+                "metrics_path": state.metrics_path,
                 "labels": state.config.labels,
                 "engine_priority": state.config.engine_priority,
                 "healthy": view.healthy,

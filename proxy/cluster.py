@@ -55,6 +55,9 @@ class InstanceState:
     # What migration_shim says of itself (GET /ferry/shim/info); None: no shim seen.
     shim: dict[str, Any] | None = None
     shim_error: str | None = None
+    # Where its metrics are read (the scraper's choice): the adapter's narrow path
+    # once a look there read as the full page does, else the full page.
+    metrics_path: str | None = None
     ejection: Ejection = field(default_factory=Ejection)  # upstream call failures
 
     @property

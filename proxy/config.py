@@ -109,6 +109,9 @@ class SchedulerConfig:
     unhealthy_after_failures: int = 3  # consecutive failed scrapes
     models_refresh_s: float = 10.0
     topk: int = 1  # llumnix: random among the k freest
+    # llumnix: prefer an instance with no prefill queued among those nearly as
+    # free (policies.Llumnix, UNQUEUED_FREE_SHARE); false ranks by memory alone.
+    prefill_aware: bool = True
     # Prefix locality (proxy/prefix_index.py, proxy/policy/policies.py): with
     # more of a prompt cached on some instances than on others, llumnix sends it
     # where the least prefill is ahead of its first token, among the instances

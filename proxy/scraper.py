@@ -22,9 +22,9 @@ from typing import Any
 
 import aiohttp
 
-from adapters import MetricsParseError
+from adapters import EngineSnapshot, MetricsParseError
 from migration_shim import wire
-from proxy.cluster import Cluster
+from proxy.cluster import Cluster, InstanceState
 from proxy.metrics import FerryMetrics
 from proxy.upstream import OutOfFiles, ShortageLog, out_of_files, read_whole
 
@@ -104,13 +104,7 @@ class Scraper:
                 self.cluster.record_alive(name, self.clock())
             return
         try:
-            async with self.session.get(
-                state.url + path, headers=state.config.auth_headers(), timeout=self.timeout
-            ) as resp:
-                if resp.status != 200:
-                    raise MetricsParseError(f"GET {path} returned HTTP {resp.status}")
-                text = (await read_whole(resp, MAX_PAGE_BYTES)).decode()
-            snapshot = parse(text)
+            snapshot = await self._snapshot(state, path, parse)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # ValueError: MetricsParseError, a body that is not UTF-8, a header
             # value aiohttp refuses to send.
@@ -120,6 +114,52 @@ class Scraper:
             self.cluster.record_scrape_failure(name, _describe(exc))
             return
         self.cluster.record_scrape(name, snapshot, self.clock())
+
+    async def _snapshot(
+        self, state: InstanceState, path: str, parse: Callable[[str], EngineSnapshot]
+    ) -> EngineSnapshot:
+        """The engine's load, from the adapter's narrow path where that works.
+
+        The first narrow look is checked against a full one: an engine that
+        ignores the filter, or filters out a series the parser needs (its cache
+        size, which no later look would miss), is read in full from then on.
+        A narrow path answered with an error falls back to the full page at
+        once; if that fails too, the failure is the engine's."""
+        name = state.name
+        narrow = state.adapter.metrics_narrow_path
+        if narrow is None or state.metrics_path == path:
+            return await self._read(state, path, parse)
+        try:
+            snapshot = await self._read(state, narrow, parse)
+        except MetricsParseError as exc:
+            full = await self._read(state, path, parse)
+            log.info("%s: reading its whole %s (asking by name failed: %s)", name, path, exc)
+            state.metrics_path = path
+            return full
+        if state.metrics_path is None:
+            full = await self._read(state, path, parse)
+            same = (full.kv_blocks_total, full.block_size) == (
+                snapshot.kv_blocks_total,
+                snapshot.block_size,
+            )
+            state.metrics_path = narrow if same else path
+            if not same:
+                log.info(
+                    "%s: reading its whole %s (by name it reads another cache size)", name, path
+                )
+                return full
+        return snapshot
+
+    async def _read(
+        self, state: InstanceState, path: str, parse: Callable[[str], EngineSnapshot]
+    ) -> EngineSnapshot:
+        async with self.session.get(
+            state.url + path, headers=state.config.auth_headers(), timeout=self.timeout
+        ) as resp:
+            if resp.status != 200:
+                raise MetricsParseError(f"GET {path.split('?')[0]} returned HTTP {resp.status}")
+            text = (await read_whole(resp, MAX_PAGE_BYTES)).decode()
+        return parse(text)
 
     async def refresh_models(self, name: str) -> bool:
         return await self._models(name) is None
@@ -232,6 +272,8 @@ class Scraper:
             started = self.clock()
             state = self.cluster.instances[name]
             if state.config is not config:  # changed at runtime: look again now
+                if config is not None:  # perhaps another engine: ask it by name again
+                    state.metrics_path = None
                 next_models, config = 0.0, state.config
             if await self.look(name, with_models=started >= next_models):
                 next_models = started + self.models_refresh_s

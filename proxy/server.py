@@ -320,6 +320,7 @@ def _policy(s: SchedulerConfig) -> DispatchPolicy:
     if s.policy == "llumnix":
         options = {
             "topk": s.topk,
+            "prefill_aware": s.prefill_aware,
             "prefix_credit": s.prefix_credit,
             "affinity_margin": s.affinity_margin_blocks,
             "safe_freeness": s.prefix_safe_freeness,
@@ -336,7 +337,8 @@ def _policy(s: SchedulerConfig) -> DispatchPolicy:
 
 
 def _policy_changed(new: SchedulerConfig, old: SchedulerConfig) -> bool:
-    keys: tuple[str, ...] = ("policy", "topk", "prefix_credit", "prefix_safe_freeness")
+    keys: tuple[str, ...] = ("policy", "topk", "prefill_aware", "prefix_credit")
+    keys += ("prefix_safe_freeness",)
     keys += ("affinity_margin_blocks", "cache_threshold", "balance_abs_threshold")
     keys += ("balance_rel_threshold", "prefix_crowd_factor", "prefix_crowd_grace")
     return any(getattr(new, k) != getattr(old, k) for k in keys)

@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " default: 10%% of each instance's capacity, as the proxy",
     )
     parser.add_argument(
+        "--prefill-aware",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="llumnix: prefer an instance with no prefill queued among those nearly as free"
+        " (scheduler.prefill_aware; on by default, as the proxy)",
+    )
+    parser.add_argument(
         "--free-moves",
         action="store_true",
         help="plan lite moves as if the destination's recompute cost nothing",
@@ -119,6 +126,7 @@ def settings_of(args: argparse.Namespace) -> SimSettings:
         startup_s=args.startup_s,
         scale_in_window_s=args.scale_in_window,
         prefix_caching=args.prefix_caching,
+        prefill_aware=args.prefill_aware,
         # The proxy credits by default; simulated engines cache only with --prefix-caching.
         prefix_credit=args.prefix_caching if args.prefix_credit is None else args.prefix_credit,
     )

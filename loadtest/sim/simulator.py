@@ -101,6 +101,7 @@ class SimSettings:
     # Prefix locality (loadtest/sim/prefix_cache.py): the engines cache prefixes;
     # llumnix places by prefill ahead (cache_aware always reads the index).
     prefix_caching: bool = False
+    prefill_aware: bool = True  # llumnix: as the proxy's scheduler.prefill_aware
     prefix_credit: bool = False
     affinity_margin_blocks: float = 32.0
     prefix_safe_freeness: float = 1.0
@@ -118,7 +119,8 @@ class Simulator:
         self.instances = [self._new_instance(f"i{n}") for n in range(settings.instances)]
         self.by_name = {i.name: i for i in self.instances}
         options: dict[str, float | bool] = {}
-        if settings.policy == "llumnix" and settings.prefix_credit:
+        credit = settings.policy == "llumnix" and settings.prefix_credit
+        if credit:
             options = {
                 "prefix_credit": True,
                 "affinity_margin": settings.affinity_margin_blocks,
@@ -126,11 +128,13 @@ class Simulator:
                 "crowd_factor": settings.prefix_crowd_factor,
                 "crowd_grace": settings.prefix_crowd_grace,
             }
+        if settings.policy == "llumnix":
+            options["prefill_aware"] = settings.prefill_aware
         self.policy = make_policy(settings.policy, **options)
         # Ferry's own prefix index, recorded at dispatch as the proxy records it.
         self.prefixes = PrefixIndex(
             block_size=profile.block_size,
-            enabled=settings.policy == "cache_aware" or bool(options),
+            enabled=settings.policy == "cache_aware" or credit,
         )
         self.usage = UsageSettings(settings.high_priority_headroom_blocks)
         self.rng = random.Random(settings.seed)

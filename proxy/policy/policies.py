@@ -65,6 +65,14 @@ def best(
 CROWD_FACTOR = 2.0
 CROWD_GRACE = 4.0
 
+# A request goes to an instance with no prefill queued only where that instance
+# stays at least this share as free as the freest would after taking it: the
+# queue decides between instances of like memory, and memory still keeps a
+# nearly full instance from taking work because its queue happens to be empty
+# (simulated at 16 instances, lite moves on, 0.3 ms a prefill token: any
+# instance free enough took more preemptions, P99 TTFT 2.15 s against 1.57 s).
+UNQUEUED_FREE_SHARE = 0.5
+
 
 class Llumnix:
     """Freest instance by virtual usage: argmax F = (M - sum V) / B.
@@ -92,6 +100,15 @@ class Llumnix:
     preference, so a session follows its cache but never onto an instance that
     is full.
 
+    With `prefill_aware` on, where some candidates have a prefill queued (the
+    ledger's prompts still waiting for a first token) and others none, the
+    request goes to the freest with none, among those left at least
+    `UNQUEUED_FREE_SHARE` as free as the freest: behind a queued prefill a
+    request waits for it, beside decoding requests it starts at the next step.
+    Memory balance alone is blind to that (simulated, 16 instances at 60/s,
+    0.3 ms a prefill token: P50 TTFT 0.13 s against 0.21 s). The ledger marks
+    the prefill at dispatch, so a burst spreads before any scrape.
+
     Use it when requests differ in length: it balances KV memory per request,
     not request counts. `topk` > 1 picks at random among the k freest, which
     spreads a burst that arrives faster than the ledger can tell instances apart.
@@ -107,8 +124,10 @@ class Llumnix:
         safe_freeness: float = 1.0,
         crowd_factor: float = CROWD_FACTOR,
         crowd_grace: float = CROWD_GRACE,
+        prefill_aware: bool = True,
     ) -> None:
         self.topk = topk
+        self.prefill_aware = prefill_aware
         self.prefix_credit = prefix_credit
         self.affinity_margin = affinity_margin
         self.safe_freeness = safe_freeness
@@ -133,6 +152,10 @@ class Llumnix:
             )
             if local is not None:
                 return local
+        if self.prefill_aware:
+            unqueued = self._unqueued(request, candidates, scores, rng)
+            if unqueued is not None:
+                return unqueued
         if self.topk <= 1 or len(candidates) <= 1:
             return best(candidates, scores, rng)
         ranked = sorted(zip(scores, range(len(candidates)), strict=True), reverse=True)
@@ -173,6 +196,33 @@ class Llumnix:
         least = min(ahead)
         soonest = [pair for pair, a in zip(safe, ahead, strict=True) if a == least]
         return best([v for v, _ in soonest], [score for _, score in soonest], rng)
+
+    def _unqueued(
+        self,
+        request: DispatchRequest,
+        candidates: Sequence[InstanceView],
+        scores: list[float],
+        rng: random.Random,
+    ) -> InstanceView | None:
+        """The freest instance with no prefill queued, among those free enough
+        after taking the request; None where the queues tell no candidate apart
+        (all have a prefill queued, or none has) or no unqueued one is free enough."""
+        queued = [v.queued_tokens > 0 for v in candidates]
+        if all(queued) or not any(queued):
+            return None
+        after = [_after(request, v, score) for v, score in zip(candidates, scores, strict=True)]
+        top = max(after)
+        enough = self.safe_freeness
+        if math.isfinite(top):
+            enough = max(enough, UNQUEUED_FREE_SHARE * top)
+        pairs = [
+            (v, score)
+            for v, score, a, q in zip(candidates, scores, after, queued, strict=True)
+            if not q and a >= enough
+        ]
+        if not pairs:
+            return None
+        return best([v for v, _ in pairs], [score for _, score in pairs], rng)
 
     def _affine(
         self, request: DispatchRequest, candidates: Sequence[InstanceView], scores: list[float]

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from adapters.vllm import parse_metrics
+from adapters.vllm import METRICS_NARROW_PATH, parse_metrics
 from loadtest.vllm_servers import VLLMServer, metric
 from tests.helpers import free_port, wait_until
 
@@ -130,6 +130,25 @@ def test_new_requests_go_to_the_freer_instance(proxy: Any, vllm_pair: list[VLLMS
     finally:
         for t in threads:
             t.join(120)
+
+
+def test_load_is_read_by_name_from_real_vllm(proxy: Any, vllm_pair: list[VLLMServer]) -> None:
+    """Ferry asks vLLM for the few series it reads by name, and they read as the
+    whole page does: the same cache size, the same load."""
+    for i, server in enumerate(vllm_pair):
+        state = proxy.cluster.instances[f"i{i}"]
+        wait_until(lambda state=state: state.metrics_path is not None)
+        assert state.metrics_path == METRICS_NARROW_PATH
+        with urllib.request.urlopen(server.url + METRICS_NARROW_PATH, timeout=5) as resp:
+            narrow = resp.read().decode()
+        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+            whole = resp.read().decode()
+        assert len(narrow) * 10 < len(whole)
+        by_name, in_full = parse_metrics(narrow), parse_metrics(whole)
+        assert by_name.kv_blocks_total > 0 and by_name.block_size > 0
+        fields = ("kv_blocks_total", "block_size", "preemptions_total")
+        assert [getattr(by_name, f) for f in fields] == [getattr(in_full, f) for f in fields]
+        assert proxy.view(f"i{i}").capacity_blocks == in_full.kv_blocks_total
 
 
 def test_client_disconnect_leaves_nothing_running(proxy: Any, vllm_pair: list[VLLMServer]) -> None:

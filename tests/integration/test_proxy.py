@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from adapters.vllm import METRICS_NARROW_PATH
 from tests.helpers import Ferry, free_port, start_site, wait_until
 
 
@@ -255,6 +256,34 @@ def test_a_bad_metrics_answer_is_a_failed_scrape_and_scraping_goes_on(
     assert 'ferry_scrape_errors_total{instance="i0"}' in get(proxy.url + "/metrics")[1]["raw"]
     standin.metrics_body = None
     wait_until(lambda: proxy.view("i0").healthy)
+
+
+def test_load_is_read_by_name_once_that_reads_as_the_whole_page(standins: Any, ferry: Any) -> None:
+    """The first look reads both pages; from then on only the narrow one."""
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url], scheduler={"scrape_interval_s": 0.05})
+    wait_until(lambda: len(standin.metrics_reads) >= 4)
+    assert standin.metrics_reads[:2] == ["by name", "whole"]
+    assert set(standin.metrics_reads[2:]) == {"by name"}, standin.metrics_reads
+    assert proxy.cluster.instances["i0"].metrics_path == METRICS_NARROW_PATH
+    assert proxy.view("i0").capacity_blocks == standin.kv_blocks
+
+
+@pytest.mark.parametrize("engine", ["cannot filter", "filters out its cache size"])
+def test_an_engine_not_read_alike_by_name_is_read_whole(
+    standins: Any, ferry: Any, engine: str
+) -> None:
+    [(standin, site)] = standins(1)
+    if engine == "cannot filter":
+        standin.metrics_by_name = False  # a 404
+    else:
+        standin.metrics_by_name_drops = frozenset({"vllm:cache_config_info"})
+    proxy = ferry([site.url], scheduler={"scrape_interval_s": 0.05})
+    wait_until(lambda: standin.metrics_reads.count("whole") >= 3)
+    assert standin.metrics_reads.count("by name") <= 1
+    assert proxy.cluster.instances["i0"].metrics_path == "/metrics"
+    assert proxy.view("i0").healthy
+    assert proxy.view("i0").capacity_blocks == standin.kv_blocks
 
 
 def test_an_answer_no_check_foresaw_is_a_failed_scrape_from_the_first_look(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -186,6 +187,77 @@ def test_pass_through_without_model_may_use_any_instance() -> None:
     assert dispatch(make_policy("llumnix"), request, view, random.Random(0)).name == "a"
 
 
+# -- prefill awareness: beside decodes, not behind a queued prefill ----------------
+
+
+def test_a_request_goes_beside_decodes_rather_than_behind_a_queued_prefill() -> None:
+    # a is freer but has a prompt waiting for its prefill; b only decodes.
+    a = inst("a", freeness=40.0, batch=2, capacity_blocks=100, queued_tokens=600)
+    b = inst("b", freeness=30.0, batch=3, capacity_blocks=100)
+    assert {pick("llumnix", a, b, seed=s) for s in range(20)} == {"b"}
+    blind = make_policy("llumnix", prefill_aware=False)
+    request = DispatchRequest(M, prompt_tokens=100)
+    assert dispatch(blind, request, ClusterView((a, b)), random.Random(0)).name == "a"
+
+
+def test_memory_still_rules_out_a_nearly_full_instance_with_an_empty_queue() -> None:
+    # b has no queue but would be left under half as free as a: memory decides.
+    a = inst("a", freeness=40.0, batch=2, capacity_blocks=100, queued_tokens=600)
+    b = inst("b", freeness=8.0, batch=10, capacity_blocks=100)
+    assert pick("llumnix", a, b, prompt_tokens=100) == "a"
+
+
+def test_queues_alike_leave_the_choice_to_freeness() -> None:
+    for queued in (0, 500):
+        a = inst("a", freeness=40.0, batch=2, capacity_blocks=100, queued_tokens=queued)
+        b = inst("b", freeness=30.0, batch=3, capacity_blocks=100, queued_tokens=queued)
+        assert pick("llumnix", a, b) == "a"
+
+
+def unqueued_choice(
+    views: list[InstanceView], prompt: int, cached: dict[str, int], seed: int
+) -> InstanceView:
+    """What llumnix without a prefix difference picks, written out: the freest
+    with no prefill queued among those left at least half as free as the freest
+    (and 1 block per request), where the queues differ and one qualifies; else the
+    freest. Ties go the policy's random way, so compare against its pick."""
+    request = DispatchRequest(model=M, prompt_tokens=prompt, cached_tokens=cached)
+    view = ClusterView(tuple(views))
+    chosen = dispatch(make_policy("llumnix"), request, view, random.Random(seed))
+
+    def after(v: InstanceView) -> float:
+        blocks = -(-max(0, prompt - cached.get(v.name, 0)) // v.block_size)
+        return freeness_after(v.freeness, v, blocks)
+
+    top = max(after(v) for v in views)
+    enough = max(1.0, 0.5 * top) if math.isfinite(top) else 1.0
+    queued = {v.queued_tokens > 0 for v in views}
+    eligible = [v for v in views if not v.queued_tokens and after(v) >= enough]
+    pool = eligible if len(queued) == 2 and eligible else views
+    assert chosen in pool
+    assert chosen.freeness == max(v.freeness for v in pool)
+    return chosen
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(-50, 50), st.integers(0, 12), st.sampled_from([0, 0, 300])),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 2000),
+    st.integers(0, 2**31),
+)
+def test_an_empty_queue_wins_only_among_instances_nearly_as_free(
+    shapes: list[tuple[float, int, int]], prompt: int, seed: int
+) -> None:
+    views = [
+        inst(f"i{n}", freeness=f, batch=b, queued_tokens=q, block_size=16, capacity_blocks=400)
+        for n, (f, b, q) in enumerate(shapes)
+    ]
+    unqueued_choice(views, prompt, {}, seed)
+
+
 # -- prefix credit and cache_aware (issue 13) ---------------------------------------
 
 
@@ -325,8 +397,8 @@ def test_prefix_choice_is_free_enough_and_soonest(
     uncrowded = [v for v in views if v.batch <= crowded]
     safe = [v for v in uncrowded if after(v) >= 1.0]
     alike = len({cached.get(v.name, 0) for v in views}) == 1
-    if alike:
-        assert chosen.freeness == max(v.freeness for v in views)  # plain llumnix
+    if alike:  # plain llumnix, with its preference for an empty queue
+        assert chosen is unqueued_choice(views, prompt, cached, seed)
     elif not safe:  # memory decides, the cached blocks not counted as demand
         assert chosen in uncrowded
         assert after(chosen) == max(after(v) for v in uncrowded)
