@@ -2,7 +2,8 @@
 
 One real vLLM CPU server (the 8-layer test model of `loadtest.bench_prefix_real`)
 pinned to core 0, idle; 100 calls of each endpoint Ferry's scraper reads
-(`/metrics` every `scrape_interval_s`, `/v1/models` and `/health` now and then),
+(`/metrics` every `scrape_interval_s`, asked by name or whole; `/v1/models`
+and `/health` now and then),
 with the server's CPU time (API process and engine core, from /proc) before and
 after. vLLM renders hundreds of histogram lines per `/metrics`, on the CPU its
 engine shares.
@@ -19,23 +20,13 @@ import urllib.request
 
 import psutil
 
+from adapters.vllm import METRICS_NARROW_PATH
 from loadtest import bench_prefix_real as real
 from loadtest.tiny_model import build
 from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
 from migration_shim.launcher import free_port
 
 CALLS = 100
-# The series Ferry reads, asked for by name (prometheus_client's `name[]`).
-FILTERED = "/metrics/?" + "&".join(
-    f"name[]={n}"
-    for n in (
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:kv_cache_usage_perc",
-        "vllm:num_preemptions_total",
-        "vllm:cache_config_info",
-    )
-)
 
 
 def server_cpu_s(server: VLLMServer) -> float:
@@ -66,7 +57,7 @@ def main() -> int:
     try:
         wait_ready([server])
         real.warm_up([server], 1)
-        for path in ("/metrics", FILTERED, "/v1/models", "/health"):
+        for path in ("/metrics", METRICS_NARROW_PATH, "/v1/models", "/health"):
             size = get(server.url + path)
             cpu, wall = server_cpu_s(server), time.perf_counter()
             for _ in range(CALLS):

@@ -90,6 +90,7 @@ class StandIn:
         self.metrics_by_name = True
         self.metrics_by_name_drops: frozenset[str] = frozenset()
         self.metrics_reads: list[str] = []  # "by name" or "whole", each look in order
+        self.metrics_whole_fails = False  # tests: `/metrics` answers 500 (a busy route)
         self.models_body: bytes | None = None
         # tests: the model's context length, as vLLM lists it; once set, a chat
         # without a budget runs to its end, as in vLLM (else it gets 16 tokens)
@@ -204,6 +205,8 @@ class StandIn:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.metrics_reads.append("whole")
+        if self.metrics_whole_fails:
+            raise web.HTTPInternalServerError()
         return await self._page()
 
     async def _page(self) -> web.Response:

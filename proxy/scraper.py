@@ -120,33 +120,45 @@ class Scraper:
     ) -> EngineSnapshot:
         """The engine's load, from the adapter's narrow path where that works.
 
-        The first narrow look is checked against a full one: an engine that
-        ignores the filter, or filters out a series the parser needs (its cache
-        size, which no later look would miss), is read in full from then on.
-        A narrow path answered with an error falls back to the full page at
-        once; if that fails too, the failure is the engine's."""
+        `state.metrics_path` is None until a narrow look has been checked
+        against a whole page: the same cache size (a series the parser needs
+        filtered out would read 0 from then on). An engine that answers the
+        narrow path with an error while its whole page reads is read whole
+        from then on, until a look fails outright (a restart, perhaps into
+        another version: it is asked by name again). A checked narrow path that
+        fails once is checked again."""
         name = state.name
         narrow = state.adapter.metrics_narrow_path
         if narrow is None or state.metrics_path == path:
-            return await self._read(state, path, parse)
+            try:
+                return await self._read(state, path, parse)
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                if narrow is not None:
+                    state.metrics_path = None
+                raise
         try:
             snapshot = await self._read(state, narrow, parse)
         except MetricsParseError as exc:
-            full = await self._read(state, path, parse)
-            log.info("%s: reading its whole %s (asking by name failed: %s)", name, path, exc)
-            state.metrics_path = path
+            full = await self._read(state, path, parse)  # its failure is the engine's
+            if state.metrics_path is None:
+                log.info("%s: reading its whole %s (asking by name: %s)", name, path, exc)
+                state.metrics_path = path
+            else:
+                state.metrics_path = None
             return full
         if state.metrics_path is None:
-            full = await self._read(state, path, parse)
+            try:
+                full = await self._read(state, path, parse)
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                return snapshot  # the check waits for a look that reads both
             same = (full.kv_blocks_total, full.block_size) == (
                 snapshot.kv_blocks_total,
                 snapshot.block_size,
             )
             state.metrics_path = narrow if same else path
             if not same:
-                log.info(
-                    "%s: reading its whole %s (by name it reads another cache size)", name, path
-                )
+                why = "by name it reads another cache size"
+                log.info("%s: reading its whole %s (%s)", name, path, why)
                 return full
         return snapshot
 

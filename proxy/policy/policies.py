@@ -101,10 +101,13 @@ class Llumnix:
     is full.
 
     With `prefill_aware` on, where some candidates have a prefill queued (the
-    ledger's prompts still waiting for a first token) and others none, the
-    request goes to the freest with none, among those left at least
-    `UNQUEUED_FREE_SHARE` as free as the freest: behind a queued prefill a
-    request waits for it, beside decoding requests it starts at the next step.
+    ledger's uncached prompt tokens still waiting for a first token) and others
+    none, the request goes to the freest with none, among those left at least
+    `UNQUEUED_FREE_SHARE` as free per request as the freest (and at least
+    `safe_freeness`): behind a queued prefill a request waits for it, beside
+    decoding requests it starts at the next step. A session kept on its
+    instance and a cached prefix (`prefix_credit`, which weighs the queue
+    itself) decide before it; it decides before `topk`.
     Memory balance alone is blind to that (simulated, 16 instances at 60/s,
     0.3 ms a prefill token: P50 TTFT 0.13 s against 0.21 s). The ledger marks
     the prefill at dispatch, so a burst spreads before any scrape.
@@ -211,10 +214,10 @@ class Llumnix:
         if all(queued) or not any(queued):
             return None
         after = [_after(request, v, score) for v, score in zip(candidates, scores, strict=True)]
-        top = max(after)
-        enough = self.safe_freeness
-        if math.isfinite(top):
-            enough = max(enough, UNQUEUED_FREE_SHARE * top)
+        # Against the freest whose capacity is known: one that publishes none
+        # (+inf after) must not lower the bar for the others.
+        top = max((a for a in after if a != math.inf), default=-math.inf)
+        enough = max(self.safe_freeness, UNQUEUED_FREE_SHARE * top)
         pairs = [
             (v, score)
             for v, score, a, q in zip(candidates, scores, after, queued, strict=True)

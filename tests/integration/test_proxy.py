@@ -286,6 +286,36 @@ def test_an_engine_not_read_alike_by_name_is_read_whole(
     assert proxy.view("i0").capacity_blocks == standin.kv_blocks
 
 
+def test_a_narrow_look_fails_once_and_is_checked_again_not_given_up(
+    standins: Any, ferry: Any
+) -> None:
+    """A second failure in a row would read the whole page for good: looks are
+    0.5 s apart, so the test has time to end the first before the next look."""
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url], scheduler={"scrape_interval_s": 0.5})
+    state = proxy.cluster.instances["i0"]
+    wait_until(lambda: state.metrics_path == METRICS_NARROW_PATH)
+    standin.metrics_by_name = False  # one failed look by name
+    wait_until(lambda: state.metrics_path != METRICS_NARROW_PATH)
+    standin.metrics_by_name = True
+    assert state.metrics_path is None  # to be checked again, not given up
+    wait_until(lambda: state.metrics_path == METRICS_NARROW_PATH)
+    assert proxy.view("i0").healthy
+
+
+def test_a_first_look_whose_whole_page_fails_still_reads_the_load_by_name(
+    standins: Any, ferry: Any
+) -> None:
+    [(standin, site)] = standins(1)
+    standin.metrics_whole_fails = True
+    proxy = ferry([site.url], scheduler={"scrape_interval_s": 0.05})
+    wait_until(lambda: proxy.view("i0").healthy)
+    assert proxy.view("i0").capacity_blocks == standin.kv_blocks
+    assert proxy.cluster.instances["i0"].metrics_path is None  # not checked yet
+    standin.metrics_whole_fails = False
+    wait_until(lambda: proxy.cluster.instances["i0"].metrics_path == METRICS_NARROW_PATH)
+
+
 def test_an_answer_no_check_foresaw_is_a_failed_scrape_from_the_first_look(
     standins: Any, ferry: Any
 ) -> None:

@@ -200,11 +200,36 @@ def test_a_request_goes_beside_decodes_rather_than_behind_a_queued_prefill() -> 
     assert dispatch(blind, request, ClusterView((a, b)), random.Random(0)).name == "a"
 
 
-def test_memory_still_rules_out_a_nearly_full_instance_with_an_empty_queue() -> None:
-    # b has no queue but would be left under half as free as a: memory decides.
+def test_memory_still_rules_out_an_instance_far_less_free_with_an_empty_queue() -> None:
+    # b has no queue and room (15 free blocks, one request), but after taking a
+    # one-block prompt it has 7 blocks per request against a's 26: memory decides.
     a = inst("a", freeness=40.0, batch=2, capacity_blocks=100, queued_tokens=600)
-    b = inst("b", freeness=8.0, batch=10, capacity_blocks=100)
-    assert pick("llumnix", a, b, prompt_tokens=100) == "a"
+    b = inst("b", freeness=15.0, batch=1, capacity_blocks=100)
+    assert pick("llumnix", a, b, prompt_tokens=16) == "a"
+    # With 30 free blocks b keeps 14.5 per request, over half a's: b.
+    b = inst("b", freeness=30.0, batch=1, capacity_blocks=100)
+    assert pick("llumnix", a, b, prompt_tokens=16) == "b"
+
+
+def test_an_instance_of_unknown_capacity_does_not_lower_the_bar_for_the_others() -> None:
+    # c publishes no cache size (freeness_after is +inf there); b is still
+    # measured against a, and c, unqueued, takes the request instead of b.
+    a = inst("a", freeness=40.0, batch=2, capacity_blocks=100, queued_tokens=600)
+    b = inst("b", freeness=15.0, batch=1, capacity_blocks=100)
+    c = inst("c", freeness=-3.0, batch=3, capacity_blocks=0)
+    assert pick("llumnix", a, b, c, prompt_tokens=16) == "c"
+    assert pick("llumnix", a, b, inst("c", freeness=-3.0, batch=3, queued_tokens=9)) == "a"
+
+
+def test_a_high_priority_request_weighs_queues_by_its_own_freeness() -> None:
+    # b reserves headroom for the high-priority requests it runs: normal
+    # requests see it far less free than a, high-priority ones as free.
+    a = inst(
+        "a", freeness=40.0, freeness_high=40.0, batch=2, capacity_blocks=100, queued_tokens=600
+    )
+    b = inst("b", freeness=5.0, freeness_high=30.0, batch=2, capacity_blocks=100)
+    assert pick("llumnix", a, b, prompt_tokens=16) == "a"
+    assert pick("llumnix", a, b, prompt_tokens=16, priority=Priority.HIGH) == "b"
 
 
 def test_queues_alike_leave_the_choice_to_freeness() -> None:
@@ -229,8 +254,8 @@ def unqueued_choice(
         blocks = -(-max(0, prompt - cached.get(v.name, 0)) // v.block_size)
         return freeness_after(v.freeness, v, blocks)
 
-    top = max(after(v) for v in views)
-    enough = max(1.0, 0.5 * top) if math.isfinite(top) else 1.0
+    top = max((after(v) for v in views if v.capacity_blocks > 0), default=-math.inf)
+    enough = max(1.0, 0.5 * top)
     queued = {v.queued_tokens > 0 for v in views}
     eligible = [v for v in views if not v.queued_tokens and after(v) >= enough]
     pool = eligible if len(queued) == 2 and eligible else views
@@ -241,7 +266,12 @@ def unqueued_choice(
 
 @given(
     st.lists(
-        st.tuples(st.floats(-50, 50), st.integers(0, 12), st.sampled_from([0, 0, 300])),
+        st.tuples(
+            st.floats(-50, 50),
+            st.integers(0, 12),
+            st.sampled_from([0, 0, 300]),
+            st.sampled_from([400, 400, 0]),  # 0: capacity unknown
+        ),
         min_size=1,
         max_size=6,
     ),
@@ -249,11 +279,11 @@ def unqueued_choice(
     st.integers(0, 2**31),
 )
 def test_an_empty_queue_wins_only_among_instances_nearly_as_free(
-    shapes: list[tuple[float, int, int]], prompt: int, seed: int
+    shapes: list[tuple[float, int, int, int]], prompt: int, seed: int
 ) -> None:
     views = [
-        inst(f"i{n}", freeness=f, batch=b, queued_tokens=q, block_size=16, capacity_blocks=400)
-        for n, (f, b, q) in enumerate(shapes)
+        inst(f"i{n}", freeness=f, batch=b, queued_tokens=q, block_size=16, capacity_blocks=m)
+        for n, (f, b, q, m) in enumerate(shapes)
     ]
     unqueued_choice(views, prompt, {}, seed)
 
