@@ -101,4 +101,7 @@ def test_a_high_priority_request_overtakes_the_engines_queue(
     if engine_priority:
         assert high < min(queued), "the high-priority request waited behind the queue"
     else:
-        assert high > max(queued)
+        # In arrival order two of the queued run first (2 sequences at most);
+        # the third and the high-priority one then start in the same step, so
+        # which of those two first tokens a client thread sees first is chance.
+        assert high > sorted(queued)[1]
