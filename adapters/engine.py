@@ -27,7 +27,8 @@ class EngineAdapter:
       Ferry's ledger alone).
     - `metrics_narrow_path`: the same metrics narrowed to the series the parser
       reads, cheaper for the engine to render; tried first, with `metrics_path`
-      used for good on an instance where it fails or reads differently.
+      read instead on an instance where it fails or reads differently
+      (`proxy.scraper.Scraper._snapshot` says for how long).
     - `token_id_request_fields`: added to every completion request so the engine
       answers with `prompt_token_ids`/`token_ids` (exact ledger counts, and what a
       lite move continues from); empty when the engine has no such option.
