@@ -216,11 +216,16 @@ class Cluster:
         snap = self.instances[name].snapshot
         return snap.block_size if snap and snap.block_size else 16
 
-    def record_scrape(self, name: str, snapshot: EngineSnapshot, now: float) -> None:
+    def record_scrape(
+        self, name: str, snapshot: EngineSnapshot, now: float, sent_by: int = 0
+    ) -> None:
+        """A look at the engine; the ledger's requests up to id `sent_by` had
+        reached it before the look (their answers' starts are read off its queue)."""
         state = self.instances[name]
         state.snapshot, state.snapshot_at = snapshot, now
         self._up(name, state)
         self.ledger.set_block_size(name, snapshot.block_size)
+        self.ledger.settle_unwatched(name, snapshot.waiting, sent_by)
         peers = self.peer_load.get(name, NO_LOAD)
         ferry_blocks = self.ledger.blocks(name) + peers.blocks
         gap_blocks = max(0.0, snapshot.kv_blocks_used - ferry_blocks)

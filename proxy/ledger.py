@@ -33,6 +33,10 @@ class LedgerEntry:
     cached_tokens: int = 0  # of the prompt, in the instance's prefix cache at dispatch
     prompt_exact: bool = False  # True once the engine reported prompt ids
     generated_tokens: int = 0
+    # Past its prefill: a first token came, or, for an answer whose tokens Ferry
+    # sees only at its end (`watched` False), the engine's queue says it started.
+    started: bool = False
+    watched: bool = True  # its tokens are seen as they come (a stream Ferry reads)
     blocks: int = 0  # KV blocks at the instance's block size, kept to detect crossings
 
 
@@ -51,6 +55,7 @@ class Ledger:
         self._queued_tokens: dict[str, int] = {}
         self._waiting: dict[str, int] = {}  # requests that have no token yet
         self._produced: dict[str, int] = {}  # tokens generated so far, ever (see `produced`)
+        self._last_id = 0
 
     def set_block_size(self, instance: str, block_size: int) -> None:
         if block_size > 0 and self._block_size.get(instance) != block_size:
@@ -67,9 +72,11 @@ class Ledger:
         prompt_tokens: int,
         now: float,
         cached_tokens: int = 0,
+        watched: bool = True,
     ) -> LedgerEntry:
+        self._last_id = entry_id = next(self._ids)
         entry = LedgerEntry(
-            next(self._ids), instance, model, priority, now, prompt_tokens, cached_tokens
+            entry_id, instance, model, priority, now, prompt_tokens, cached_tokens, watched=watched
         )
         self._by_instance.setdefault(instance, {})[entry.id] = entry
         self._set_blocks(entry, self._blocks(entry))
@@ -85,7 +92,7 @@ class Ledger:
     def set_prompt_tokens(self, entry: LedgerEntry, tokens: int) -> None:
         before = _prefill(entry)
         entry.prompt_tokens = tokens
-        queued = not entry.generated_tokens and _prefill(entry) != before
+        queued = not entry.started and _prefill(entry) != before
         if queued:
             self._add_queued(entry, _prefill(entry) - before)
         entry.prompt_exact = True
@@ -94,20 +101,41 @@ class Ledger:
             self._on_change(entry.instance)
 
     def add_generated(self, entry: LedgerEntry, tokens: int) -> None:
-        first = not entry.generated_tokens and tokens > 0
         entry.generated_tokens += tokens
         self._produced[entry.instance] = self._produced.get(entry.instance, 0) + tokens
-        if first:
-            self._add_queued(entry, -_prefill(entry))
-            if self._live(entry):
-                self._waiting[entry.instance] -= 1
-                self._on_change(entry.instance)
+        if tokens > 0:
+            self._start(entry)
         self._rebill(entry)
+
+    def last_id(self) -> int:
+        """The id of the latest dispatch: entries up to it were sent by now."""
+        return self._last_id
+
+    def settle_unwatched(self, instance: str, engine_waiting: int, sent_by: int) -> None:
+        """Mark started the unwatched entries the engine's queue says have started.
+
+        The engine reported `engine_waiting` requests not yet scheduled, in a look
+        taken after every entry up to id `sent_by` had reached it. It schedules
+        first come first served, so at most the newest `engine_waiting` of those
+        entries still wait, and an unwatched one older than them has started
+        (requests from elsewhere, or preempted ones, only make fewer count as
+        started). Without this an unwatched answer would count as a queued
+        prefill until it ends, and the prefill-aware policy would avoid its
+        instance all that while."""
+        pending = [
+            e
+            for e in self._by_instance.get(instance, {}).values()
+            if not e.started and e.id <= sent_by
+        ]
+        pending.sort(key=lambda e: e.id)
+        for entry in pending[: max(0, len(pending) - engine_waiting)]:
+            if not entry.watched:
+                self._start(entry)
 
     def release(self, entry: LedgerEntry) -> None:
         requests = self._by_instance.get(entry.instance)
         if requests is not None and entry.id in requests:
-            if not entry.generated_tokens:
+            if not entry.started:
                 self._add_queued(entry, -_prefill(entry))
                 self._waiting[entry.instance] -= 1
             del requests[entry.id]
@@ -161,6 +189,16 @@ class Ledger:
 
     def _live(self, entry: LedgerEntry) -> bool:
         return entry.id in self._by_instance.get(entry.instance, {})
+
+    def _start(self, entry: LedgerEntry) -> None:
+        """The entry is past its prefill: its prompt is no longer ahead of others."""
+        if entry.started:
+            return
+        entry.started = True
+        self._add_queued(entry, -_prefill(entry))
+        if self._live(entry):
+            self._waiting[entry.instance] -= 1
+            self._on_change(entry.instance)
 
     def _add_queued(self, entry: LedgerEntry, tokens: int) -> None:
         if tokens and self._live(entry):

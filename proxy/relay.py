@@ -154,7 +154,13 @@ class Relay:
                 params = {**(upstream_body.get("kv_transfer_params") or {}), wire.TAG: tag}
                 data = sse.dumps({**upstream_body, "kv_transfer_params": params})
             call = self.upstreams.begin(
-                name, model or "", priority, prompt_estimate, arrived, cached
+                name,
+                model or "",
+                priority,
+                prompt_estimate,
+                arrived,
+                cached,
+                watched=stream and body is not None,
             )
             try:
                 upstream = await self.upstreams.send(

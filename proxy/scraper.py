@@ -61,6 +61,10 @@ class Scraper:
         # no answer to `GET /health` either (Migrator.leave_hung).
         self.on_down: Callable[[str], object] | None = None
         self._produced: dict[str, int] = {}  # ledger.produced() at each instance's last look
+        # The ledger's last dispatch id as each instance's last look began: the
+        # requests up to it have reached the engine by the next look (one that
+        # began after them might be answered before the engine queued them).
+        self._sent_by: dict[str, int] = {}
         self._short_of_files = ShortageLog(log, clock)
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
@@ -82,6 +86,7 @@ class Scraper:
         task = self._tasks.pop(name, None)
         self._unexpected.pop(name, None)  # an instance added again under the name logs anew
         self._produced.pop(name, None)
+        self._sent_by.pop(name, None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -103,6 +108,8 @@ class Scraper:
             else:
                 self.cluster.record_alive(name, self.clock())
             return
+        sent_by = self._sent_by.get(name, 0)
+        self._sent_by[name] = self.cluster.ledger.last_id()
         try:
             snapshot = await self._snapshot(state, path, parse)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -113,7 +120,7 @@ class Scraper:
             self.metrics.scrape_errors.labels(name).inc()
             self.cluster.record_scrape_failure(name, _describe(exc))
             return
-        self.cluster.record_scrape(name, snapshot, self.clock())
+        self.cluster.record_scrape(name, snapshot, self.clock(), sent_by)
 
     async def _snapshot(
         self, state: InstanceState, path: str, parse: Callable[[str], EngineSnapshot]

@@ -297,12 +297,15 @@ class Upstreams:
         prompt_tokens: int,
         now: float,
         cached_tokens: int = 0,
+        watched: bool = True,
     ) -> Call:
         """Bill `instance` for a request about to be sent (before the connect, so
         a burst sees it at once); `cached_tokens` of its prompt are probably in
-        the instance's prefix cache (the prefix index's guess)."""
+        the instance's prefix cache (the prefix index's guess); `watched`: its
+        first token will be seen when it comes (a stream Ferry reads), not only
+        at the end."""
         entry = self.cluster.ledger.add(
-            instance, model, priority, prompt_tokens, now, cached_tokens
+            instance, model, priority, prompt_tokens, now, cached_tokens, watched
         )
         return Call(self.cluster, entry)
 

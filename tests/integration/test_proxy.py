@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import urllib.error
 import urllib.request
@@ -90,6 +91,23 @@ def test_ledger_counts_tokens_and_releases(standins: Any, ferry: Any) -> None:
     entries = proxy.loop.call(lambda: list(proxy.cluster.ledger.entries("i0")))
     assert entries[0].prompt_tokens == 3 and entries[0].prompt_exact  # corrected from the engine
     list(stream)
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
+def test_a_whole_answer_stops_counting_as_a_queued_prefill_once_its_engine_queues_nothing(
+    standins: Any, ferry: Any
+) -> None:
+    """Ferry sees a whole answer's tokens only at its end; the engine's empty
+    queue (the stand-in reports 0 waiting) says it started well before."""
+    [(standin, site)] = standins(1, itl_s=0.05)
+    proxy = ferry([site.url], scheduler={"scrape_interval_s": 0.05})
+    body = {"model": "standin", "prompt": "x " * 50, "max_tokens": 80}  # 4 s
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, proxy.url + "/v1/completions", json=body, timeout=30)
+        wait_until(lambda: standin.running == 1)
+        wait_until(lambda: proxy.view("i0").queued_tokens == 0, timeout=2)
+        assert proxy.view("i0").inflight == 1 and not answer.done()
+        assert answer.result().status_code == 200
     wait_until(lambda: proxy.view("i0").inflight == 0)
 
 
