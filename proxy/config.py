@@ -44,7 +44,8 @@ class InstanceConfig:
     labels: dict[str, str] = field(default_factory=dict)
     migration: str = "off"
     # Sent on every call Ferry makes to the instance; `${VAR}` reads the
-    # environment. Kept out of reprs, so out of logs.
+    # environment (here, in `url` and in the kv_events addresses). Kept out of
+    # reprs, so out of logs.
     api_key: str | None = field(default=None, repr=False)
     headers: dict[str, str] = field(default_factory=dict, repr=False)
     # Where the engine publishes its KV cache events (vLLM's --kv-events-config
@@ -465,6 +466,10 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
     # YAML 1.1 reads a bare `off` as false.
     if entry.get("migration") is False:
         entry["migration"] = "off"
+    # `${VAR}` in the addresses too: a Deployment passes hosts and ports in its env.
+    for key in ("url", "kv_events", "kv_events_replay"):
+        if isinstance(entry.get(key), str):
+            entry[key] = _expand(entry[key], f"{where}.{key}", env)
     inst = _section(InstanceConfig, entry, where, required=("name", "url"))
     if not isinstance(inst.name, str) or not _INSTANCE_NAME.fullmatch(inst.name):
         raise ConfigError(

@@ -330,6 +330,22 @@ def test_a_secret_with_a_trailing_newline_is_named() -> None:
     assert parse_config(raw, env={"GPU_KEY": "secret"}).instances[0].api_key == "secret"
 
 
+def test_addresses_read_the_environment() -> None:
+    inst = {
+        "name": "a",
+        "url": "http://${GPU_HOST}:${GPU_PORT}",
+        "kv_events": "tcp://${GPU_HOST}:5557",
+    }
+    env = {"GPU_HOST": "10.0.0.7", "GPU_PORT": "8000"}
+    [parsed] = parse_config(base(instances=[inst]), env=env).instances
+    assert (parsed.url, parsed.kv_events) == ("http://10.0.0.7:8000", "tcp://10.0.0.7:5557")
+    with pytest.raises(ConfigError, match=r"^instances\[0\]\.url: environment variable GPU_PORT"):
+        parse_config(base(instances=[inst]), env={"GPU_HOST": "h"})
+    # What the variable holds is checked as a URL is.
+    with pytest.raises(ConfigError, match=r"^instances\[0\]\.url: must be an http\(s\) base URL"):
+        parse_config(base(instances=[inst]), env={**env, "GPU_PORT": "8000/v1?x=1"})
+
+
 def test_quick_start_names_backends_by_host_port() -> None:
     config = config_from_backends(
         ["http://127.0.0.1:8001", "http://10.0.0.2:9000/"], policy="least_kv"
