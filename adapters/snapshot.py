@@ -23,6 +23,7 @@ class EngineSnapshot:
     kv_blocks_total: int
     block_size: int  # tokens per KV block
     preemptions_total: int
+    engines: int = 1  # data-parallel engine cores behind the server, each with its own queue
 
     @property
     def kv_blocks_used(self) -> float:

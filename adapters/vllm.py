@@ -103,6 +103,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
             kv_blocks_total=total_blocks,
             block_size=block_size,
             preemptions_total=int(total("preemptions")),
+            engines=len(engines),
         )
     except (OverflowError, ValueError) as exc:  # finite gauges whose sum is not (1e308 x 2)
         raise MetricsParseError(f"load out of range: {exc}") from exc

@@ -225,7 +225,8 @@ class Cluster:
         state.snapshot, state.snapshot_at = snapshot, now
         self._up(name, state)
         self.ledger.set_block_size(name, snapshot.block_size)
-        self.ledger.settle_unwatched(name, snapshot.waiting, sent_by)
+        in_order = snapshot.engines == 1 and not state.config.engine_priority
+        self.ledger.settle_unwatched(name, snapshot.waiting, sent_by, in_order)
         peers = self.peer_load.get(name, NO_LOAD)
         ferry_blocks = self.ledger.blocks(name) + peers.blocks
         gap_blocks = max(0.0, snapshot.kv_blocks_used - ferry_blocks)

@@ -111,23 +111,35 @@ class Ledger:
         """The id of the latest dispatch: entries up to it were sent by now."""
         return self._last_id
 
-    def settle_unwatched(self, instance: str, engine_waiting: int, sent_by: int) -> None:
+    def settle_unwatched(
+        self, instance: str, engine_waiting: int, sent_by: int, in_order: bool = True
+    ) -> None:
         """Mark started the unwatched entries the engine's queue says have started.
 
-        The engine reported `engine_waiting` requests not yet scheduled, in a look
-        taken after every entry up to id `sent_by` had reached it. It schedules
-        first come first served, so at most the newest `engine_waiting` of those
-        entries still wait, and an unwatched one older than them has started
-        (requests from elsewhere, or preempted ones, only make fewer count as
-        started). Without this an unwatched answer would count as a queued
+        The engine reported `engine_waiting` requests not yet scheduled, in a
+        look taken after every entry up to id `sent_by` had reached it. None
+        waiting: all those have started. Where it schedules first come first
+        served (`in_order`: one engine core, no priorities), at most the newest
+        `engine_waiting` of them still wait, so an unwatched one older than that
+        has started. Requests from elsewhere, preempted ones, and entries left
+        out below only make fewer count as started. "Started" here is
+        scheduled: its prefill may still be running, as a prefill between two
+        looks is. Without this an unwatched answer would count as a queued
         prefill until it ends, and the prefill-aware policy would avoid its
         instance all that while."""
+        if self._waiting.get(instance, 0) <= engine_waiting:
+            return  # all of them may still wait (and none does, often)
+        if engine_waiting and not in_order:
+            return
+        # In id order (dict order: ids only grow). An entry with nothing to
+        # prefill is left out: a call that never reaches the engine's queue
+        # (`GET /version` through the pass-through) must not take the place
+        # of an older request that is still in it.
         pending = [
             e
             for e in self._by_instance.get(instance, {}).values()
-            if not e.started and e.id <= sent_by
+            if not e.started and e.id <= sent_by and _prefill(e) > 0
         ]
-        pending.sort(key=lambda e: e.id)
         for entry in pending[: max(0, len(pending) - engine_waiting)]:
             if not entry.watched:
                 self._start(entry)

@@ -220,6 +220,8 @@ class Relay:
                 # `stream`) is answered whole; anything but JSON is taken as a
                 # stream, as it came.
                 answered_whole = upstream.content_type == "application/json"
+                if answered_whole:
+                    call.entry.watched = False  # its tokens come only at its end
                 live = (
                     None
                     if answered_whole

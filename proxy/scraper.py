@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,11 @@ log = logging.getLogger("ferry.scraper")
 # An engine's page past this many bytes fails its scrape: vLLM's /metrics is
 # about 100 KB, and a page of gigabytes would fill Ferry's memory.
 MAX_PAGE_BYTES = 16 * 1024 * 1024
+# A look at an engine's queue speaks for the requests sent at least this long
+# before it began: a request reaches the queue a little after Ferry sends it
+# (the API server reads and tokenizes it first), and vLLM's gauges change once
+# per engine step, so a look can be answered before the queue shows it.
+QUEUE_SHOWS_AFTER_S = 0.5
 
 
 class Scraper:
@@ -61,10 +67,9 @@ class Scraper:
         # no answer to `GET /health` either (Migrator.leave_hung).
         self.on_down: Callable[[str], object] | None = None
         self._produced: dict[str, int] = {}  # ledger.produced() at each instance's last look
-        # The ledger's last dispatch id as each instance's last look began: the
-        # requests up to it have reached the engine by the next look (one that
-        # began after them might be answered before the engine queued them).
-        self._sent_by: dict[str, int] = {}
+        # (when, the ledger's last dispatch id) as each recent look began; the
+        # first is the newest at least QUEUE_SHOWS_AFTER_S old (see `_sent_by`).
+        self._marks: dict[str, deque[tuple[float, int]]] = {}
         self._short_of_files = ShortageLog(log, clock)
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
@@ -86,7 +91,7 @@ class Scraper:
         task = self._tasks.pop(name, None)
         self._unexpected.pop(name, None)  # an instance added again under the name logs anew
         self._produced.pop(name, None)
-        self._sent_by.pop(name, None)
+        self._marks.pop(name, None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -108,8 +113,7 @@ class Scraper:
             else:
                 self.cluster.record_alive(name, self.clock())
             return
-        sent_by = self._sent_by.get(name, 0)
-        self._sent_by[name] = self.cluster.ledger.last_id()
+        sent_by = self._sent_by(name)
         try:
             snapshot = await self._snapshot(state, path, parse)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -121,6 +125,18 @@ class Scraper:
             self.cluster.record_scrape_failure(name, _describe(exc))
             return
         self.cluster.record_scrape(name, snapshot, self.clock(), sent_by)
+
+    def _sent_by(self, name: str) -> int:
+        """The ledger's last dispatch id QUEUE_SHOWS_AFTER_S before this look:
+        the engine's queue, as this look reads it, shows the requests up to it
+        (0: none yet)."""
+        now, marks = self.clock(), self._marks.setdefault(name, deque())
+        shown = now - QUEUE_SHOWS_AFTER_S
+        while len(marks) > 1 and marks[1][0] <= shown:
+            marks.popleft()
+        sent_by = marks[0][1] if marks and marks[0][0] <= shown else 0
+        marks.append((now, self.cluster.ledger.last_id()))
+        return sent_by
 
     async def _snapshot(
         self, state: InstanceState, path: str, parse: Callable[[str], EngineSnapshot]

@@ -151,6 +151,28 @@ def test_load_is_read_by_name_from_real_vllm(proxy: Any, vllm_pair: list[VLLMSer
         assert proxy.view(f"i{i}").capacity_blocks == in_full.kv_blocks_total
 
 
+def test_a_whole_answer_counts_as_started_once_vllm_queues_nothing(
+    proxy: Any, vllm_pair: list[VLLMServer]
+) -> None:
+    """A non-streamed answer shows Ferry no first token; vLLM's empty queue says
+    it started, so it stops counting as a prefill queued ahead of new requests."""
+    answer: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: answer.append(
+            api(proxy.url).completions.create(model="tiny", prompt=PROMPT, **LONG)
+        )
+    )
+    thread.start()
+    try:
+        views = lambda: [proxy.view(n) for n in ("i0", "i1")]  # noqa: E731
+        wait_until(lambda: sum(v.inflight for v in views()) == 1)
+        wait_until(lambda: sum(v.queued_tokens for v in views()) == 0, timeout=5)
+        assert sum(v.inflight for v in views()) == 1 and not answer
+    finally:
+        thread.join(120)
+    assert answer and answer[0].usage.completion_tokens == LONG["max_tokens"]
+
+
 def test_client_disconnect_leaves_nothing_running(proxy: Any, vllm_pair: list[VLLMServer]) -> None:
     before = sum(generated(s) for s in vllm_pair)
     stream = api(proxy.url).completions.create(model="tiny", prompt=PROMPT, stream=True, **LONG)

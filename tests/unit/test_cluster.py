@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -104,6 +105,33 @@ def test_an_unwatched_answer_counts_as_queued_until_the_engine_s_queue_says_it_s
     for entry in [*whole, stream, late]:
         ledger.release(entry)
     assert cluster.instance_view("a").queued_tokens == 0 and ledger.waiting("a") == 0
+
+
+def test_out_of_order_engines_settle_only_an_empty_queue() -> None:
+    """Several engine cores (data parallel) or priority scheduling: an old
+    request may wait while newer ones run, so only an empty queue says it started."""
+    cluster = make_cluster("a")
+    ledger = cluster.ledger
+    old = ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, watched=False)
+    ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, watched=False)
+    two_engines = dataclasses.replace(snapshot(running=1, waiting=1), engines=2)
+    cluster.record_scrape("a", two_engines, now=1.0, sent_by=ledger.last_id())
+    assert not old.started
+    ledger.settle_unwatched("a", 1, ledger.last_id(), in_order=False)
+    assert not old.started
+    ledger.settle_unwatched("a", 0, ledger.last_id(), in_order=False)
+    assert ledger.waiting("a") == 0 and cluster.instance_view("a").queued_tokens == 0
+
+
+def test_a_call_with_nothing_to_prefill_takes_no_place_in_the_engine_s_queue() -> None:
+    """A pass-through call with no prompt (`GET /version`) never reaches the
+    engine's queue: it must not stand in for an older request still there."""
+    cluster = make_cluster("a")
+    ledger = cluster.ledger
+    old = ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, watched=False)
+    ledger.add("a", "", Priority.NORMAL, 0, now=0.0, watched=False)
+    cluster.record_scrape("a", snapshot(waiting=1), now=1.0, sent_by=ledger.last_id())
+    assert not old.started and cluster.instance_view("a").queued_tokens == 100
 
 
 def test_a_look_from_before_a_dispatch_settles_nothing() -> None:

@@ -18,6 +18,7 @@ def test_parses_a_real_vllm_0_32_scrape() -> None:
     assert snap.block_size == 128
     assert snap.kv_blocks_total == 4096
     assert snap.preemptions_total == 0
+    assert snap.engines == 1
 
 
 def test_reads_a_busy_scrape() -> None:
@@ -77,7 +78,7 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0
 vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="300"} 1.0
 """
     snap = parse_metrics(text)
-    assert (snap.running, snap.waiting, snap.preemptions_total) == (5, 1, 3)
+    assert (snap.running, snap.waiting, snap.preemptions_total, snap.engines) == (5, 1, 3, 2)
     assert snap.kv_blocks_total == 400
     assert snap.kv_usage == pytest.approx((0.5 * 100 + 0.25 * 300) / 400)
 
