@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 from loadtest import trace
 from loadtest.sim.profile import LLAMA7B_A10
 from loadtest.sim.simulator import SimSettings, Simulator
-from loadtest.sim.stats import DEFAULT_SLO, latencies
+from loadtest.sim.stats import percentile, request_times
 
 RUNS = (
     ("round_robin", "round_robin", False),
@@ -45,9 +44,18 @@ class Result:
     tokens_per_s: float
 
 
-def run_one(
-    name: str, policy: str, credit: bool, requests: list[trace.TraceRequest], instances: int
-) -> Result:
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One policy on one trace: what pools across seeds."""
+
+    hits: int
+    queried: int
+    ttfts: list[float]
+    generated: int
+    span_s: float
+
+
+def run_one(policy: str, credit: bool, requests: list[trace.TraceRequest], instances: int) -> Run:
     settings = SimSettings(
         instances=instances,
         policy=policy,
@@ -57,17 +65,26 @@ def run_one(
     )
     sim = Simulator(requests, LLAMA7B_A10, settings)
     done = sim.run()
-    stats: dict[str, Any] = latencies(done, DEFAULT_SLO)
     queried = sum(i.cache.queried_tokens for i in sim.instances if i.cache is not None)
     hits = sum(i.cache.hit_tokens for i in sim.instances if i.cache is not None)
     finished = [r for r in done if r.finish is not None]
     span = max(r.finish for r in finished if r.finish is not None) - min(r.arrival for r in done)
+    ttfts = [t[0] for t in map(request_times, done) if t is not None]
+    return Run(hits, queried, ttfts, sum(r.generated for r in finished), span)
+
+
+def pooled(name: str, runs: list[Run]) -> Result:
+    """One row over every seed's run: hits over queries, percentiles over all
+    requests, tokens over the summed makespans."""
+    hits, queried = sum(r.hits for r in runs), sum(r.queried for r in runs)
+    ttfts = [t for r in runs for t in r.ttfts]
+    span = sum(r.span_s for r in runs)
     return Result(
         name,
         hits / queried if queried else 0.0,
-        stats["ttft_p50"],
-        stats["ttft_p99"],
-        sum(r.generated for r in finished) / span if span > 0 else 0.0,
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        sum(r.generated for r in runs) / span if span > 0 else 0.0,
     )
 
 
@@ -96,38 +113,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--sessions-at-once", type=int, default=0, help="0: 8 per instance")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--seeds", type=int, default=5, help="traces --seed, --seed + 1, ...: pooled rows"
+    )
     args = parser.parse_args(argv)
     rate = args.rate or 10.0 * args.instances
-    spec = trace.TraceSpec(
-        requests=args.requests,
-        rate=rate,
-        seed=args.seed,
-        input_mean=128,
-        output_mean=128,
-        max_len=1024,
-        prefix_groups=args.prefix_groups,
-        prefix_len=args.prefix_len,
-        turns=args.turns,
-        sessions_at_once=args.sessions_at_once or 8 * args.instances,
-    )
-    shared = trace.generate(spec)
+    seeds = range(args.seed, args.seed + args.seeds)
+    shared_runs: dict[str, list[Run]] = {name: [] for name, _, _ in RUNS}
+    alone_runs: dict[str, list[Run]] = {name: [] for name, _, _ in RUNS[2:]}
+    for seed in seeds:
+        spec = trace.TraceSpec(
+            requests=args.requests,
+            rate=rate,
+            seed=seed,
+            input_mean=128,
+            output_mean=128,
+            max_len=1024,
+            prefix_groups=args.prefix_groups,
+            prefix_len=args.prefix_len,
+            turns=args.turns,
+            sessions_at_once=args.sessions_at_once or 8 * args.instances,
+        )
+        shared = trace.generate(spec)
+        for name, policy, credit in RUNS:
+            shared_runs[name].append(run_one(policy, credit, shared, args.instances))
+        # Nothing shared: the same lengths and arrivals, every block a request's own.
+        alone = [
+            trace.TraceRequest(r.id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority)
+            for r in shared
+        ]
+        for name, policy, credit in RUNS[2:]:
+            alone_runs[name].append(run_one(policy, credit, alone, args.instances))
     print(
         f"{args.instances} simulated instances ({LLAMA7B_A10.name}, prefix caching on), "
         f"{args.requests} requests at {rate:g}/s: {args.prefix_groups} system prompts of "
-        f"{args.prefix_len} tokens, {args.turns} turns per session"
+        f"{args.prefix_len} tokens, {args.turns} turns per session; "
+        f"seeds {seeds.start}..{seeds.stop - 1} pooled"
     )
-    table(
-        "shared prefixes",
-        [run_one(name, p, c, shared, args.instances) for name, p, c in RUNS],
-    )
-    # Nothing shared: the same lengths and arrivals, every block a request's own.
-    alone = [
-        trace.TraceRequest(r.id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority)
-        for r in shared
-    ]
+    table("shared prefixes", [pooled(name, runs) for name, runs in shared_runs.items()])
+    if len(seeds) > 1:
+        # A hit rate moves by a point or two from one trace to the next.
+        print("\nhit rate by seed")
+        for name, runs in shared_runs.items():
+            rates = " ".join(f"{r.hits / r.queried:.3f}" if r.queried else "-" for r in runs)
+            print(f"{name:<16}{rates}")
     table(
         "nothing shared (same lengths and arrivals)",
-        [run_one(name, p, c, alone, args.instances) for name, p, c in RUNS[2:]],
+        [pooled(name, runs) for name, runs in alone_runs.items()],
     )
     return 0
 

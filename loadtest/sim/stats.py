@@ -37,7 +37,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, Any]:
-    timed = [t for t in map(_times, requests) if t is not None]
+    timed = [t for t in map(request_times, requests) if t is not None]
     ttft = [t[0] for t in timed]
     decode = [t[1] for t in timed if t[1] is not None]
     stalls = [r.worst_gap for r in requests if r.finish is not None and r.generated > 1]
@@ -62,7 +62,7 @@ def latencies(requests: Sequence[SimRequest], slo: Slo) -> dict[str, Any]:
     }
 
 
-def _times(r: SimRequest) -> tuple[float, float | None, float] | None:
+def request_times(r: SimRequest) -> tuple[float, float | None, float] | None:
     """(TTFT, decode time per token or None for one-token requests, end to end)."""
     if r.finish is None or r.first_token is None:
         return None
