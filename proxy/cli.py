@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--migration",
         choices=("off", "lite", "full"),
-        help="migration mode of every --backend (default off)",
+        help="migration mode of every --backend (default lite: a stream whose instance"
+        " fails goes on elsewhere)",
     )
     serve.add_argument(
         "--workers",
@@ -262,7 +263,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         config = load_config(args.config)
     else:
         config = config_from_backends(
-            args.backend, policy=args.policy or "llumnix", migration=args.migration or "off"
+            args.backend, policy=args.policy or "llumnix", migration=args.migration or "lite"
         )
     server = config.server
     if args.port is not None and not 0 <= args.port <= 65535:  # as server.port

@@ -423,9 +423,11 @@ def config_from_backends(
     policy: str = "llumnix",
     port: int = 8000,
     host: str = "127.0.0.1",
-    migration: str = "off",
+    migration: str = "lite",
 ) -> FerryConfig:
-    """The quick start: `ferry serve --backend URL ...`; names come from host:port."""
+    """The quick start: `ferry serve --backend URL ...`; names come from host:port.
+    Lite migration by default: a stream whose instance fails or drains goes on
+    elsewhere, where with it off the stream would end in an error."""
     raw = {
         "instances": [{"name": _name_from_url(u), "url": u, "migration": migration} for u in urls],
         "scheduler": {"policy": policy},

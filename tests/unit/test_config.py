@@ -351,6 +351,8 @@ def test_quick_start_names_backends_by_host_port() -> None:
         ["http://127.0.0.1:8001", "http://10.0.0.2:9000/"], policy="least_kv"
     )
     assert [i.name for i in config.instances] == ["127.0.0.1:8001", "10.0.0.2:9000"]
+    # A broken stream goes on elsewhere without a YAML file.
+    assert {i.migration for i in config.instances} == {"lite"}
     assert config.scheduler.policy == "least_kv"
 
 
