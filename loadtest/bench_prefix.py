@@ -1,15 +1,18 @@
-"""Prefix locality in the simulator: four policies side by side on one trace.
+"""Prefix locality in the simulator: four policies side by side, over several traces.
 
 round_robin, cache_aware (vllm-router's default, over Ferry's approximate index),
 llumnix, and llumnix with prefix credit run on the same multi-turn,
-shared-system-prompt trace (`ferry trace --prefix-groups G --prefix-len L
---turns T`) against simulated engines with prefix caching on, then llumnix with
-and without credit on a trace of the same shape with nothing shared. Printed:
-the engines' prefix hit rate (hit / queried prompt tokens, as vLLM's
-prefix_cache_hits / queries), P50 and P99 TTFT and throughput (output tokens
-per second of makespan), each also as a ratio to plain llumnix.
+shared-system-prompt traces (`ferry trace --prefix-groups G --prefix-len L
+--turns T`, seeds --seed to --seed + --seeds - 1) against simulated engines
+with prefix caching on, then llumnix with and without credit on traces of the
+same shape with nothing shared. Printed, pooled over the traces: the engines'
+prefix hit rate (hit / queried prompt tokens, as vLLM's prefix_cache_hits /
+queries), P50 and P99 TTFT and throughput (output tokens per second of
+makespan), each also as a ratio to plain llumnix; and each trace's hit rate,
+which moves by points from one trace to the next.
 
-    python -m loadtest.bench_prefix                    # 16 instances, 3,000 requests
+    python -m loadtest.bench_prefix                    # 16 instances, 5 x 3,000 requests
+    python -m loadtest.bench_prefix --seeds 1          # one trace (seed 1)
     python -m loadtest.bench_prefix --requests 800 --instances 4   # quick
 
 The same comparison on real vLLM CPU servers, with vllm-router's own
@@ -27,7 +30,7 @@ from loadtest.sim.profile import LLAMA7B_A10
 from loadtest.sim.simulator import SimSettings, Simulator
 from loadtest.sim.stats import percentile, request_times
 
-RUNS = (
+COMPARED = (
     ("round_robin", "round_robin", False),
     ("cache_aware", "cache_aware", False),
     ("llumnix", "llumnix", False),
@@ -45,7 +48,7 @@ class Result:
 
 
 @dataclass(frozen=True, slots=True)
-class Run:
+class TraceRun:
     """One policy on one trace: what pools across seeds."""
 
     hits: int
@@ -55,7 +58,9 @@ class Run:
     span_s: float
 
 
-def run_one(policy: str, credit: bool, requests: list[trace.TraceRequest], instances: int) -> Run:
+def run_one(
+    policy: str, credit: bool, requests: list[trace.TraceRequest], instances: int
+) -> TraceRun:
     settings = SimSettings(
         instances=instances,
         policy=policy,
@@ -70,10 +75,10 @@ def run_one(policy: str, credit: bool, requests: list[trace.TraceRequest], insta
     finished = [r for r in done if r.finish is not None]
     span = max(r.finish for r in finished if r.finish is not None) - min(r.arrival for r in done)
     ttfts = [t[0] for t in map(request_times, done) if t is not None]
-    return Run(hits, queried, ttfts, sum(r.generated for r in finished), span)
+    return TraceRun(hits, queried, ttfts, sum(r.generated for r in finished), span)
 
 
-def pooled(name: str, runs: list[Run]) -> Result:
+def pooled(name: str, runs: list[TraceRun]) -> Result:
     """One row over every seed's run: hits over queries, percentiles over all
     requests, tokens over the summed makespans."""
     hits, queried = sum(r.hits for r in runs), sum(r.queried for r in runs)
@@ -117,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         "--seeds", type=int, default=5, help="traces --seed, --seed + 1, ...: pooled rows"
     )
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error("--seeds: at least 1")
     rate = args.rate or 10.0 * args.instances
     seeds = range(args.seed, args.seed + args.seeds)
-    shared_runs: dict[str, list[Run]] = {name: [] for name, _, _ in RUNS}
-    alone_runs: dict[str, list[Run]] = {name: [] for name, _, _ in RUNS[2:]}
+    shared_runs: dict[str, list[TraceRun]] = {name: [] for name, _, _ in COMPARED}
+    alone_runs: dict[str, list[TraceRun]] = {name: [] for name, _, _ in COMPARED[2:]}
     for seed in seeds:
         spec = trace.TraceSpec(
             requests=args.requests,
@@ -135,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             sessions_at_once=args.sessions_at_once or 8 * args.instances,
         )
         shared = trace.generate(spec)
-        for name, policy, credit in RUNS:
+        for name, policy, credit in COMPARED:
             shared_runs[name].append(run_one(policy, credit, shared, args.instances))
         # Nothing shared: the same lengths and arrivals, every block a request's own.
         alone = [
             trace.TraceRequest(r.id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority)
             for r in shared
         ]
-        for name, policy, credit in RUNS[2:]:
+        for name, policy, credit in COMPARED[2:]:
             alone_runs[name].append(run_one(policy, credit, alone, args.instances))
     print(
         f"{args.instances} simulated instances ({LLAMA7B_A10.name}, prefix caching on), "

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         "--migration",
         choices=("off", "lite", "full"),
         help="migration mode of every --backend (default lite: a stream whose instance"
-        " fails goes on elsewhere)",
+        " fails goes on elsewhere, and drains and high-priority requests move streams;"
+        " off: none of that)",
     )
     serve.add_argument(
         "--workers",

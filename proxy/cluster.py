@@ -217,16 +217,16 @@ class Cluster:
         return snap.block_size if snap and snap.block_size else 16
 
     def record_scrape(
-        self, name: str, snapshot: EngineSnapshot, now: float, sent_by: int = 0
+        self, name: str, snapshot: EngineSnapshot, now: float, reached_id: int = 0
     ) -> None:
-        """A look at the engine; the ledger's requests up to id `sent_by` had
+        """A look at the engine; the ledger's requests up to id `reached_id` had
         reached it before the look (their answers' starts are read off its queue)."""
         state = self.instances[name]
         state.snapshot, state.snapshot_at = snapshot, now
         self._up(name, state)
         self.ledger.set_block_size(name, snapshot.block_size)
         in_order = snapshot.engines == 1 and not state.config.engine_priority
-        self.ledger.settle_unwatched(name, snapshot.waiting, sent_by, in_order)
+        self.ledger.settle_unwatched(name, snapshot.waiting, reached_id, in_order)
         peers = self.peer_load.get(name, NO_LOAD)
         ferry_blocks = self.ledger.blocks(name) + peers.blocks
         gap_blocks = max(0.0, snapshot.kv_blocks_used - ferry_blocks)

@@ -44,8 +44,8 @@ class InstanceConfig:
     labels: dict[str, str] = field(default_factory=dict)
     migration: str = "off"
     # Sent on every call Ferry makes to the instance; `${VAR}` reads the
-    # environment (here, in `url` and in the kv_events addresses). Kept out of
-    # reprs, so out of logs.
+    # environment (as in `url` and the kv_events addresses, which, unlike
+    # these, are shown). Kept out of reprs, so out of logs.
     api_key: str | None = field(default=None, repr=False)
     headers: dict[str, str] = field(default_factory=dict, repr=False)
     # Where the engine publishes its KV cache events (vLLM's --kv-events-config
@@ -469,7 +469,10 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
     if entry.get("migration") is False:
         entry["migration"] = "off"
     # `${VAR}` in the addresses too: a Deployment passes hosts and ports in its env.
-    for key in ("url", "kv_events", "kv_events_replay"):
+    # An error quotes an address as written, not as expanded: the admin API
+    # answers with it, and a variable may hold a secret.
+    written = {key: entry.get(key) for key in _ADDRESSES}
+    for key in _ADDRESSES:
         if isinstance(entry.get(key), str):
             entry[key] = _expand(entry[key], f"{where}.{key}", env)
     inst = _section(InstanceConfig, entry, where, required=("name", "url"))
@@ -481,7 +484,7 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
     if not _http_url(inst.url):
         raise ConfigError(
             f"{where}.url: must be an http(s) base URL (the server's root, not its /v1),"
-            f" without user, query, fragment or port 0 (got {inst.url!r})"
+            f" without user, query, fragment or port 0 (got {written['url']!r})"
         )
     if inst.engine not in ENGINES:
         raise ConfigError(
@@ -497,7 +500,7 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
             f"{where}.migration: must be off for engine {inst.engine} (got {inst.migration!r}):"
             " a moved stream goes on from its token ids, and this engine returns none"
         )
-    _check_kv_events(inst, where)
+    _check_kv_events(inst, where, written)
     if not isinstance(inst.engine_priority, bool):
         raise ConfigError(f"{where}.engine_priority: must be true or false")
     if inst.engine_priority and ADAPTERS[inst.engine].priority_field is None:
@@ -520,6 +523,10 @@ def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> I
             raise ConfigError(f"{where}.headers: {key!r} is the HTTP client's to set")
         _check_header_value(value, f"{where}.headers.{key}")
     return replace(inst, api_key=api_key, headers=headers)
+
+
+# An instance's addresses, where `${VAR}` reads the environment.
+_ADDRESSES = ("url", "kv_events", "kv_events_replay")
 
 
 def _http_url(url: Any) -> bool:
@@ -579,7 +586,8 @@ def _check_header_value(value: str, where: str) -> None:
         )
 
 
-def _check_kv_events(inst: InstanceConfig, where: str) -> None:
+def _check_kv_events(inst: InstanceConfig, where: str, written: dict[str, Any]) -> None:
+    """`written`: the addresses as the configuration wrote them (for errors)."""
     if inst.kv_events is None:
         if inst.kv_events_replay is not None:
             raise ConfigError(f"{where}.kv_events_replay: needs {where}.kv_events (the events)")
@@ -593,7 +601,7 @@ def _check_kv_events(inst: InstanceConfig, where: str) -> None:
         if endpoint is not None and not _zmq_endpoint(endpoint):
             raise ConfigError(
                 f"{where}.{key}: must be tcp://HOST:PORT (the engine's address as Ferry"
-                f" reaches it, not *) or ipc://PATH (got {endpoint!r})"
+                f" reaches it, not *) or ipc://PATH (got {written[key]!r})"
             )
 
 

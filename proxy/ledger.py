@@ -7,7 +7,8 @@ scheduler reads it between scrapes, so a burst never piles onto an instance
 whose last scrape looked idle.
 
 `on_change(instance)` fires when something a view depends on changed: a
-request came or went, got its first token, or crossed a KV block boundary.
+request came or went, started (its first token, or the engine's queue for an
+answer Ferry sees only whole), or crossed a KV block boundary.
 `on_count(instance)`, when set, fires only when a request came or went: a shared
 view (proxy/sharing.py) tells its peers of those at once.
 """
@@ -33,8 +34,9 @@ class LedgerEntry:
     cached_tokens: int = 0  # of the prompt, in the instance's prefix cache at dispatch
     prompt_exact: bool = False  # True once the engine reported prompt ids
     generated_tokens: int = 0
-    # Past its prefill: a first token came, or, for an answer whose tokens Ferry
-    # sees only at its end (`watched` False), the engine's queue says it started.
+    # Started: a first token came, or, for an answer whose tokens Ferry sees
+    # only at its end (`watched` False), the engine's queue says it was
+    # scheduled (its prefill may still run, as a prefill between two looks does).
     started: bool = False
     watched: bool = True  # its tokens are seen as they come (a stream Ferry reads)
     blocks: int = 0  # KV blocks at the instance's block size, kept to detect crossings
@@ -50,10 +52,10 @@ class Ledger:
         # Running totals per instance, so a view is built in O(1), not O(requests).
         self._blocks_total: dict[str, int] = {}
         self._high: dict[str, int] = {}
-        # Uncached prompt tokens of the requests that have no token yet: the
-        # prefill still ahead.
+        # Uncached prompt tokens of the requests not started yet: the prefill
+        # still ahead.
         self._queued_tokens: dict[str, int] = {}
-        self._waiting: dict[str, int] = {}  # requests that have no token yet
+        self._waiting: dict[str, int] = {}  # requests not started yet
         self._produced: dict[str, int] = {}  # tokens generated so far, ever (see `produced`)
         self._last_id = 0
 
@@ -112,21 +114,23 @@ class Ledger:
         return self._last_id
 
     def settle_unwatched(
-        self, instance: str, engine_waiting: int, sent_by: int, in_order: bool = True
+        self, instance: str, engine_waiting: int, reached_id: int, in_order: bool = True
     ) -> None:
         """Mark started the unwatched entries the engine's queue says have started.
 
         The engine reported `engine_waiting` requests not yet scheduled, in a
-        look taken after every entry up to id `sent_by` had reached it. None
+        look taken after every entry up to id `reached_id` had reached it. None
         waiting: all those have started. Where it schedules first come first
         served (`in_order`: one engine core, no priorities), at most the newest
         `engine_waiting` of them still wait, so an unwatched one older than that
         has started. Requests from elsewhere, preempted ones, and entries left
-        out below only make fewer count as started. "Started" here is
-        scheduled: its prefill may still be running, as a prefill between two
-        looks is. Without this an unwatched answer would count as a queued
-        prefill until it ends, and the prefill-aware policy would avoid its
-        instance all that while."""
+        out below only make fewer count as started. (vLLM passes over a request
+        waiting for a grammar, a LoRA slot or remote KV, and one still in its
+        API server after proxy/scraper.py's QUEUE_SHOWS_AFTER_S is not in the queue yet: those can
+        count as started early.) Started here is scheduled: its prefill may
+        still be running, as a prefill between two looks is. Without this an
+        unwatched answer would count as a queued prefill until it ends, and the
+        prefill-aware policy would avoid its instance all that while."""
         if self._waiting.get(instance, 0) <= engine_waiting:
             return  # all of them may still wait (and none does, often)
         if engine_waiting and not in_order:
@@ -138,7 +142,7 @@ class Ledger:
         pending = [
             e
             for e in self._by_instance.get(instance, {}).values()
-            if not e.started and e.id <= sent_by and _prefill(e) > 0
+            if not e.started and e.id <= reached_id and _prefill(e) > 0
         ]
         for entry in pending[: max(0, len(pending) - engine_waiting)]:
             if not entry.watched:
@@ -196,14 +200,14 @@ class Ledger:
         return self._queued_tokens.get(instance, 0)
 
     def waiting(self, instance: str) -> int:
-        """Requests here that have no token yet (queued or prefilling in the engine)."""
+        """Requests here not started yet (queued or prefilling in the engine)."""
         return self._waiting.get(instance, 0)
 
     def _live(self, entry: LedgerEntry) -> bool:
         return entry.id in self._by_instance.get(entry.instance, {})
 
     def _start(self, entry: LedgerEntry) -> None:
-        """The entry is past its prefill: its prompt is no longer ahead of others."""
+        """The entry started: its prompt is no longer ahead of the others'."""
         if entry.started:
             return
         entry.started = True

@@ -68,7 +68,7 @@ class Scraper:
         self.on_down: Callable[[str], object] | None = None
         self._produced: dict[str, int] = {}  # ledger.produced() at each instance's last look
         # (when, the ledger's last dispatch id) as each recent look began; the
-        # first is the newest at least QUEUE_SHOWS_AFTER_S old (see `_sent_by`).
+        # first is the newest at least QUEUE_SHOWS_AFTER_S old (see `_reached_id`).
         self._marks: dict[str, deque[tuple[float, int]]] = {}
         self._short_of_files = ShortageLog(log, clock)
 
@@ -113,7 +113,7 @@ class Scraper:
             else:
                 self.cluster.record_alive(name, self.clock())
             return
-        sent_by = self._sent_by(name)
+        reached_id = self._reached_id(name)
         try:
             snapshot = await self._snapshot(state, path, parse)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -124,19 +124,20 @@ class Scraper:
             self.metrics.scrape_errors.labels(name).inc()
             self.cluster.record_scrape_failure(name, _describe(exc))
             return
-        self.cluster.record_scrape(name, snapshot, self.clock(), sent_by)
+        self.cluster.record_scrape(name, snapshot, self.clock(), reached_id)
 
-    def _sent_by(self, name: str) -> int:
-        """The ledger's last dispatch id QUEUE_SHOWS_AFTER_S before this look:
-        the engine's queue, as this look reads it, shows the requests up to it
-        (0: none yet)."""
+    def _reached_id(self, name: str) -> int:
+        """The ledger's last dispatch id as of the newest earlier look that
+        began at least QUEUE_SHOWS_AFTER_S before this one (a whole interval
+        before, where looks are further apart): the engine's queue, as this look
+        reads it, shows the requests up to it (0: none yet)."""
         now, marks = self.clock(), self._marks.setdefault(name, deque())
         shown = now - QUEUE_SHOWS_AFTER_S
         while len(marks) > 1 and marks[1][0] <= shown:
             marks.popleft()
-        sent_by = marks[0][1] if marks and marks[0][0] <= shown else 0
+        reached_id = marks[0][1] if marks and marks[0][0] <= shown else 0
         marks.append((now, self.cluster.ledger.last_id()))
-        return sent_by
+        return reached_id
 
     async def _snapshot(
         self, state: InstanceState, path: str, parse: Callable[[str], EngineSnapshot]

@@ -85,19 +85,19 @@ def test_an_unwatched_answer_counts_as_queued_until_the_engine_s_queue_says_it_s
     ledger = cluster.ledger
     whole = [ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, watched=False) for _ in range(3)]
     stream = ledger.add("a", "m", Priority.NORMAL, 10, now=0.0)  # watched: its token says
-    sent_by = ledger.last_id()
+    reached_id = ledger.last_id()
     late = ledger.add("a", "m", Priority.NORMAL, 1000, now=0.0, watched=False)
     assert cluster.instance_view("a").queued_tokens == 3 * 100 + 10 + 1000
     # Two of the four sent before the look still wait: the newest two, first
     # come first served, so the oldest two answers have started.
-    cluster.record_scrape("a", snapshot(running=2, waiting=2), now=1.0, sent_by=sent_by)
+    cluster.record_scrape("a", snapshot(running=2, waiting=2), now=1.0, reached_id=reached_id)
     assert cluster.instance_view("a").queued_tokens == 100 + 10 + 1000
     assert ledger.waiting("a") == 3
     assert (whole[0].started, whole[1].started, whole[2].started) == (True, True, False)
     # An empty queue: all sent before the look have started but the watched
     # stream, which has not shown its first token; the one sent after the look
     # might not have reached the engine.
-    cluster.record_scrape("a", snapshot(running=4, waiting=0), now=1.25, sent_by=sent_by)
+    cluster.record_scrape("a", snapshot(running=4, waiting=0), now=1.25, reached_id=reached_id)
     assert cluster.instance_view("a").queued_tokens == 10 + 1000
     assert not stream.started and not late.started
     ledger.add_generated(whole[0], 5)  # its answer came whole: no second start
@@ -115,7 +115,7 @@ def test_out_of_order_engines_settle_only_an_empty_queue() -> None:
     old = ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, watched=False)
     ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, watched=False)
     two_engines = dataclasses.replace(snapshot(running=1, waiting=1), engines=2)
-    cluster.record_scrape("a", two_engines, now=1.0, sent_by=ledger.last_id())
+    cluster.record_scrape("a", two_engines, now=1.0, reached_id=ledger.last_id())
     assert not old.started
     ledger.settle_unwatched("a", 1, ledger.last_id(), in_order=False)
     assert not old.started
@@ -130,15 +130,15 @@ def test_a_call_with_nothing_to_prefill_takes_no_place_in_the_engine_s_queue() -
     ledger = cluster.ledger
     old = ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, watched=False)
     ledger.add("a", "", Priority.NORMAL, 0, now=0.0, watched=False)
-    cluster.record_scrape("a", snapshot(waiting=1), now=1.0, sent_by=ledger.last_id())
+    cluster.record_scrape("a", snapshot(waiting=1), now=1.0, reached_id=ledger.last_id())
     assert not old.started and cluster.instance_view("a").queued_tokens == 100
 
 
 def test_a_look_from_before_a_dispatch_settles_nothing() -> None:
     cluster = make_cluster("a")
-    sent_by = cluster.ledger.last_id()
+    reached_id = cluster.ledger.last_id()
     whole = cluster.ledger.add("a", "m", Priority.NORMAL, 100, now=0.0, watched=False)
-    cluster.record_scrape("a", snapshot(waiting=0), now=1.0, sent_by=sent_by)
+    cluster.record_scrape("a", snapshot(waiting=0), now=1.0, reached_id=reached_id)
     assert not whole.started and cluster.instance_view("a").queued_tokens == 100
 
 

@@ -341,9 +341,13 @@ def test_addresses_read_the_environment() -> None:
     assert (parsed.url, parsed.kv_events) == ("http://10.0.0.7:8000", "tcp://10.0.0.7:5557")
     with pytest.raises(ConfigError, match=r"^instances\[0\]\.url: environment variable GPU_PORT"):
         parse_config(base(instances=[inst]), env={"GPU_HOST": "h"})
-    # What the variable holds is checked as a URL is.
-    with pytest.raises(ConfigError, match=r"^instances\[0\]\.url: must be an http\(s\) base URL"):
-        parse_config(base(instances=[inst]), env={**env, "GPU_PORT": "8000/v1?x=1"})
+    # What the variable holds is checked as a URL is; the error quotes the URL
+    # as written (the admin API answers with it, and a variable may hold a secret).
+    with pytest.raises(
+        ConfigError, match=r"^instances\[0\]\.url: must be an http\(s\) base URL"
+    ) as err:
+        parse_config(base(instances=[inst]), env={**env, "GPU_PORT": "8000/v1?key=s3cret"})
+    assert "s3cret" not in str(err.value) and "${GPU_PORT}" in str(err.value)
 
 
 def test_quick_start_names_backends_by_host_port() -> None:

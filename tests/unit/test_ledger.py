@@ -46,19 +46,19 @@ def test_queued_prefill_and_waiting_are_the_live_unstarted_entries(steps: list[t
             live.discard(entry.id)
         else:
             _, waiting, in_order, upto = step
-            sent_by = entries[upto % len(entries)].id
+            reached_id = entries[upto % len(entries)].id
             before = {e.id: e.started for e in entries}
-            ledger.settle_unwatched("a", waiting, sent_by, in_order)
+            ledger.settle_unwatched("a", waiting, reached_id, in_order)
             settled = [e for e in entries if e.started and not before[e.id]]
             # Only unwatched entries the look speaks for, and only as many as
             # the engine's queue leaves (none where it may run out of order).
-            assert all(not e.watched and e.id <= sent_by for e in settled)
+            assert all(not e.watched and e.id <= reached_id for e in settled)
             pending = [
                 e
                 for e in entries
                 if e.id in live
                 and not before[e.id]
-                and e.id <= sent_by
+                and e.id <= reached_id
                 and e.prompt_tokens > e.cached_tokens
             ]
             assert len(settled) <= max(0, len(pending) - waiting)
