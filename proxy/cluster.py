@@ -142,12 +142,15 @@ class Cluster:
 
     def context_length(self, name: str, model: str) -> int | None:
         """The longest sequence `model` takes on the instance (its card's
-        `max_model_len`, as vLLM lists it), or None when it does not say."""
-        for card in self.instances[name].model_cards:
-            length = card.get("max_model_len")
-            if card.get("id") == model and isinstance(length, int):
-                return length
-        return None
+        `max_model_len`, as vLLM lists it; a LoRA adapter's card names its base
+        model as `parent` instead), or None when it does not say."""
+        cards = self.instances[name].model_cards
+        card = next((c for c in cards if c.get("id") == model), None)
+        parent = None if card is None or "max_model_len" in card else card.get("parent")
+        if isinstance(parent, str):
+            card = next((c for c in cards if c.get("id") == parent), None)
+        length = None if card is None else card.get("max_model_len")
+        return length if isinstance(length, int) else None
 
     def _has_spare(self, name: str) -> bool:
         """Whether each model of the instance has another instance to go to. The

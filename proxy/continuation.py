@@ -31,7 +31,6 @@ _SAMPLING = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
-    "bad_words",
     "allowed_token_ids",
     "user",
     "priority",  # the engine's own (vLLM's priority scheduling), as the client set it
@@ -64,7 +63,7 @@ _CARRIED = frozenset(
         "add_generation_prompt", "continue_final_message", "add_special_tokens",
         "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs",
         "truncate_prompt_tokens", "truncation_side", "media_io_kwargs", "reasoning_effort",
-        "include_reasoning", "enable_thinking",
+        "include_reasoning", "enable_thinking", "bad_words",
     }
 )  # fmt: skip
 
@@ -87,10 +86,16 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
         return "multimodal input"
     if body.get("prompt_logprobs") or body.get("echo"):
         return "prompt logprobs or echo"
-    if any(body.get(k) for k in ("frequency_penalty", "presence_penalty")):
-        # vLLM counts them over the output alone, and a continuation's output
-        # starts at the cut: it would forget the tokens before it.
+    if any(body.get(k) for k in ("frequency_penalty", "presence_penalty", "bad_words")):
+        # vLLM counts them over the output alone (a bad word of several tokens
+        # is banned where the output ends in its first ones), and a
+        # continuation's output starts at the cut: it would forget the tokens
+        # before it.
         return "output penalties"
+    if body.get("include_reasoning") is False:
+        # The thoughts are generated but not shown, and a continuation (a
+        # completion) would show the rest of them as text.
+        return "reasoning"
     if _wants_logprobs(body, endpoint):
         # A continuation's logprobs are a completion's, offset from where it
         # starts; neither chat's shape nor the original's offsets.
@@ -114,13 +119,14 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
 
 
 def _multimodal(messages: Any) -> bool:
-    """Whether a chat's messages hold any part that is not text."""
+    """Whether a chat's messages hold any part that is not text (vLLM reads a
+    part without a type as media: `{"image_url": ...}`)."""
     if not isinstance(messages, list):
         return False
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list) and any(
-            not isinstance(part, dict) or part.get("type") not in ("text", None) for part in content
+            not isinstance(part, dict) or part.get("type") != "text" for part in content
         ):
             return True
     return False

@@ -350,7 +350,13 @@ class Relay:
         state = self.cluster.instances[name]
         if body is None or state.config.migration == "off" or not state.adapter.returns_token_ids:
             return None
+        model = str(body.get("model", ""))
+        context = self.cluster.context_length(name, model)
         why = continuation.not_migratable(body, endpoint)
+        if why is None and continuation.budget(body, endpoint, 0, context) is None:
+            # A chat without a budget runs to the end of the context; a
+            # continuation (a completion) needs it said, and no card says it.
+            why = "budget unknown"
         if why is not None:
             if body.get("stream"):
                 # The reason's detail, after a colon, is the client's (a field's
@@ -364,11 +370,11 @@ class Relay:
             endpoint,
             path,
             priority,
-            str(body.get("model", "")),
+            model,
             # The client's (its key included) on every continuation; a rank is
             # the first instance's (vLLM refuses one past its own ranks).
             headers={k: v for k, v in headers.items() if k.lower() != "x-data-parallel-rank"},
-            context=self.cluster.context_length(name, str(body.get("model", ""))),
+            context=context,
         )
         return LiveStream(
             request,

@@ -231,6 +231,10 @@ class Splicer:
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             if isinstance(text, str):
                 texts += text
+                if text and choice.get("token_ids") is None and self.unmovable is None:
+                    # Text whose ids the engine kept back (a chat with its
+                    # reasoning hidden): a continuation would miss them.
+                    self.unmovable = "text without token ids"
             if isinstance(delta, dict) and any(delta.get(k) for k in _REASONING):
                 self.unmovable = "reasoning"
         self._credit(new, texts)

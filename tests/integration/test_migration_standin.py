@@ -1090,6 +1090,51 @@ def test_a_moved_stream_without_a_budget_keeps_the_one_it_had(standins: Any, fer
     assert healthy.seen_bodies[-1]["max_tokens"] == 11
 
 
+def test_a_lora_chat_without_a_budget_keeps_its_base_models_room(standins: Any, ferry: Any) -> None:
+    """vLLM lists a LoRA adapter's card without `max_model_len`, naming its base
+    model as `parent`: the room left is the base model's. Where no card says
+    the length, the chat does not move (a continuation would stop at 16)."""
+    (broken, a), (healthy, b) = standins(2, model="adapter", itl_s=0.001)
+    cards = [
+        {"id": "base", "object": "model", "max_model_len": 40},
+        {"id": "adapter", "object": "model", "parent": "base"},
+    ]
+    for standin in (broken, healthy):
+        standin.max_model_len = 40
+        standin.models_body = json.dumps({"object": "list", "data": cards}).encode()
+    broken.break_after = 10
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin", "models_refresh_s": 0.1},
+    )
+    client = api(proxy.url)
+    chat = client.chat.completions.create(
+        model="adapter", messages=[{"role": "user", "content": "x"}], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == " tok" * 37
+    assert healthy.seen_bodies[-1]["max_tokens"] == 27
+    served = healthy.served
+    cards[0].pop("max_model_len")  # now no card says the model's length
+    for standin in (broken, healthy):
+        standin.models_body = json.dumps({"object": "list", "data": cards}).encode()
+    wait_until(lambda: all(not state.model_cards[0].get("max_model_len") for state in
+                           proxy.cluster.instances.values()))  # fmt: skip
+    broken.served, broke = 0, []
+    while not broken.served:  # round robin: until one lands on `broken`
+        try:
+            list(
+                client.chat.completions.create(
+                    model="adapter", messages=[{"role": "user", "content": "x"}], stream=True
+                )
+            )
+        except openai.APIError as exc:  # said broken, not cut at 10 + 16 as if whole
+            broke.append(str(exc))
+    assert len(broke) == 1 and "broke the stream" in broke[0]
+    assert 'ferry_non_migratable_requests_total{reason="budget unknown"}' in metrics(proxy.url)
+    assert healthy.served - served <= 1  # at most its own turn: nothing continued there
+
+
 def test_a_moved_stream_keeps_its_usage_on_every_chunk(standins: Any, ferry: Any) -> None:
     (broken, a), (_, b) = standins(2, itl_s=0.001)
     broken.break_after = 4

@@ -251,3 +251,24 @@ def test_an_outage_and_its_end_are_logged_once_each(caplog: pytest.LogCaptureFix
         "instance a is unreachable, no traffic until it answers: ClientConnectorError: refused",
         "instance a is healthy",
     ]
+
+
+def test_a_lora_adapter_s_context_is_its_base_model_s() -> None:
+    """vLLM lists an adapter's card without `max_model_len`, naming its base as
+    `parent`; a card that says neither gives no length."""
+    cluster = make_cluster("i0")
+    cluster.record_models(
+        "i0",
+        [
+            {"id": "base", "max_model_len": 4096},
+            {"id": "adapter", "parent": "base"},
+            {"id": "orphan", "parent": "gone"},
+            {"id": "bare"},
+            {"id": ["not", "a", "name"], "parent": None},
+        ],
+    )
+    assert cluster.context_length("i0", "base") == 4096
+    assert cluster.context_length("i0", "adapter") == 4096
+    assert cluster.context_length("i0", "orphan") is None
+    assert cluster.context_length("i0", "bare") is None
+    assert cluster.context_length("i0", "unknown") is None

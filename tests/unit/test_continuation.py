@@ -81,6 +81,17 @@ def test_output_penalties_do_not_move() -> None:
     assert cont.not_migratable({**base, "presence_penalty": -0.5}, "completions")
     assert cont.not_migratable({**base, "frequency_penalty": 0.0}, "completions") is None
     assert cont.not_migratable({**base, "repetition_penalty": 1.3}, "completions") is None
+    # A bad word's first tokens are matched against the output alone, too.
+    assert cont.not_migratable({**base, "bad_words": ["x y"]}, "completions")
+    assert cont.not_migratable({**base, "bad_words": []}, "completions") is None
+
+
+def test_a_chat_whose_reasoning_is_hidden_does_not_move() -> None:
+    """Its thoughts are generated without being shown (vLLM then hides the
+    token ids too): a continuation would show the rest of them as text."""
+    chat = {"model": "m", "messages": [], "stream": True}
+    assert cont.not_migratable({**chat, "include_reasoning": False}, "chat") == "reasoning"
+    assert cont.not_migratable({**chat, "include_reasoning": True}, "chat") is None
 
 
 def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
@@ -147,6 +158,9 @@ def test_a_chat_with_an_image_does_not_move() -> None:
     assert cont.not_migratable({**chat, "messages": [text, with_image]}, "chat") == (
         "multimodal input"
     )
+    # vLLM reads a part without a type as media, by its key.
+    typeless = {"role": "user", "content": [{"image_url": "http://x/cat.png"}]}
+    assert cont.not_migratable({**chat, "messages": [typeless]}, "chat") == "multimodal input"
 
 
 def test_a_budget_that_is_not_a_number_keeps_the_request_in_place() -> None:

@@ -412,6 +412,22 @@ def test_a_stream_that_reasons_cannot_go_on_elsewhere(field: str) -> None:
     assert reasoning.unmovable == "reasoning"
 
 
+def test_text_whose_ids_the_engine_kept_back_pins_the_stream() -> None:
+    """vLLM hides a chat's token ids when a reasoning parser runs with
+    `include_reasoning: false`: the text the client has would then be missing
+    from G, and a continuation would repeat it. Chunks without text (the role's,
+    the finish's) need no ids."""
+    splicer = Splicer({}, "chat", wants_ids=False)
+    role = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    splicer.feed(b"data: " + json.dumps(role).encode())
+    assert splicer.unmovable is None
+    for hidden in ({"token_ids": None}, {}):
+        hiding = Splicer({}, "chat", wants_ids=False)
+        chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hi"}, **hidden}]}
+        assert json.loads(hiding.feed(b"data: " + json.dumps(chunk).encode()).data[6:])
+        assert hiding.unmovable == "text without token ids"
+
+
 def test_a_stream_over_ends_with_the_usage_no_upstream_sent() -> None:
     splicer = Splicer({"stream_options": {"include_usage": True}}, "completions", wants_ids=False)
     first = {"id": "cmpl-1", "created": 1, "model": "m"}
