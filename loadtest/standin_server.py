@@ -81,6 +81,9 @@ class StandIn:
         # tests: a chat stream's first n tokens are thoughts, as from a vLLM with a
         # reasoning parser (`delta.reasoning`, not `delta.content`)
         self.reasoning_tokens = 0
+        # tests: ... after its first n tokens, which make no text at all (a
+        # reasoning parser's `<think>`: vLLM sends an empty delta with its ids)
+        self.silent_tokens = 0
         # tests: the bodies `/metrics` and `/v1/models` answer instead of the real
         # ones (a broken engine, or something else on its port)
         self.metrics_body: bytes | None = None
@@ -112,6 +115,10 @@ class StandIn:
         self.endless_after: int | None = None
         self._live: set[asyncio.BaseTransport] = set()
         self.extra_headers: dict[str, str] = {}  # tests: on every answer (CORS, rate limits)
+        # tests: the next answer is these pieces of bytes, written raw 0.05 s
+        # apart (what no HTTP server would send: a bad chunk size, a control
+        # character in a header), then the connection closes
+        self.raw_answer: list[bytes] | None = None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth])
@@ -374,6 +381,13 @@ class StandIn:
             request.transport.abort()
         body = await self._body(request)
         self.seen_bodies.append(body)
+        if self.raw_answer is not None and request.transport is not None:
+            pieces, self.raw_answer, raw = self.raw_answer, None, request.transport
+            for piece in pieces:
+                raw.write(piece)
+                await asyncio.sleep(0.05)
+            raw.close()
+            return web.Response()  # never sent: the connection is gone
         self._refuse_if_told()
         chat = request.path.endswith("/chat/completions") or "messages" in body
         n = _tokens(body, "max_tokens")
@@ -431,8 +445,10 @@ class StandIn:
             chunk: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": self.model}
             if chat:
                 chunk["object"] = "chat.completion.chunk"
-                thought = i < self.reasoning_tokens
+                thought = i < self.silent_tokens + self.reasoning_tokens
                 choice["delta"] = {"reasoning" if thought else "content": " tok"}
+                if i < self.silent_tokens:
+                    choice["delta"] = {}
                 if i == 0:
                     chunk["prompt_token_ids"] = PROMPT_IDS if ids else None
             else:

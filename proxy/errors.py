@@ -70,7 +70,13 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(exc.status, exc.reason, headers=_keep_headers(exc))
     except web.RequestPayloadError as exc:
         why = getattr(exc.__cause__, "message", None) or str(exc)
-        return error_response(400, f"request body could not be read: {why}")
+        response = error_response(400, f"request body could not be read: {why}")
+        # The rest of the body cannot be read either: the connection ends with
+        # this answer, and aiohttp is told the body is over (else it reads on
+        # after the answer, meets the same error and logs it as unhandled).
+        response.force_close()
+        request.content.feed_eof()
+        return response
     except ConnectionResetError:
         raise  # the client is gone: nothing to answer
     except Exception as exc:

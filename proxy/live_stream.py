@@ -395,7 +395,7 @@ class LiveStream:
             log.info("stream %s cannot go on elsewhere: %s", self.request.id, splicer.unmovable)
             return "failed"
         whole = False  # the join takes all of G (see `_in_step`)
-        if splicer.sampled and order.reason != "failover":
+        if splicer.sampled and order.reason != "failover" and not splicer.starts_over():
             # A join that steps back has the destination draw those tokens again,
             # and sampled, they differ from the ones whose text the client has
             # part of: a seam in the text. It moves only in step (no text held
@@ -407,6 +407,7 @@ class LiveStream:
                 return "failed"
         self.timing.cut()
         preferred = order.destination
+        generated = len(splicer.generated)  # before the cut (a start-over forgets them)
         ids = (splicer.prompt_ids or []) + splicer.generated
         cached = self.placement.cached_for(ids, source) if splicer.prompt_ids else {}
         for _ in range(2):
@@ -434,7 +435,7 @@ class LiveStream:
                     source,
                     dest,
                     order.reason,
-                    len(splicer.generated),
+                    generated,
                 )
                 if order.reason == "failover":
                     self.resumes += 1
@@ -443,7 +444,7 @@ class LiveStream:
                         "from": source,
                         "to": dest,
                         "reason": order.reason,
-                        "after_tokens": len(splicer.generated),
+                        "after_tokens": generated,
                         "downtime_s": None,
                     }
                 )
@@ -479,11 +480,14 @@ class LiveStream:
         if self.upstreams.cluster.instances[dest].migration_mode == "full":
             kv_params[wire.TAG] = uuid.uuid4().hex
         join: Join | None = None
-        if splicer.prompt_ids is None:
-            # Nothing generated yet (queued, or broken before the first token): start
-            # the original request over; the client sees no seam.
+        if splicer.starts_over():
+            # Nothing of the answer reached the client yet (queued, broken before
+            # the first token, or its first tokens made no text): start the
+            # original request over; the client sees no seam.
             path, body = request.path, {**request.body, "return_token_ids": True}
             tokens = self.call.entry.prompt_tokens
+            if load is not None:  # KV copied for a continuation: of no use to this
+                self._release_later(dest, load)
         else:
             join = Join(len(splicer.generated), 0) if whole else await self._plan_join(dest)
             state = self.upstreams.cluster.instances.get(dest)

@@ -412,6 +412,9 @@ class Relay:
             where = upstream.headers.get("Location", "nowhere")
             message = f"instance {call.instance} answered HTTP {status}, a redirect to {where}"
             return error_response(502, message, code="upstream_error"), "upstream_error"
+        if status < 200:  # an interim status (101 Switching Protocols) is no answer
+            message = f"instance {call.instance} answered HTTP {status}, not a final status"
+            return error_response(502, message, code="upstream_error"), "upstream_error"
         outcome = "ok" if status < 400 else "upstream_429" if status == 429 else "upstream_4xx"
         if status == 200 and not passthrough:
             raw = self._account_whole(raw, call, wants_ids)

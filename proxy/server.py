@@ -51,7 +51,7 @@ from proxy.relay import Relay
 from proxy.rescheduler import Rescheduler
 from proxy.scraper import Scraper
 from proxy.shutdown import InFlight
-from proxy.upstream import Upstreams
+from proxy.upstream import Upstreams, connector
 from proxy.workers import RESTARTED_WORKER
 
 log = logging.getLogger("ferry")
@@ -132,9 +132,7 @@ def build_app(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: every client stream holds one upstream connection.
-        connector = aiohttp.TCPConnector(
-            limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S
-        )
+        pool = connector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         # The tracing signal marks when each call has its connection (the TTFT breakdown).
         # Bodies are relayed and read as they come, never decompressed (a cost per
         # chunk), so instances are asked for none: a gateway in front of one that
@@ -142,7 +140,7 @@ def build_app(
         # cookie an instance (or a gateway before it) sets is no one's to keep:
         # a session's jar would send it on with every client's calls.
         async with aiohttp.ClientSession(
-            connector=connector,
+            connector=pool,
             auto_decompress=False,
             headers={"Accept-Encoding": "identity"},
             cookie_jar=aiohttp.DummyCookieJar(),
@@ -428,6 +426,11 @@ async def _invocations(request: web.Request) -> web.StreamResponse:
 async def _passthrough(request: web.Request) -> web.StreamResponse:
     """Any other call goes to an instance serving its `model`, if it names one."""
     arrived = time.monotonic()
+    if any(segment in (".", "..") for segment in request.path.split("/")):
+        # The URL sent on would resolve them: `/v1/../sleep` (or `/v1/%2e%2e/sleep`)
+        # is the engine's `/sleep`, a route not passed through, sent with the
+        # instance's credentials.
+        return error_response(404, "a path with . or .. segments is not passed through")
     try:
         raw = await _body(request)
         boundary = None

@@ -289,9 +289,21 @@ class Splicer:
         return ids
 
     # -- moves -------------------------------------------------------------------
+    def starts_over(self) -> bool:
+        """Whether a move sends the original request again, rather than continue
+        it: the client has none of the answer yet (no text; no ids or usage
+        counts, where it asked for them), so the destination may as well make
+        all of it. A chat whose first tokens made no text (a reasoning model's
+        `<think>`, before its thoughts show it reasons) is then made as a chat
+        again, not continued as a completion that would show the thoughts."""
+        shown = self.sent or (self.generated and (self.wants_ids or self.continuous_usage))
+        return self.prompt_ids is None or (self.segment == 0 and not shown)
+
     def restart(self) -> None:
-        """The original request starts over elsewhere (nothing was generated)."""
+        """The original request starts over elsewhere (`starts_over`)."""
         self.expect_source_stop = False
+        self.generated, self.sent = [], ""
+        self.flushes.clear()
 
     def join_point(self) -> tuple[Join, bool]:
         """The join from the stream's own flushes (see `Join`), and whether it is

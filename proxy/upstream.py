@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import math
 import os
+import re
 import resource
 import socket
 import time
@@ -31,6 +33,8 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from proxy import sse
@@ -41,6 +45,37 @@ from proxy.policy import Priority
 from proxy.ttft_stages import TTFTStages
 
 log = logging.getLogger("ferry.upstream")
+
+
+def connector(**options: Any) -> aiohttp.TCPConnector:
+    """A TCPConnector whose connections fail a body's reader on a parse error.
+
+    aiohttp 3.14's C parser, meeting bytes that are no HTTP in the middle of a
+    body (a bad chunk size), puts the error on the connection alone: the read of
+    the body then waits forever, and its `sock_read` timer is dropped with it, so
+    a client's request would hang on a broken instance."""
+    made = aiohttp.TCPConnector(**options)
+    if hasattr(made, "_factory"):
+        made._factory = functools.partial(  # type: ignore[assignment]  # a subclass
+            _ResponseHandler, loop=asyncio.get_running_loop()
+        )
+    return made
+
+
+class _ResponseHandler(ResponseHandler):
+    def set_exception(self, exc: BaseException, *cause: BaseException) -> None:
+        body = self._payload
+        super().set_exception(exc, *cause)
+        # Only a parse error: aiohttp passes its others (a timeout, a lost
+        # connection) on to the body itself.
+        if (
+            isinstance(exc, HttpProcessingError)
+            and isinstance(body, aiohttp.StreamReader)
+            and not body.is_eof()
+            and not body.exception()
+        ):
+            body.set_exception(aiohttp.ClientPayloadError(f"the answer broke off: {exc!r}"))
+
 
 # What an engine that schedules by priority is sent for Ferry's priorities (vLLM:
 # lower runs first). Normal is left out: it stays the engine's default, 0, the
@@ -214,6 +249,9 @@ class Waits:
 _RELAYED = frozenset({"retry-after", "retry-after-ms"})
 _RELAYED_PREFIXES = ("x-", "ratelimit-")
 _NOT_RELAYED = frozenset({"x-request-id", "x-ferry-instance"})  # Ferry's own
+# What HTTP forbids in a field (RFC 9110 5.5): aiohttp's client reads such a
+# value, but its server refuses to write it, and the client's answer would fail.
+_FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def answer_headers(response: aiohttp.ClientResponse) -> CIMultiDict[str]:
@@ -227,7 +265,8 @@ def answer_headers(response: aiohttp.ClientResponse) -> CIMultiDict[str]:
         if name in hop or name in _NOT_RELAYED:
             continue
         if name in _RELAYED or name.startswith(_RELAYED_PREFIXES):
-            relayed.add(key, value)
+            if not _FORBIDDEN_IN_HEADERS.search(key) and not _FORBIDDEN_IN_HEADERS.search(value):
+                relayed.add(key, value)
     return relayed
 
 

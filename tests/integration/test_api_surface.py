@@ -6,6 +6,7 @@ stream, whole answers and upstream errors arrive as the instance gave them."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import time
@@ -664,3 +665,92 @@ def test_a_body_naming_no_model_gets_the_base_model_beside_aliases_and_adapters(
     for _ in range(2):
         answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/../metrics", "/v1/%2e%2e/metrics", "/v1/..%2Fmetrics", "/v1/./../metrics"]
+)
+def test_a_path_that_climbs_out_of_v1_is_not_passed_through(
+    standins: Any, ferry: Any, path: str
+) -> None:
+    """The URL sent on would resolve its dot segments: `/v1/../sleep` is the
+    engine's `/sleep`, a route Ferry does not pass through, sent with the
+    instance's credentials."""
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url])
+    host, port = proxy.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    connection.request("GET", path)  # as written: http.client resolves nothing
+    answer = connection.getresponse()
+    assert answer.status == 404
+    assert json.loads(answer.read())["error"]["type"] == "not_found_error"
+    connection.close()
+
+
+CHUNK = (
+    b'data: {"id":"c","object":"text_completion","created":1,"model":"standin",'
+    b'"choices":[{"index":0,"text":" tok","token_ids":[7],"prompt_token_ids":[1,2,3]}]}\n\n'
+)
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bytes_that_are_no_http_mid_answer_end_the_call(
+    standins: Any, ferry: Any, migration: str, stream: bool
+) -> None:
+    """aiohttp's parser, meeting a bad chunk size mid-body, failed the connection
+    and not the body's reader: the client's request hung, held in the ledger."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    standin.raw_answer = [head + b"%x\r\n%b\r\n" % (len(CHUNK), CHUNK), b"zz\r\nhello\r\n"]
+    proxy = ferry([site.url], instances_migration=migration)
+    body = {"model": "standin", "prompt": "x", "max_tokens": 3, "stream": stream}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+    if stream:  # the first event went on; then the stream ends with an error event
+        assert answer.status_code == 200 and answer.text.count('"error"') == 1, answer.text
+    else:
+        assert_openai_error(answer, 502, "upstream_error")
+    if not stream or migration == "off":  # (lite: "could not resume", with no one to go to)
+        assert "chunk size" in answer.text
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [200, 429])
+def test_a_header_http_forbids_is_not_relayed(
+    standins: Any, ferry: Any, stream: bool, status: int
+) -> None:
+    """aiohttp's client reads a control character in a header value; its server
+    refuses to write one, which cut the client's connection (a whole answer) or
+    framed a 500 inside a chunked answer (a stream)."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    body = CHUNK + b"data: [DONE]\n\n" if stream and status == 200 else b'{"error": {}}'
+    kind = b"text/event-stream" if stream and status == 200 else b"application/json"
+    standin.raw_answer = [
+        b"HTTP/1.1 %d X\r\nContent-Type: %b\r\nContent-Length: %d\r\n" % (status, kind, len(body))
+        + b"x-engine-note: a\x01b\r\nRetry-After: 1\x7f\r\nx-fine: yes\r\n\r\n"
+        + body
+    ]
+    proxy = ferry([site.url], scheduler={"retries": 0})
+    answer = httpx.post(
+        proxy.url + "/v1/completions",
+        json={"model": "standin", "prompt": "x", "max_tokens": 1, "stream": stream},
+        timeout=10,
+    )
+    assert answer.status_code == status, answer.text
+    assert answer.headers["x-fine"] == "yes"
+    assert "x-engine-note" not in answer.headers and "retry-after" not in answer.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_interim_status_is_no_answer(standins: Any, ferry: Any, stream: bool) -> None:
+    """A 101 from an instance went on to the client, which then waited forever."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.raw_answer = [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n"]
+    proxy = ferry([site.url], scheduler={"retries": 0})
+    body = {"model": "standin", "prompt": "x", "max_tokens": 1, "stream": stream}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+    assert_openai_error(answer, 502, "upstream_error")
+    assert "not a final status" in answer.json()["error"]["message"]

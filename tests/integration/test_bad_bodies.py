@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
+import time
 from typing import Any
 
 import httpx
@@ -232,3 +234,27 @@ def test_each_kind_of_bad_body_is_a_4xx_in_the_openai_shape(
     error = answer.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_a_body_that_does_not_decompress_ends_its_connection_quietly(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 400 is the answer; aiohttp then read on in the body, met the same error
+    and logged a traceback at ERROR for each such request (a log any client could
+    flood). The connection ends with the answer, its body unread."""
+    [(_, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url])
+    caplog.set_level(logging.ERROR)
+    with httpx.Client() as client:
+        for _ in range(2):
+            answer = client.post(
+                proxy.url + "/v1/completions",
+                content=b"not gzip" * 1000,
+                headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+            )
+            assert answer.status_code == 400 and answer.headers["connection"] == "close"
+            assert "could not be read" in answer.json()["error"]["message"]
+        ok = client.post(proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"})
+        assert ok.status_code == 200
+    time.sleep(0.2)  # (aiohttp's lingering read came after the answer)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -1034,6 +1034,28 @@ def test_a_stream_whose_move_is_submitted_is_not_planned_again(standins: Any, fe
     assert rest == " tok" * 94
 
 
+def test_a_chat_that_showed_nothing_yet_starts_over_as_a_chat(standins: Any, ferry: Any) -> None:
+    """A reasoning model's first token, `<think>`, makes no text: the stream does
+    not yet show that it reasons. Broken there, it goes on as the chat it was,
+    sent again, not as a completion that would give its thoughts as content."""
+    (broken, a), (healthy, b) = standins(2, itl_s=0.001)
+    for standin in (broken, healthy):
+        standin.silent_tokens, standin.reasoning_tokens = 1, 4
+    broken.break_after = 1
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    chunks = list(
+        api(proxy.url).chat.completions.create(
+            model="standin", messages=[{"role": "user", "content": "x"}], max_tokens=10, stream=True
+        )
+    )
+    assert healthy.seen_bodies[-1]["messages"] == [{"role": "user", "content": "x"}]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thoughts = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    assert thoughts == " tok" * 4
+    assert "".join(d.content or "" for d in deltas) == " tok" * 5
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+
+
 def test_a_reasoning_stream_stays_and_says_why_it_cannot_resume(standins: Any, ferry: Any) -> None:
     """A continuation would give a reasoning model's remaining thoughts as its
     answer: a stream that reasons is not moved, and one that breaks ends with an

@@ -337,6 +337,39 @@ def test_a_start_over_does_not_repeat_the_role_chunk() -> None:
     assert splicer.feed(role).data == b""
 
 
+def test_a_stream_that_showed_nothing_yet_starts_over() -> None:
+    """A reasoning model's `<think>` comes as a chunk with ids and no text, the
+    turn before its thoughts show that it reasons: continued as a completion,
+    the rest of its thoughts would be answer text. Until the client has some of
+    the answer, a move sends the original request again, and counts afresh."""
+
+    def chunk(content: str, ids: list[int]) -> bytes:
+        choice = {"index": 0, "delta": {"content": content}, "token_ids": ids}
+        return (
+            b"data: "
+            + json.dumps({"id": "c", "prompt_token_ids": [1], "choices": [choice]}).encode()
+        )
+
+    splicer = Splicer({}, "chat", wants_ids=False)
+    assert splicer.starts_over()  # nothing yet
+    splicer.feed(chunk("", [151667]))  # <think>
+    assert splicer.starts_over() and splicer.generated == [151667]
+    splicer.restart()
+    assert splicer.generated == [] and splicer.feed(chunk("", [151667])).tokens == 1
+    assert splicer.feed(chunk("Hi", [5])).tokens == 1
+    assert not splicer.starts_over() and splicer.generated == [151667, 5]
+    asked = Splicer({}, "chat", wants_ids=True)  # the client has the ids already
+    asked.feed(chunk("", [151667]))
+    assert not asked.starts_over()
+    counted = Splicer(
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        "chat",
+        wants_ids=False,
+    )
+    counted.feed(chunk("", [151667]))  # and a usage count with it
+    assert not counted.starts_over()
+
+
 def test_a_full_mode_stop_is_not_relayed() -> None:
     splicer = Splicer({}, "completions", wants_ids=False)
     splicer.expect_source_stop = True
