@@ -489,6 +489,7 @@ class LiveStream:
             if load is not None:  # KV copied for a continuation: of no use to this
                 self._release_later(dest, load)
         else:
+            assert splicer.prompt_ids is not None  # (else it starts over)
             join = Join(len(splicer.generated), 0) if whole else await self._plan_join(dest)
             state = self.upstreams.cluster.instances.get(dest)
             if state is None or state.leaving:
