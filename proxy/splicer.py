@@ -167,6 +167,9 @@ class Splicer:
         # completion, has others, and the client's usage keeps the source's shape.
         self._usage_extras: dict[bool, dict[str, Any]] = {}
         self._role_sent = False
+        # The original request was sent again after the client had the start of
+        # its stream (`restart`): the chunks that follow take the client's id.
+        self._started_over = False
         self._regenerated: list[int] = []  # ids the destination repeats before new ones
         self._skip = 0  # characters of the destination's text the client has already
 
@@ -238,9 +241,23 @@ class Splicer:
             if isinstance(delta, dict) and any(delta.get(k) for k in _REASONING):
                 self.unmovable = "reasoning"
         self._credit(new, texts)
+        if self._started_over:  # the destination's own id: the client's instead
+            return Fed(sse.event(self._as_origin(chunk)), len(new), reported)
         # The engine's own bytes: no re-serialization on the hot path.
         data = raw if self.wants_ids else token_ids.hide(raw)
         return Fed(data + b"\n\n", len(new), reported)
+
+    def _as_origin(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """A chunk of the request sent again (`restart`), as the client's stream
+        has it: its id, created and model, and token ids only if it asked."""
+        assert self.origin is not None
+        chunk.update(id=self.origin.id, created=self.origin.created, model=self.origin.model)
+        if not self.wants_ids:
+            for holder in [chunk, *(c for c in chunk.get("choices") or () if isinstance(c, dict))]:
+                for key in ("token_ids", "prompt_token_ids"):
+                    if key in holder:
+                        holder[key] = None
+        return chunk
 
     def _continued(self, chunk: dict[str, Any], choices: list[dict[str, Any]]) -> Fed:
         assert self.origin is not None
@@ -304,6 +321,7 @@ class Splicer:
         self.expect_source_stop = False
         self.generated, self.sent = [], ""
         self.flushes.clear()
+        self._started_over = self.origin is not None
 
     def join_point(self) -> tuple[Join, bool]:
         """The join from the stream's own flushes (see `Join`), and whether it is

@@ -1042,6 +1042,7 @@ def test_a_chat_that_showed_nothing_yet_starts_over_as_a_chat(standins: Any, fer
     for standin in (broken, healthy):
         standin.silent_tokens, standin.reasoning_tokens = 1, 4
     broken.break_after = 1
+    healthy.served = 5  # (its chunks' ids differ from the source's)
     proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
     chunks = list(
         api(proxy.url).chat.completions.create(
@@ -1049,6 +1050,7 @@ def test_a_chat_that_showed_nothing_yet_starts_over_as_a_chat(standins: Any, fer
         )
     )
     assert healthy.seen_bodies[-1]["messages"] == [{"role": "user", "content": "x"}]
+    assert len({c.id for c in chunks}) == 1  # one stream, one id
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     thoughts = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
     assert thoughts == " tok" * 4

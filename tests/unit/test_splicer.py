@@ -356,7 +356,13 @@ def test_a_stream_that_showed_nothing_yet_starts_over() -> None:
     assert splicer.starts_over() and splicer.generated == [151667]
     splicer.restart()
     assert splicer.generated == [] and splicer.feed(chunk("", [151667])).tokens == 1
-    assert splicer.feed(chunk("Hi", [5])).tokens == 1
+    again = json.loads(chunk("Hi", [5])[6:])
+    again.update(id="d", created=9)  # the destination's
+    fed = splicer.feed(b"data: " + json.dumps(again).encode())
+    assert fed.tokens == 1
+    out = json.loads(fed.data[6:])  # one stream, one id; ids only where asked for
+    assert (out["id"], out["created"], out["prompt_token_ids"]) == ("c", 0, None)
+    assert out["choices"][0]["token_ids"] is None and out["choices"][0]["delta"]["content"] == "Hi"
     assert not splicer.starts_over() and splicer.generated == [151667, 5]
     asked = Splicer({}, "chat", wants_ids=True)  # the client has the ids already
     asked.feed(chunk("", [151667]))
