@@ -12,7 +12,7 @@ import math
 import os
 import re
 import reprlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, cast
@@ -100,6 +100,9 @@ class DiscoveryConfig:
 
 DISCOVERY_KEYS = ("dns", "port", "scheme", "refresh_s", "name")
 DISCOVERY_INSTANCE_KEYS = ("engine", "migration", "labels", "api_key", "headers", "engine_priority")
+# What `instance_defaults:` may set: what a discovery entry may (not a name,
+# a URL or the KV event addresses, which are one server's own).
+INSTANCE_DEFAULT_KEYS = DISCOVERY_INSTANCE_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +269,9 @@ class FerryConfig:
     # Sharing one cluster view between processes and replicas; None: one process alone.
     redis_url: str | None = None
     sharing: SharingConfig = field(default_factory=SharingConfig)
+    # What an instance that does not say takes (`instance_defaults:`): one in the
+    # YAML, one added at runtime (`POST /admin/instances`), one discovered.
+    instance_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryConfig:
@@ -324,10 +330,12 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
         "discovery",
         "redis_url",
         "sharing",
+        "instance_defaults",
     }
     _reject_unknown(top, known, "")
-    discovery = _discovery(top.get("discovery", []), env)
-    instances = _instances(top.get("instances"), env, allow_none=bool(discovery))
+    defaults = _instance_defaults(top.get("instance_defaults", {}), env)
+    discovery = _discovery(top.get("discovery", []), env, defaults)
+    instances = _instances(top.get("instances"), env, defaults, allow_none=bool(discovery))
     scheduler = _section(SchedulerConfig, _retired(top.get("scheduler", {})), "scheduler")
     server = _section(ServerConfig, top.get("server", {}), "server")
     sharing = _section(SharingConfig, top.get("sharing", {}), "sharing")
@@ -352,6 +360,7 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
         discovery=discovery,
         redis_url=redis_url or None,
         sharing=sharing,
+        instance_defaults=defaults,
     )
     check_workers(config)
     return config
@@ -429,15 +438,26 @@ def config_from_backends(
     Lite migration by default: a stream whose instance fails or drains goes on
     elsewhere, where with it off the stream would end in an error."""
     raw = {
-        "instances": [{"name": _name_from_url(u), "url": u, "migration": migration} for u in urls],
+        # A default, so an instance added at runtime (`ferry add`) moves like the others.
+        "instance_defaults": {"migration": migration},
+        "instances": [{"name": _name_from_url(u), "url": u} for u in urls],
         "scheduler": {"policy": policy},
         "server": {"host": host, "port": port},
     }
     return parse_config(raw)
 
 
+def _instance_defaults(raw: Any, env: dict[str, str]) -> dict[str, Any]:
+    """`instance_defaults:`, checked as one instance's keys would be."""
+    defaults = dict(_mapping(raw, "instance_defaults"))
+    _reject_unknown(defaults, set(INSTANCE_DEFAULT_KEYS), "instance_defaults")
+    parse_instance({"name": "defaults", "url": "http://defaults", **defaults},
+                   "instance_defaults", env)  # fmt: skip
+    return defaults
+
+
 def _instances(
-    raw: Any, env: dict[str, str], allow_none: bool = False
+    raw: Any, env: dict[str, str], defaults: dict[str, Any], allow_none: bool = False
 ) -> tuple[InstanceConfig, ...]:
     """`allow_none`: discovery finds the instances, so the list may be empty or absent."""
     if allow_none and raw is None:
@@ -450,7 +470,7 @@ def _instances(
     result: list[InstanceConfig] = []
     names: set[str] = set()
     for i, item in enumerate(raw):
-        inst = parse_instance(item, f"instances[{i}]", env)
+        inst = parse_instance(item, f"instances[{i}]", env, defaults)
         if inst.name in names:
             raise ConfigError(f"instances[{i}].name: duplicate instance name {inst.name!r}")
         twin = next((other for other in result if other.same_server(inst)), None)
@@ -461,10 +481,16 @@ def _instances(
     return tuple(result)
 
 
-def parse_instance(raw: Any, where: str, env: dict[str, str] | None = None) -> InstanceConfig:
-    """One instance, as in the YAML list (also the body of `POST /admin/instances`)."""
+def parse_instance(
+    raw: Any,
+    where: str,
+    env: dict[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> InstanceConfig:
+    """One instance, as in the YAML list (also the body of `POST /admin/instances`);
+    a key it does not set is taken from `defaults` (`instance_defaults:`)."""
     env = dict(os.environ) if env is None else env
-    entry = dict(_mapping(raw, where))
+    entry = {**(defaults or {}), **_mapping(raw, where)}
     # YAML 1.1 reads a bare `off` as false.
     if entry.get("migration") is False:
         entry["migration"] = "off"
@@ -613,7 +639,9 @@ def _zmq_endpoint(endpoint: str) -> bool:
     return match is not None and 1 <= int(match.group(2)) <= 65535
 
 
-def _discovery(raw: Any, env: dict[str, str]) -> tuple[DiscoveryConfig, ...]:
+def _discovery(
+    raw: Any, env: dict[str, str], defaults: dict[str, Any]
+) -> tuple[DiscoveryConfig, ...]:
     if not isinstance(raw, list):
         raise ConfigError("discovery: must be a list of {dns, port, refresh_s, ...}")
     result: list[DiscoveryConfig] = []
@@ -625,7 +653,7 @@ def _discovery(raw: Any, env: dict[str, str]) -> tuple[DiscoveryConfig, ...]:
         source = _section(DiscoveryConfig, own, where, required=("dns", "port"))
         _check_discovery(source, where)
         name = source.name or source.dns.split(".")[0]
-        template = {k: v for k, v in entry.items() if k in DISCOVERY_INSTANCE_KEYS}
+        template = {**defaults, **{k: v for k, v in entry.items() if k in DISCOVERY_INSTANCE_KEYS}}
         # Checked as one instance would be, under this entry's YAML path.
         url = f"{source.scheme}://{source.dns}:{source.port}"
         inst = parse_instance({"name": name, "url": url, **template}, where, env)

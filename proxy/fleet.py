@@ -172,7 +172,8 @@ class Fleet:
 
     def add_raw(self, raw: Any) -> InstanceConfig:
         """`POST /admin/instances`: a JSON object like one YAML instance."""
-        instance = _parse(lambda: parse_instance(raw, "instance"))
+        defaults = self.config.instance_defaults
+        instance = _parse(lambda: parse_instance(raw, "instance", defaults=defaults))
         self.add(instance)
         return instance
 

@@ -72,7 +72,7 @@ def join(threads: list[threading.Thread]) -> None:
 
 def test_add_patch_and_remove_with_streams_in_flight(standins: Any, ferry: Any) -> None:
     (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
-    proxy: Ferry = ferry([site_a.url], admin_token=TOKEN)
+    proxy: Ferry = ferry([site_a.url], admin_token=TOKEN, instance_defaults={"migration": "lite"})
     threads, texts = streams(proxy.url, 3, 60)  # 1.2 s streams, all on i0
     wait_until(lambda: a.running == 3)
 
@@ -94,6 +94,9 @@ def test_add_patch_and_remove_with_streams_in_flight(standins: Any, ferry: Any) 
     assert code == 400 and err["error"]["type"] == "invalid_request_error"
     code, err = send(proxy.url + "/admin/instances", "POST", {"name": "c", "url": "http://[::1"})
     assert code == 400 and err["error"]["message"].startswith("instance.url:")
+
+    # What an added instance does not say, the configuration's defaults do.
+    assert rows(proxy.url)["b"]["migration"] == "lite"
 
     # A new request goes to the idle new instance.
     more, more_texts = streams(proxy.url, 1, 5)

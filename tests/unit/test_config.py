@@ -360,6 +360,35 @@ def test_quick_start_names_backends_by_host_port() -> None:
     assert config.scheduler.policy == "least_kv"
 
 
+def test_instance_defaults_fill_what_an_instance_does_not_say() -> None:
+    """In the YAML list, in a discovery entry, and in the quick start (whose
+    instances then say nothing of migration, so one added later moves too)."""
+    raw = base(
+        instance_defaults={"migration": "lite", "labels": {"zone": "a"}},
+        instances=[
+            {"name": "a", "url": "http://h:1"},
+            {"name": "b", "url": "http://h:2", "migration": False, "labels": {}},
+        ],
+        discovery=[{"dns": "vllm.svc", "port": 8000, "engine_priority": True}],
+    )
+    config = parse_config(raw, env={})
+    a, b = config.instances
+    assert (a.migration, a.labels) == ("lite", {"zone": "a"})
+    assert (b.migration, b.labels) == ("off", {})  # its own replace the defaults
+    template = config.discovery[0].template
+    assert template is not None and template.migration == "lite" and template.engine_priority
+    quick = config_from_backends(["http://h:1"])
+    assert quick.instance_defaults == {"migration": "lite"}
+    assert quick.instances[0].migration == "lite"
+    for defaults, message in (
+        ({"url": "http://x"}, "instance_defaults.url: unknown key"),
+        ({"migration": "on"}, "instance_defaults.migration: must be one of"),
+        ([1], "instance_defaults: must be a mapping"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(base(instance_defaults=defaults), env={})
+
+
 def test_the_example_config_loads() -> None:
     config = load_config(Path(__file__).parent.parent.parent / "configs" / "example.yaml")
     assert config.instances[0].auth_headers() == {"X-Team": "serving"}
