@@ -95,6 +95,7 @@ def instances_json(
                 "ejected_for_s": round(cluster.ejected_for(view.name), 3) or None,
                 "call_failures": state.ejection.failures,
                 "last_error": state.last_error,
+                "models_error": state.models_error,
             }
         )
     return rows

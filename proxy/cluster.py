@@ -44,6 +44,9 @@ class InstanceState:
     down_logged: bool = False  # this outage is in the log
     models: frozenset[str] = frozenset()
     model_cards: tuple[dict[str, Any], ...] = ()
+    # Why its last `GET /v1/models` failed (None: it answered). Its load may
+    # still be read, and it takes no request for a model it has not listed.
+    models_error: str | None = None
     # Load the engine reports beyond Ferry's ledger (traffic bypassing the proxy),
     # measured at the last scrape and carried until the next one.
     external_blocks: float = 0.0

@@ -490,7 +490,16 @@ def parse_instance(
     """One instance, as in the YAML list (also the body of `POST /admin/instances`);
     a key it does not set is taken from `defaults` (`instance_defaults:`)."""
     env = dict(os.environ) if env is None else env
-    entry = {**(defaults or {}), **_mapping(raw, where)}
+    own = _mapping(raw, where)
+    entry = {**(defaults or {}), **own}
+    # A default is for the engines that can take it: an `openai` instance in a
+    # fleet whose default is lite migration stays off, as it must.
+    engine = entry.get("engine", "vllm")  # (InstanceConfig's default)
+    adapter = ADAPTERS.get(engine) if isinstance(engine, str) else None
+    if adapter is not None and "migration" not in own and not adapter.returns_token_ids:
+        entry.pop("migration", None)
+    if adapter is not None and "engine_priority" not in own and adapter.priority_field is None:
+        entry.pop("engine_priority", None)
     # YAML 1.1 reads a bare `off` as false.
     if entry.get("migration") is False:
         entry["migration"] = "off"

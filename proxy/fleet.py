@@ -40,6 +40,10 @@ FLEET_OPS: dict[str, tuple[str, ...]] = {
     "remove": ("name", "migrate"),
     "drain": ("name", "migrate"),
     "undrain": ("name",),
+    # A reload decided the instance: what the file says of it (`listed`) is its
+    # story from then on, but for a drain (see `compact`). Nothing to apply: each
+    # process reads its own file.
+    "file": ("name", "listed"),
 }
 
 
@@ -56,12 +60,16 @@ def op_instance(op: Any) -> str | None:
 def compact(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
     """An instance's fleet ops, shortest form, once `entry` ({"origin", "op", "at"}) is
     added: what a process that starts later applies instead of the whole log.
-    An add or a remove starts the instance's story over; drain and undrain keep
-    only the last; patches merge into one (later changes win). Applying the
+    An add, a remove or a reload (`file`) starts the instance's story over (a
+    reload keeps a drain); drain and undrain keep only the last; patches merge
+    into one (later changes win). Applying the
     result leaves the instance as applying every op in order would."""
     kind = entry["op"]["op"]
     if kind in ("add", "remove"):
         return [entry]
+    if kind == "file":  # a reload keeps drains, and forgets everything else
+        drains = [e for e in history if e["op"]["op"] in ("drain", "undrain")]
+        return [*drains, entry] if entry["op"].get("listed") else [entry]
     if kind in ("drain", "undrain"):
         return [e for e in history if e["op"]["op"] not in ("drain", "undrain")] + [entry]
     if kind != "patch" or not isinstance(entry["op"].get("changes"), dict):
@@ -150,7 +158,7 @@ class Fleet:
             self.remove(op["name"], migrate=bool(op["migrate"]))
         elif kind == "drain":
             self.drain(op["name"], migrate=bool(op["migrate"]))
-        else:
+        elif kind == "undrain":
             self.undrain(op["name"])
 
     @property
@@ -220,8 +228,21 @@ class Fleet:
         return self.migrator.drain(name) if migrate else 0
 
     def undrain(self, name: str) -> None:
-        """Take traffic again; a removal not yet done is called off."""
-        self._get(name).leaving = False
+        """Take traffic again; a removal not yet done is called off, unless its
+        server was added again meanwhile under another name (it would be billed
+        twice)."""
+        state = self._get(name)
+        if state.leaving:
+            for other, them in self.cluster.instances.items():
+                if other != name and not them.leaving and them.config.same_server(state.config):
+                    raise FleetError(
+                        409, f"instance {other!r} is that server now", "instance_exists"
+                    )
+        self._take_back(name)
+
+    def _take_back(self, name: str) -> None:
+        state = self._get(name)
+        state.leaving = False
         task = self._removals.pop(name, None)
         if task is not None:
             task.cancel()
@@ -273,7 +294,8 @@ class Fleet:
             if name not in current:
                 continue
             if name in self._removals:  # back in the file before it was gone
-                self.undrain(name)
+                # (A twin of its server the file does not list is removed below.)
+                self._take_back(name)
             if instance != current[name]:
                 self.cluster.reconfigure(instance)
                 changed.append(name)
@@ -286,6 +308,11 @@ class Fleet:
             self.remove(name, migrate=True)
         self.config = new
         self._changed()
+        # With a shared view, the changes made at runtime to the instances the
+        # file decides are history: a process that starts later, reading the
+        # same file, must not make them again (proxy/sharing.py).
+        for name in sorted(set(current) | set(wanted)):
+            self.announce({"op": "file", "name": name, "listed": name in wanted})
         restart = [
             f"server.{f.name}"
             for f in dataclasses.fields(new.server)

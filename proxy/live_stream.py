@@ -150,10 +150,13 @@ class LiveStream:
         load: dict[str, Any] | None = None,
         *,
         source_stopped: bool = False,
+        source: str | None = None,
     ) -> asyncio.Future[bool]:
-        """Ask the stream to go on elsewhere; the future says whether it did."""
+        """Ask the stream to go on elsewhere; the future says whether it did.
+        `source`: the instance the move was planned off; a stream no longer
+        there (it failed over meanwhile) stays where it is."""
         order = MoveOrder(destination, reason, load, source_stopped)
-        if not self.accepts_orders:
+        if not self.accepts_orders or source not in (None, self.instance):
             if load is not None:  # copied for nothing: the stream ended or moves already
                 self._release_later(load["dest"], load)
             order.done.set_result(False)
@@ -207,7 +210,7 @@ class LiveStream:
                     assert order is not None
                     moved = await self._cut_over(order, response)
                     self._order = None
-                    order.done.set_result(moved == "moved")
+                    _settle(order, moved == "moved")
                     if moved == "done":
                         return response, "ok"
                     if moved == "moved" or not (self._source_stopped or order.source_stopped):
@@ -215,12 +218,14 @@ class LiveStream:
                     # The source's shim stopped it already: resume like a broken stream.
                 elif order is not None:
                     self._order = None
-                    order.done.set_result(False)  # broken first: failover takes it over
+                    _settle(order, False)  # broken first: failover takes it over
                 if self.resumes >= self.max_resumes:
                     await self._fail(response, "too many resumes")
                     return response, "stream_broken"
                 preferred = order.destination if order is not None else None
-                self.copy_moot.set()
+                # A copy under way is of no use now; one started later is a new copy.
+                moot, self.copy_moot = self.copy_moot, asyncio.Event()
+                moot.set()
                 source, broke = self.instance, self._broke
                 self._order = failover = MoveOrder(preferred, "failover")
                 moved = await self._cut_over(failover, response)
@@ -238,8 +243,8 @@ class LiveStream:
             return response, "client_disconnect"
         finally:
             self._over = True
-            if self._order is not None and not self._order.done.done():
-                self._order.done.set_result(False)
+            if self._order is not None:
+                _settle(self._order, False)
             self.call.close()
 
     async def _relay(self, response: web.StreamResponse) -> str:
@@ -408,10 +413,11 @@ class LiveStream:
         self.timing.cut()
         preferred = order.destination
         generated = len(splicer.generated)  # before the cut (a start-over forgets them)
-        ids = (splicer.prompt_ids or []) + splicer.generated
+        over = splicer.starts_over()  # then the destination is sent P alone
+        ids = (splicer.prompt_ids or []) + ([] if over else splicer.generated)
         cached = self.placement.cached_for(ids, source) if splicer.prompt_ids else {}
         for _ in range(2):
-            tokens = splicer.continuation_tokens() or self.call.entry.prompt_tokens
+            tokens = len(ids) or self.call.entry.prompt_tokens
             dest = self.placement.destination(
                 self.request.model,
                 tokens,
@@ -475,6 +481,22 @@ class LiveStream:
         """Send the stream on to `dest`; `cached_tokens` of it are probably in its
         prefix cache (the index's guess, billed as shared, not as prefill ahead);
         `whole`: from all the tokens generated, regenerating none."""
+        how = ""
+        try:
+            how = await self._hand_over(dest, load, cached_tokens, whole)
+            return bool(how)
+        finally:
+            # KV staged for a continuation that did not take it (it failed, the
+            # client left, or the stream started over) is freed now, not when
+            # its lease runs out; in the background: `dest` may be the hung one.
+            if load is not None and how != "continued":
+                self._release_later(dest, load)
+
+    async def _hand_over(
+        self, dest: str, load: dict[str, Any] | None, cached_tokens: int, whole: bool
+    ) -> str:
+        """`_start`'s work: "continued", "started over", or "" where `dest` did not
+        take the stream."""
         splicer, request = self.splicer, self.request
         kv_params: dict[str, Any] = {}
         if self.upstreams.cluster.instances[dest].migration_mode == "full":
@@ -486,8 +508,6 @@ class LiveStream:
             # original request over; the client sees no seam.
             path, body = request.path, {**request.body, "return_token_ids": True}
             tokens = self.call.entry.prompt_tokens
-            if load is not None:  # KV copied for a continuation: of no use to this
-                self._release_later(dest, load)
         else:
             assert splicer.prompt_ids is not None  # (else it starts over)
             join = Join(len(splicer.generated), 0) if whole else await self._plan_join(dest)
@@ -496,9 +516,7 @@ class LiveStream:
                 # Removed while it was asked where to join; nothing billed it, so
                 # its removal did not wait for this stream.
                 log.info("continuation on %s not started: the instance is being removed", dest)
-                if load is not None:
-                    self._release_later(dest, load)
-                return False
+                return ""
             path = "/v1/completions"
             generated = splicer.generated[: join.keep]
             body = continuation.continuation_body(
@@ -538,8 +556,7 @@ class LiveStream:
             log.warning("continuation on %s failed: %s", dest, _why(exc))
             if not isinstance(exc, OutOfFiles):  # Ferry's own shortage, not dest's fault
                 self.blame(dest, f"continuation failed: {_why(exc)}")
-            await self._release_kv(dest, kv_params)
-            return False
+            return ""
         if upstream.status != 200:
             try:
                 detail = (await read_whole(upstream, 65536))[:300]
@@ -550,17 +567,16 @@ class LiveStream:
             log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
             if upstream.status >= 500:
                 self.blame(dest, f"continuation refused: HTTP {upstream.status}")
-            await self._release_kv(dest, kv_params)
-            return False
+            return ""
         self.call.close()  # vLLM aborts the request on the source
         self.call = call
         self._events.clear()
         self.tag = kv_params.get(wire.TAG)
         if join is None:
             splicer.restart()
-            return True
+            return "started over"
         splicer.join(join)
-        return True
+        return "continued"
 
     def _limit(self) -> int | None:
         """Tokens the request may generate in all (continuation.budget)."""
@@ -617,6 +633,13 @@ class LiveStream:
     async def _fail(self, response: web.StreamResponse, why: str) -> None:
         message = f"stream from {self.instance} broke and could not resume: {why}"
         await sse.finish(response, sse.error_event(502, message))
+
+
+def _settle(order: MoveOrder, moved: bool) -> None:
+    """Say how the order went, unless no one waits any more (the move's task was
+    cancelled: Ferry shutting down)."""
+    if not order.done.done():
+        order.done.set_result(moved)
 
 
 # Releases of staged KV under way (a task needs a reference until it is done).

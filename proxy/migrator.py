@@ -21,6 +21,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+from collections.abc import Container
 
 from proxy.cluster import Cluster
 from proxy.faults import Faults
@@ -46,6 +47,9 @@ DRAIN_RETRY_S = 0.1
 # Which waiting moves take a free slot first (lower first): rebalancing is
 # opportunistic, and a stream it waits behind may end before its turn.
 MOVE_RANKS = {"drain": 0, "priority": 0, "rebalance": 1}
+# Moves of streams stopped already (see the module docstring): every moment in
+# a queue would be a stall.
+_UNQUEUED = frozenset({"rescue", "failover"})
 
 # On an instance that answers nothing (a frozen process), a stream this quiet is
 # hung with it: it fails over now, not after `upstream_idle_timeout_s`. Decode
@@ -139,8 +143,9 @@ class Migrator:
     def streams_on(self, instance: str) -> list[LiveStream]:
         return [s for s in self.streams.values() if s.instance == instance]
 
-    def candidates(self, instance: str) -> list[RequestLoad]:
-        """The movable streams on `instance`, as the policy core sees requests."""
+    def candidates(self, instance: str, skip: Container[int] = ()) -> list[RequestLoad]:
+        """The movable streams on `instance` (but those in `skip`), as the policy
+        core sees requests."""
         return [
             RequestLoad(
                 s.request.id,
@@ -154,7 +159,7 @@ class Migrator:
                 model=s.request.model,
             )
             for s in self.streams_on(instance)
-            if s.movable
+            if s.movable and s.request.id not in skip
         ]
 
     def _cached(self, stream: LiveStream) -> dict[str, int]:
@@ -178,11 +183,14 @@ class Migrator:
         background. `prewarm=False`: the source has stopped it already (preempted),
         so warming the destination first would only add to its stall."""
         stream.claimed = True
-        task = asyncio.create_task(self._bounded(stream, destination, reason, prewarm))
+        # The move is of the stream where it is now: one that goes on elsewhere by
+        # itself meanwhile (it broke, and failed over) is not moved again by it.
+        source = stream.instance
+        task = asyncio.create_task(self._bounded(stream, destination, reason, prewarm, source))
         task.add_done_callback(lambda _: setattr(stream, "claimed", False))
         self._moves.add(task)
         task.add_done_callback(self._moves.discard)
-        if reason != "rescue":  # see _bounded
+        if reason not in _UNQUEUED:  # see _bounded
             self._slotted.add(task)
             task.add_done_callback(self._slotted.discard)
         return task
@@ -222,7 +230,7 @@ class Migrator:
         if self._drain_moves:
             return
         requests = {
-            n: [r for r in self.candidates(n) if r.id not in self._drain_refused]
+            n: self.candidates(n, skip=self._drain_refused)
             for n in self.evacuating
             if n in self.cluster.instances
         }
@@ -289,24 +297,32 @@ class Migrator:
         await asyncio.gather(*self._moves, return_exceptions=True)
 
     async def _bounded(
-        self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool
+        self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool, source: str
     ) -> bool:
-        if reason == "rescue":  # stopped already: no queue (see the module docstring)
-            return await self.move(stream, destination, reason, prewarm)
+        if reason in _UNQUEUED:  # stopped already: no queue (see the module docstring)
+            return await self.move(stream, destination, reason, prewarm, source)
         slots = self._slots  # a retune replaces it; this move releases the one it took
         await slots.acquire(MOVE_RANKS.get(reason, 1))
         try:
-            return await self.move(stream, destination, reason, prewarm)
+            return await self.move(stream, destination, reason, prewarm, source)
         finally:
             slots.release()
 
     async def move(
-        self, stream: LiveStream, destination: str | None, reason: str, prewarm: bool = True
+        self,
+        stream: LiveStream,
+        destination: str | None,
+        reason: str,
+        prewarm: bool = True,
+        source: str | None = None,
     ) -> bool:
-        """Move one live stream now; False when it stays where it is."""
+        """Move one live stream now, off `source` (where it is, by default);
+        False when it stays where it is, or is no longer there."""
+        source = stream.instance if source is None else source
         if not stream.accepts_orders or stream.splicer.unmovable is not None:
             return False
-        source = stream.instance
+        if stream.instance != source:
+            return False
         # Where it broke before is no place to send it by choice (LiveStream.failed_on).
         avoid = {source} | stream.failed_on if reason != "failover" else {source}
         if destination is not None and (
@@ -321,12 +337,13 @@ class Migrator:
                 avoid,
             )
         if destination is None:
-            return await stream.order_move(None, reason)
-        if stream.tag and stream.splicer.prompt_ids and self.kv.applies(source, destination):
+            return await stream.order_move(None, reason, source=source)
+        # A stream that starts over (nothing of it shown yet) needs no KV copied.
+        if stream.tag and not stream.splicer.starts_over() and self.kv.applies(source, destination):
             return await self._move_kv(stream, source, destination, reason)
         if self.prewarm and prewarm:
             await self._prewarm(stream, destination)
-        return await stream.order_move(destination, reason)
+        return await stream.order_move(destination, reason, source=source)
 
     async def _move_kv(
         self, stream: LiveStream, source: str, destination: str, reason: str
@@ -346,7 +363,7 @@ class Migrator:
         # Not copied (the request was queued or preempted, the copy failed or
         # timed out): move it by recompute at once instead.
         return await stream.order_move(
-            destination, reason, outcome.load, source_stopped=outcome.stopped
+            destination, reason, outcome.load, source_stopped=outcome.stopped, source=source
         )
 
     async def _prewarm(self, stream: LiveStream, destination: str) -> None:

@@ -198,7 +198,16 @@ class Scraper:
         return parse(text)
 
     async def refresh_models(self, name: str) -> bool:
-        return await self._models(name) is None
+        """Read the instance's models; a failure is shown (`models_error` in
+        /admin/instances) and logged once per cause, since an instance whose
+        load reads fine but whose models do not takes no traffic."""
+        error = await self._models(name)
+        state = self.cluster.instances.get(name)
+        if state is not None:
+            if error is not None and error != state.models_error:
+                log.warning("cannot read the models of %s: %s", name, error)
+            state.models_error = error
+        return error is None
 
     async def _models(self, name: str) -> str | None:
         """Read the instance's `/v1/models` into the cluster; None, or what failed."""

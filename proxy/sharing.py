@@ -268,6 +268,11 @@ class Sharing:
 
     def _announce(self, op: dict[str, Any]) -> None:
         """A fleet change made here: the peers get it next round."""
+        name = op_instance(op)
+        if op["op"] == "file" and not (
+            name in self._fleet_state or any(op_instance(o) == name for o in self._announced)
+        ):
+            return  # a reload of an instance never changed at runtime: nothing to forget
         self._announced.append(op)
 
     # -- the rounds -----------------------------------------------------------------
@@ -501,6 +506,9 @@ class Sharing:
                 return
             name = op_instance(op)
             entry = {"origin": origin, "op": op, "at": _float(fields.get("at"))}
+            if op.get("op") == "file" and name is not None:  # a peer's reload: its own file
+                self._remember(entry)
+                return
             if op.get("op") == "remove" and name is not None and name not in self.cluster.instances:
                 # Gone here already (the compacted state keeps every removal, so a
                 # process that starts reads them all): nothing to say.
@@ -545,8 +553,10 @@ class Sharing:
         they were; an add or a remove only where it has not taken effect."""
         kind, name = op.get("op"), op_instance(op)
         state = self.cluster.instances.get(name) if name is not None else None
-        if (kind == "add" and state is not None) or (
-            kind == "remove" and (state is None or state.leaving)
+        if (
+            (kind == "add" and state is not None)
+            or (kind == "remove" and (state is None or state.leaving))
+            or kind == "file"
         ):
             return
         try:

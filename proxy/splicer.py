@@ -215,7 +215,9 @@ class Splicer:
         if self.origin is not None and chunk.get("system_fingerprint"):
             self.origin.system_fingerprint = chunk["system_fingerprint"]
         reported = None
-        if self.prompt_ids is None:  # the first chunk reports them
+        # The first chunk reports them, the request's own call's and, once it
+        # starts over, its new call's (billed and indexed where it runs now).
+        if self.prompt_ids is None or self._started_over and not self.generated:
             sent = [chunk.get("prompt_token_ids")] + [c.get("prompt_token_ids") for c in choices]
             prompt = next((ids for ids in map(_ids, sent) if ids is not None), None)
             if prompt is not None:

@@ -139,6 +139,18 @@ def test_remove_with_migrate_moves_streams_and_undrain_calls_it_off(
     assert code == 202 and rows(proxy.url)["i1"]["removing"]
     code, row = send(proxy.url + "/admin/instances/i1/undrain", "POST")
     assert code == 200 and not row["draining"] and not row["removing"]
+    # Unless its server was added again under another name meanwhile: it would
+    # then be two instances, billed twice.
+    code, _ = send(proxy.url + "/admin/instances/i1", "DELETE")
+    assert code == 202
+    code, _ = send(proxy.url + "/admin/instances", "POST", {"name": "again", "url": site_b.url})
+    assert code == 201
+    code, err = send(proxy.url + "/admin/instances/i1/undrain", "POST")
+    assert code == 409 and err["error"]["message"] == "instance 'again' is that server now"
+    assert rows(proxy.url)["i1"]["removing"]
+    code, _ = send(proxy.url + "/admin/instances/again", "DELETE")
+    code, row = send(proxy.url + "/admin/instances/i1/undrain", "POST")
+    assert code == 200 and not row["removing"]
 
     code, row = send(proxy.url + "/admin/instances/i0?migrate=true", "DELETE")
     assert code == 202 and row["migrating"] == 2
@@ -480,3 +492,15 @@ def test_a_patch_that_makes_an_instance_another_ones_server_is_refused(
     assert send(proxy.url + "/admin/instances", "POST", {**rank, "name": "d2"})[0] == 409
     rank2 = {"headers": {"x-data-parallel-rank": "2"}}
     assert send(proxy.url + "/admin/instances/d1", "PATCH", rank2)[0] == 200
+
+
+def test_an_instance_whose_models_cannot_be_read_says_why(standins: Any, ferry: Any) -> None:
+    """Its load reads fine, so it is healthy, yet it takes no traffic for a model
+    it has not listed: `/admin/instances` says why, until its models read again."""
+    [(standin, site)] = standins(1)
+    standin.models_body = b"<html>a gateway's page</html>"
+    proxy = ferry([site.url], admin_token=TOKEN, scheduler={"models_refresh_s": 0.1})
+    wait_until(lambda: rows(proxy.url)["i0"]["models_error"] is not None)
+    assert rows(proxy.url)["i0"]["healthy"]
+    standin.models_body = None
+    wait_until(lambda: rows(proxy.url)["i0"]["models_error"] is None)

@@ -1235,3 +1235,77 @@ def test_a_stream_framed_as_other_servers_frame_it_moves_and_ends_whole(
             _drain(proxy, _busy(sites)[0])
     assert text == " tok" * 60
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in metrics(proxy.url)
+
+
+def test_a_move_queued_before_its_stream_failed_over_leaves_it_where_it_went(
+    standins: Any, ferry: Any
+) -> None:
+    """A move waits its turn for a slot; meanwhile the stream broke and went on
+    elsewhere by itself. The move was of the stream where it was: it is not
+    taken off the healthy instance it went to. And a later full-mode copy is
+    not given up as one its failover made moot."""
+    sites = standins(3, itl_s=0.02)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin", "migration_prewarm": False,
+                   "migration_max_concurrent": 1},
+    )  # fmt: skip
+    migrator = proxy.site.app[MIGRATOR]
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=100, stream=True
+    )
+    text = "".join(chunk.choices[0].text for _, chunk in zip(range(5), stream, strict=False))
+    name, source = _busy(sites)
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    moot = live.copy_moot
+
+    async def submit_behind_another() -> Any:
+        await migrator._slots.acquire(0)  # another move holds the only slot
+        return migrator.submit(live, None, "drain")
+
+    queued = proxy.loop.run(submit_behind_another())
+    source.kill()  # the stream fails over by itself meanwhile
+    wait_until(lambda: proxy.loop.call(lambda: live.instance) != name)
+    proxy.loop.call(migrator._slots.release)  # the queued move's turn
+    wait_until(lambda: queued.done())
+    assert queued.result() is False
+    text += "".join(chunk.choices[0].text for chunk in stream)
+    assert text == " tok" * 100
+    assert [(m["from"], m["reason"]) for m in live.moves] == [(name, "failover")]
+    assert moot.is_set() and not live.copy_moot.is_set()
+
+
+def test_staged_kv_is_freed_when_the_client_leaves_during_the_cut_over(
+    standins: Any, ferry: Any
+) -> None:
+    """The destination of a full-mode move holds the copied KV for the
+    continuation; a client gone before it starts frees it at once, not when
+    its lease runs out."""
+    sites = standins(2, itl_s=0.02)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    migrator = proxy.site.app[MIGRATOR]
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=300, stream=True
+    )
+    for _, _chunk in zip(range(5), stream, strict=False):
+        pass
+    name, _ = _busy(sites)
+    other = 1 if name == "i0" else 0
+    dest = sites[other][0]
+    dest.headers_delay_s = 3.0
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    load = {"dest": f"i{other}", "mig_id": "m9", "num_tokens": 8}
+
+    async def order() -> Any:
+        return live.order_move(f"i{other}", "drain", load)
+
+    proxy.loop.run(order())
+    wait_until(lambda: len(dest.seen_bodies) == 1)  # the continuation waits for its headers
+    stream.close()
+    wait_until(lambda: any(path == wire.RELEASE for path, _ in dest.answers), timeout=2)
+    wait_until(lambda: proxy.view("i0").inflight == proxy.view("i1").inflight == 0)

@@ -268,6 +268,27 @@ def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
         client.close()
 
 
+def test_a_process_started_after_a_reload_makes_the_fleet_the_file_says(
+    ferries: Any, standins: Any
+) -> None:
+    """A reload makes the fleet what the file says: the runtime changes it undid
+    are not made again by a process that starts later (they stayed in the
+    shared state, and a worker restarted by its supervisor brought an instance
+    back that the reload had removed). A drain is not the file's: it stays."""
+    a, _ = ferries(2)
+    [(_, extra)] = standins(1)
+    a.admin("/admin/instances", "POST", {"name": "i2", "url": extra.url})
+    a.admin("/admin/instances/i0", "PATCH", {"labels": {"zone": "a"}})
+    a.admin("/admin/instances/i1/drain", "POST")
+    wait_until(lambda: a.rows()["i0"]["labels"] == {"zone": "a"}, timeout=2)
+    summary = a.admin("/admin/reload", "POST")
+    assert summary["removed"] == ["i2"] and summary["changed"] == ["i0"]
+    [late] = ferries(1)
+    rows = late.rows()
+    assert set(rows) == {"i0", "i1"} and rows["i0"]["labels"] == {}
+    assert rows["i1"]["draining"]
+
+
 def requests_total(url: str) -> float:
     """The sum of ferry_requests_total over its labels, from one scrape of `url`."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:

@@ -377,6 +377,17 @@ def test_instance_defaults_fill_what_an_instance_does_not_say() -> None:
     assert (b.migration, b.labels) == ("off", {})  # its own replace the defaults
     template = config.discovery[0].template
     assert template is not None and template.migration == "lite" and template.engine_priority
+    # A default an engine cannot take is not its: an OpenAI-compatible server
+    # in a fleet that moves streams (or schedules by priority) does neither.
+    mixed = base(
+        instance_defaults={"migration": "lite", "engine_priority": True},
+        instances=[{"name": "o", "url": "http://h:3", "engine": "openai"}],
+    )
+    (other,) = parse_config(mixed, env={}).instances
+    assert (other.migration, other.engine_priority) == ("off", False)
+    mixed["instances"][0]["migration"] = "lite"  # said by the instance itself: an error
+    with pytest.raises(ConfigError, match=r"instances\[0\].migration: must be off"):
+        parse_config(mixed, env={})
     quick = config_from_backends(["http://h:1"])
     assert quick.instance_defaults == {"migration": "lite"}
     assert quick.instances[0].migration == "lite"

@@ -16,7 +16,8 @@ NAME = "i0"
 
 def apply(ops: list[dict[str, Any]]) -> dict[str, Any]:
     """What the changes leave of one instance, as Fleet applies them: an add or a
-    remove starts it over, a patch overrides keys, drain and undrain set a flag."""
+    remove starts it over, a patch overrides keys, drain and undrain set a flag;
+    a reload (`file`) makes it what the file says, where a drain is not the file's."""
     state: dict[str, Any] = {"present": None, "config": {}, "draining": None}
     for op in ops:
         kind = op["op"]
@@ -26,6 +27,9 @@ def apply(ops: list[dict[str, Any]]) -> dict[str, Any]:
             state = {"present": False, "config": {}, "draining": None}
         elif kind == "patch":
             state["config"] = {**state["config"], **op["changes"]}
+        elif kind == "file":
+            draining = bool(state["draining"]) if op["listed"] else None
+            state = {"present": "file", "config": {}, "draining": draining}
         else:
             state["draining"] = kind == "drain"
     return state
@@ -38,6 +42,7 @@ ops = st.one_of(
     st.builds(lambda c: {"op": "patch", "name": NAME, "changes": c}, changes),
     st.builds(lambda m: {"op": "drain", "name": NAME, "migrate": m}, st.booleans()),
     st.just({"op": "undrain", "name": NAME}),
+    st.builds(lambda listed: {"op": "file", "name": NAME, "listed": listed}, st.booleans()),
 )
 
 

@@ -52,8 +52,8 @@ def test_a_cancelled_waiter_passes_its_turn_on() -> None:
 
 
 def test_a_rescue_in_flight_leaves_the_slots_free() -> None:
-    """A rescue takes no slot; every submitted stream stays claimed (out of the
-    planners' sight) until its move is over."""
+    """A rescue or a failover takes no slot; every submitted stream stays
+    claimed (out of the planners' sight) until its move is over."""
     from types import SimpleNamespace
     from typing import Any
 
@@ -68,15 +68,19 @@ def test_a_rescue_in_flight_leaves_the_slots_free() -> None:
             return True
 
         migrator.move = move  # type: ignore[method-assign]
-        rescued, rebalanced = SimpleNamespace(claimed=False), SimpleNamespace(claimed=False)
+        rescued, failed, rebalanced = (
+            SimpleNamespace(claimed=False, instance="a") for _ in range(3)
+        )
         seen: list[Any] = [migrator.free_slots]
         migrator.submit(rescued, "b", "rescue", prewarm=False)  # type: ignore[arg-type]
+        migrator.submit(failed, None, "failover", prewarm=False)  # type: ignore[arg-type]
         seen.append(migrator.free_slots)
         migrator.submit(rebalanced, "b", "rebalance")  # type: ignore[arg-type]
-        seen += [migrator.free_slots, rescued.claimed and rebalanced.claimed]
+        claimed = [s.claimed for s in (rescued, failed, rebalanced)]
+        seen += [migrator.free_slots, all(claimed)]
         release.set()
         await asyncio.sleep(0.01)
-        seen += [migrator.free_slots, rescued.claimed or rebalanced.claimed]
+        seen += [migrator.free_slots, any(s.claimed for s in (rescued, failed, rebalanced))]
         return seen
 
     assert asyncio.run(scenario()) == [2, 2, 1, True, 2, False]
