@@ -145,11 +145,13 @@ class Cluster:
 
     def context_length(self, name: str, model: str) -> int | None:
         """The longest sequence `model` takes on the instance (its card's
-        `max_model_len`, as vLLM lists it; a LoRA adapter's card names its base
-        model as `parent` instead), or None when it does not say."""
+        `max_model_len`, as vLLM lists it; a LoRA adapter's card has none, and
+        names its base model as `parent`), or None when it does not say."""
         cards = self.instances[name].model_cards
         card = next((c for c in cards if c.get("id") == model), None)
-        parent = None if card is None or "max_model_len" in card else card.get("parent")
+        # (vLLM lists an adapter's `max_model_len` as null.)
+        mine = None if card is None else card.get("max_model_len")
+        parent = None if card is None or isinstance(mine, int) else card.get("parent")
         if isinstance(parent, str):
             card = next((c for c in cards if c.get("id") == parent), None)
         length = None if card is None else card.get("max_model_len")

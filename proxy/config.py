@@ -662,10 +662,10 @@ def _discovery(
         source = _section(DiscoveryConfig, own, where, required=("dns", "port"))
         _check_discovery(source, where)
         name = source.name or source.dns.split(".")[0]
-        template = {**defaults, **{k: v for k, v in entry.items() if k in DISCOVERY_INSTANCE_KEYS}}
+        template = {k: v for k, v in entry.items() if k in DISCOVERY_INSTANCE_KEYS}
         # Checked as one instance would be, under this entry's YAML path.
         url = f"{source.scheme}://{source.dns}:{source.port}"
-        inst = parse_instance({"name": name, "url": url, **template}, where, env)
+        inst = parse_instance({"name": name, "url": url, **template}, where, env, defaults)
         source = replace(source, name=name, template=inst)
         if any((d.name, d.port) == (name, source.port) for d in result):
             raise ConfigError(f"{where}.name: {name!r} port {source.port} is already discovered")

@@ -13,7 +13,10 @@ new configuration applied, with no client stream cut.
 With a shared view (proxy/sharing.py) an admin change is one `FleetOp`: the
 process that takes the call applies it and `announce`s it; every peer applies
 the same op (`apply_op`), so a drain reaches the cluster whichever process the
-operator called. A reload stays local: each process reads its own file.
+operator called. A reload is applied where it is made (each process reads its
+own file), and announced as one `file` op per instance it decides: peers apply
+nothing, but the shared state forgets the runtime changes it undid, so a
+process that starts later from the same file does not make them again.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from proxy.scraper import Scraper
 log = logging.getLogger("ferry.fleet")
 
 PATCHABLE = ("migration", "labels", "api_key", "headers", "engine_priority")
-# The admin changes peers apply too, and the fields each carries.
+# The fleet changes announced to peers (admin changes, which they apply too, and
+# a reload's `file`), and the fields each carries.
 FLEET_OPS: dict[str, tuple[str, ...]] = {
     "add": ("instance",),
     "patch": ("name", "changes"),

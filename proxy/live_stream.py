@@ -51,6 +51,7 @@ class MoveOrder:
     reason: str
     load: dict[str, Any] | None = None  # full mode: KV staged at the destination
     source_stopped: bool = False  # full mode: the source's shim no longer runs it
+    cut: bool = False  # its cut-over began (which frees `load` where unused)
     done: asyncio.Future[bool] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -218,7 +219,7 @@ class LiveStream:
                     # The source's shim stopped it already: resume like a broken stream.
                 elif order is not None:
                     self._order = None
-                    _settle(order, False)  # broken first: failover takes it over
+                    self._forgo(order)  # broken first: failover takes it over
                 if self.resumes >= self.max_resumes:
                     await self._fail(response, "too many resumes")
                     return response, "stream_broken"
@@ -244,7 +245,7 @@ class LiveStream:
         finally:
             self._over = True
             if self._order is not None:
-                _settle(self._order, False)
+                self._forgo(self._order)
             self.call.close()
 
     async def _relay(self, response: web.StreamResponse) -> str:
@@ -374,6 +375,7 @@ class LiveStream:
     async def _cut_over(self, order: MoveOrder, response: web.StreamResponse) -> str:
         """Start the continuation and switch to it: "moved", "failed" (the stream
         stays where it is), or "done" (nothing was left to generate)."""
+        order.cut = True
         tried = {self.instance}
         if order.reason != "failover":
             tried |= self.failed_on
@@ -467,6 +469,13 @@ class LiveStream:
         load = order.load
         if load is not None and load["dest"] not in tried:
             self._release_later(load["dest"], load)
+
+    def _forgo(self, order: MoveOrder) -> None:
+        """An order the stream will not carry out (it broke first, or is over):
+        say so, and free the KV staged for it unless its cut-over did."""
+        if order.load is not None and not order.cut:
+            self._release_later(order.load["dest"], order.load)
+        _settle(order, False)
 
     def _release_later(self, dest: str, load: dict[str, Any]) -> None:
         """Release staged KV in the background: the destination passed by may be

@@ -36,7 +36,7 @@ from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer
 from proxy.ttft_stages import TTFTStages
-from proxy.upstream import Call, InstanceStopped, OutOfFiles, Upstreams, answer_headers
+from proxy.upstream import Call, InstanceStopped, OutOfFiles, Upstreams, answer_headers, writable
 
 log = logging.getLogger("ferry.relay")
 
@@ -419,10 +419,12 @@ class Relay:
         if status == 200 and not passthrough:
             raw = self._account_whole(raw, call, wants_ids)
         headers = answer_headers(upstream)
-        headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+        kind = upstream.headers.get("Content-Type", "application/json")
+        headers["Content-Type"] = kind if writable(kind) else "application/json"
         headers["x-ferry-instance"] = call.instance
-        if "Content-Encoding" in upstream.headers:  # compressed though asked not to be
-            headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
+        encoding = upstream.headers.get("Content-Encoding")
+        if encoding is not None and writable(encoding):  # compressed though asked not to be
+            headers["Content-Encoding"] = encoding
         response = web.Response(status=status, body=raw, headers=headers)
         return response, outcome
 

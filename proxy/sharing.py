@@ -8,7 +8,8 @@ pipeline that:
 - reads the records of the members it knew last round (a new member is seen
   one round later; a member whose record expired is dropped from the set);
 - reads the fleet changes (`<prefix>:fleet`, a Redis stream) it has not seen:
-  drain, undrain, add, remove and patch made through any process's admin API;
+  drain, undrain, add, remove and patch made through any process's admin API,
+  and the instances a process's reload decided (`file`: nothing to apply);
 - takes the moves the rescheduler lease holder sent it (`<prefix>:moves:<process>`);
 - takes or renews the rescheduler lease (`<prefix>:lease`, a key with expiry
   `lease_ttl_s` holding its holder's name);
@@ -28,8 +29,9 @@ lasting: the next record carries the same totals.
 
 The fleet log keeps the last `fleet_log_length` changes. With each change the
 process that made it also rewrites that instance's compacted changes in the hash
-`<prefix>:fleet:state` (proxy/fleet.py's `compact`: at most an add or remove, one
-merged patch, and the last drain or undrain), in the same transaction. A process
+`<prefix>:fleet:state` (proxy/fleet.py's `compact`: at most an add, a remove or
+a reload's `file`, one merged patch, and the last drain or undrain), in the
+same transaction. A process
 that starts applies the hash, not the log; one that finds the log trimmed past
 the last change it applied (it was cut off from Redis that long) does the same.
 
@@ -269,10 +271,13 @@ class Sharing:
     def _announce(self, op: dict[str, Any]) -> None:
         """A fleet change made here: the peers get it next round."""
         name = op_instance(op)
-        if op["op"] == "file" and not (
-            name in self._fleet_state or any(op_instance(o) == name for o in self._announced)
-        ):
-            return  # a reload of an instance never changed at runtime: nothing to forget
+        if op["op"] == "file" and name is not None:
+            pending = any(op_instance(o) == name for o in self._announced)
+            told = [e["op"] for e in self._fleet_state.get(name, [])]
+            # Nothing to forget: never changed at runtime, or only drained since
+            # the file last decided it as it does now.
+            if not pending and all(o["op"] in ("drain", "undrain") or o == op for o in told):
+                return
         self._announced.append(op)
 
     # -- the rounds -----------------------------------------------------------------

@@ -264,10 +264,14 @@ def answer_headers(response: aiohttp.ClientResponse) -> CIMultiDict[str]:
         name = key.lower()
         if name in hop or name in _NOT_RELAYED:
             continue
-        if name in _RELAYED or name.startswith(_RELAYED_PREFIXES):
-            if not _FORBIDDEN_IN_HEADERS.search(key) and not _FORBIDDEN_IN_HEADERS.search(value):
-                relayed.add(key, value)
+        if (name in _RELAYED or name.startswith(_RELAYED_PREFIXES)) and writable(key, value):
+            relayed.add(key, value)
     return relayed
+
+
+def writable(*texts: str) -> bool:
+    """Whether a header's name and value can go on to the client (RFC 9110 5.5)."""
+    return not any(_FORBIDDEN_IN_HEADERS.search(text) for text in texts)
 
 
 async def read_whole(response: aiohttp.ClientResponse, limit: int) -> bytes:

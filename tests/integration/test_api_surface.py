@@ -742,6 +742,14 @@ def test_a_header_http_forbids_is_not_relayed(
     assert answer.status_code == status, answer.text
     assert answer.headers["x-fine"] == "yes"
     assert "x-engine-note" not in answer.headers and "retry-after" not in answer.headers
+    if status != 200:  # an error's own Content-Type and Content-Encoding go on as they came
+        standin.raw_answer = [
+            b"HTTP/1.1 429 X\r\nContent-Type: application/json\x01\r\n"
+            b"Content-Encoding: x\x01\r\nContent-Length: 13\r\n\r\n" + body
+        ]
+        again = httpx.post(proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"})
+        assert again.status_code == 429 and again.json() == {"error": {}}
+        assert again.headers["content-type"] == "application/json"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1121,7 +1121,7 @@ def test_a_lora_chat_without_a_budget_keeps_its_base_models_room(standins: Any, 
     (broken, a), (healthy, b) = standins(2, model="adapter", itl_s=0.001)
     cards = [
         {"id": "base", "object": "model", "max_model_len": 40},
-        {"id": "adapter", "object": "model", "parent": "base"},
+        {"id": "adapter", "object": "model", "parent": "base", "max_model_len": None},
     ]
     for standin in (broken, healthy):
         standin.max_model_len = 40
@@ -1309,3 +1309,37 @@ def test_staged_kv_is_freed_when_the_client_leaves_during_the_cut_over(
     stream.close()
     wait_until(lambda: any(path == wire.RELEASE for path, _ in dest.answers), timeout=2)
     wait_until(lambda: proxy.view("i0").inflight == proxy.view("i1").inflight == 0)
+
+
+def test_staged_kv_is_freed_when_the_client_leaves_before_the_cut(
+    standins: Any, ferry: Any
+) -> None:
+    """A move ordered between two tokens waits for the next one to cut; a client
+    gone meanwhile ends the stream before any cut-over began, and the KV copied
+    for it is freed too."""
+    sites = standins(2, itl_s=0.3)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin", "migration_prewarm": False},
+    )
+    migrator = proxy.site.app[MIGRATOR]
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=100, stream=True
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    name, _ = _busy(sites)
+    other = 1 if name == "i0" else 0
+    dest = sites[other][0]
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    load = {"dest": f"i{other}", "mig_id": "m7", "num_tokens": 4}
+
+    async def order() -> Any:
+        return live.order_move(f"i{other}", "drain", load)
+
+    done = proxy.loop.run(order())
+    stream.close()
+    wait_until(lambda: done.done())
+    assert done.result() is False and dest.seen_bodies == []  # no continuation began
+    wait_until(lambda: any(path == wire.RELEASE for path, _ in dest.answers), timeout=2)

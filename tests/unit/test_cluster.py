@@ -261,7 +261,8 @@ def test_a_lora_adapter_s_context_is_its_base_model_s() -> None:
         "i0",
         [
             {"id": "base", "max_model_len": 4096},
-            {"id": "adapter", "parent": "base"},
+            {"id": "adapter", "parent": "base", "max_model_len": None},  # as vLLM lists it
+            {"id": "keyless", "parent": "base"},
             {"id": "orphan", "parent": "gone"},
             {"id": "bare"},
             {"id": ["not", "a", "name"], "parent": None},
@@ -269,6 +270,7 @@ def test_a_lora_adapter_s_context_is_its_base_model_s() -> None:
     )
     assert cluster.context_length("i0", "base") == 4096
     assert cluster.context_length("i0", "adapter") == 4096
+    assert cluster.context_length("i0", "keyless") == 4096
     assert cluster.context_length("i0", "orphan") is None
     assert cluster.context_length("i0", "bare") is None
     assert cluster.context_length("i0", "unknown") is None

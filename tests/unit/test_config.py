@@ -382,9 +382,13 @@ def test_instance_defaults_fill_what_an_instance_does_not_say() -> None:
     mixed = base(
         instance_defaults={"migration": "lite", "engine_priority": True},
         instances=[{"name": "o", "url": "http://h:3", "engine": "openai"}],
+        discovery=[{"dns": "other.svc", "port": 8080, "engine": "openai"}],
     )
-    (other,) = parse_config(mixed, env={}).instances
+    parsed = parse_config(mixed, env={})
+    (other,) = parsed.instances
     assert (other.migration, other.engine_priority) == ("off", False)
+    found = parsed.discovery[0].template
+    assert found is not None and (found.migration, found.engine_priority) == ("off", False)
     mixed["instances"][0]["migration"] = "lite"  # said by the instance itself: an error
     with pytest.raises(ConfigError, match=r"instances\[0\].migration: must be off"):
         parse_config(mixed, env={})
