@@ -1276,48 +1276,14 @@ def test_a_move_queued_before_its_stream_failed_over_leaves_it_where_it_went(
     assert moot.is_set() and not live.copy_moot.is_set()
 
 
-def test_staged_kv_is_freed_when_the_client_leaves_during_the_cut_over(
-    standins: Any, ferry: Any
-) -> None:
-    """The destination of a full-mode move holds the copied KV for the
-    continuation; a client gone before it starts frees it at once, not when
-    its lease runs out."""
-    sites = standins(2, itl_s=0.02)
-    proxy = ferry(
-        [site.url for _, site in sites],
-        instances_migration="lite",
-        scheduler={"policy": "round_robin", "migration_prewarm": False},
-    )
-    migrator = proxy.site.app[MIGRATOR]
-    stream = api(proxy.url).completions.create(
-        model="standin", prompt="hi", max_tokens=300, stream=True
-    )
-    for _, _chunk in zip(range(5), stream, strict=False):
-        pass
-    name, _ = _busy(sites)
-    other = 1 if name == "i0" else 0
-    dest = sites[other][0]
-    dest.headers_delay_s = 3.0
-    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
-    load = {"dest": f"i{other}", "mig_id": "m9", "num_tokens": 8}
-
-    async def order() -> Any:
-        return live.order_move(f"i{other}", "drain", load)
-
-    proxy.loop.run(order())
-    wait_until(lambda: len(dest.seen_bodies) == 1)  # the continuation waits for its headers
-    stream.close()
-    wait_until(lambda: any(path == wire.RELEASE for path, _ in dest.answers), timeout=2)
-    wait_until(lambda: proxy.view("i0").inflight == proxy.view("i1").inflight == 0)
-
-
-def test_staged_kv_is_freed_when_the_client_leaves_before_the_cut(
-    standins: Any, ferry: Any
-) -> None:
-    """A move ordered between two tokens waits for the next one to cut; a client
-    gone meanwhile ends the stream before any cut-over began, and the KV copied
-    for it is freed too."""
-    sites = standins(2, itl_s=0.3)
+def _a_move_with_staged_kv(
+    standins: Any, ferry: Any, itl_s: float, headers_delay_s: float = 0.0
+) -> tuple[Any, Any, Any, asyncio.Future[bool]]:
+    """A stream under way through Ferry, and a drain move of it ordered with KV
+    staged (as full mode would) on the other instance, whose continuation's
+    headers come `headers_delay_s` late: the proxy, the stream, the destination
+    stand-in and the order's future."""
+    sites = standins(2, itl_s=itl_s)
     proxy = ferry(
         [site.url for _, site in sites],
         instances_migration="lite",
@@ -1332,13 +1298,36 @@ def test_staged_kv_is_freed_when_the_client_leaves_before_the_cut(
     name, _ = _busy(sites)
     other = 1 if name == "i0" else 0
     dest = sites[other][0]
+    dest.headers_delay_s = headers_delay_s
     [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
     load = {"dest": f"i{other}", "mig_id": "m7", "num_tokens": 4}
 
-    async def order() -> Any:
+    async def order() -> asyncio.Future[bool]:
         return live.order_move(f"i{other}", "drain", load)
 
-    done = proxy.loop.run(order())
+    return proxy, stream, dest, proxy.loop.run(order())
+
+
+def test_staged_kv_is_freed_when_the_client_leaves_during_the_cut_over(
+    standins: Any, ferry: Any
+) -> None:
+    """The destination of a full-mode move holds the copied KV for the
+    continuation; a client gone before it starts frees it at once, not when
+    its lease runs out."""
+    proxy, stream, dest, _ = _a_move_with_staged_kv(standins, ferry, 0.02, headers_delay_s=3.0)
+    wait_until(lambda: len(dest.seen_bodies) == 1)  # the continuation waits for its headers
+    stream.close()
+    wait_until(lambda: any(path == wire.RELEASE for path, _ in dest.answers), timeout=2)
+    wait_until(lambda: proxy.view("i0").inflight == proxy.view("i1").inflight == 0)
+
+
+def test_staged_kv_is_freed_when_the_client_leaves_before_the_cut(
+    standins: Any, ferry: Any
+) -> None:
+    """A move ordered between two tokens waits for the next one to cut; a client
+    gone meanwhile ends the stream before any cut-over began, and the KV copied
+    for it is freed too."""
+    _, stream, dest, done = _a_move_with_staged_kv(standins, ferry, 0.3)
     stream.close()
     wait_until(lambda: done.done())
     assert done.result() is False and dest.seen_bodies == []  # no continuation began
