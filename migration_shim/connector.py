@@ -52,14 +52,13 @@ class FerryConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_parallel(vllm_config.parallel_config)
         block_size = vllm_config.cache_config.block_size
         self.scheduler: MigrationScheduler | None = None
         self.worker: MigrationWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = MigrationScheduler(block_size)
         else:
-            if vllm_config.parallel_config.world_size != 1:
-                raise ValueError("migration_shim supports one worker per instance (TP=PP=1)")
             config = self._kv_transfer_config
             settings = {"host": "127.0.0.1", **config.kv_connector_extra_config}
             settings["port"] = config.kv_port
@@ -140,6 +139,14 @@ class FerryConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+
+def check_parallel(parallel: Any) -> None:
+    """One worker and one engine core per instance: `world_size` counts the
+    workers of one engine (TP x PP), not data-parallel engines, each of which
+    would bind the same KV port and answer the shim's calls for all of them."""
+    if parallel.world_size != 1 or parallel.data_parallel_size != 1:
+        raise ValueError("migration_shim supports one worker per instance (TP=PP=DP=1)")
 
 
 def _model_name(vllm_config: VllmConfig) -> str:

@@ -95,19 +95,19 @@ class MigrationScheduler:
 
     # -- connector hooks (engine thread, during a step) ---------------------------
     def on_new_request(self, request: Request) -> None:
-        tag = (request.kv_transfer_params or {}).get(wire.TAG)
+        tag = _params(request).get(wire.TAG)
         if tag:
             self.by_tag[str(tag)] = request.request_id
 
     def get_num_new_matched_tokens(self, request: Request, local: int) -> tuple[int | None, bool]:
-        load = (request.kv_transfer_params or {}).get(wire.LOAD)
-        if not load:
+        load = _load(request)
+        if load is None:
             return 0, False
-        mig_id, req_id = str(load["mig_id"]), request.request_id
+        (mig_id, num_tokens), req_id = load, request.request_id
         if (incoming := self.incoming.get(req_id)) is not None and incoming.loaded:
             return 0, False
         # At least one token must be computed here: it yields the next token.
-        tokens = min(int(load["num_tokens"]), request.num_tokens - 1)
+        tokens = min(num_tokens, request.num_tokens - 1)
         landed = self.staged.get(mig_id, 0) * self.block_size >= tokens
         if not landed and tokens > local:
             # Ferry starts the continuation while the source sends its last blocks:
@@ -181,7 +181,7 @@ class MigrationScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         req_id = request.request_id
-        tag = (request.kv_transfer_params or {}).get(wire.TAG)
+        tag = _params(request).get(wire.TAG)
         if tag and self.by_tag.get(str(tag)) == req_id:
             del self.by_tag[str(tag)]
         if (incoming := self.incoming.pop(req_id, None)) is not None:
@@ -373,3 +373,22 @@ class MigrationScheduler:
                 log.warning("migration %s: reservation unclaimed, freed", mig_id)
                 self._free_reservation(mig_id)
                 self.orders.drops.append(mig_id)
+
+
+def _params(request: Request) -> dict[str, Any]:
+    params = request.kv_transfer_params
+    return params if isinstance(params, dict) else {}
+
+
+def _load(request: Request) -> tuple[str, int] | None:
+    """The staged KV a continuation names (`wire.LOAD`): its migration and token
+    count, or None. A client's own `kv_transfer_params` reach the engine too,
+    and these hooks run inside the engine's step, where an exception ends the
+    engine: a load in any other shape than Ferry's is no load."""
+    load = _params(request).get(wire.LOAD)
+    if not isinstance(load, dict):
+        return None
+    mig_id, tokens = load.get("mig_id"), load.get("num_tokens")
+    if not isinstance(mig_id, str) or type(tokens) is not int or tokens < 0:
+        return None
+    return mig_id, tokens

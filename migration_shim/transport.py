@@ -25,6 +25,12 @@ log = logging.getLogger("ferry.shim.transport")
 
 CONNECT_TIMEOUT_S = 5.0
 IO_TIMEOUT_S = 30.0
+# TCP keepalive on received connections (Linux names): probe after a minute idle.
+_KEEPALIVE = [
+    (getattr(socket, name), value)
+    for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+    if hasattr(socket, name)
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,8 +200,11 @@ class BlockReceiver:
             return staged.blocks
 
     def take_arrivals(self) -> dict[str, int]:
-        """Migrations whose gap-free prefix of staged blocks grew, and its length."""
+        """Migrations whose gap-free prefix of staged blocks grew, and its length.
+        Called every engine step, it also lets staged blocks no continuation
+        came for age out (not only when other blocks arrive)."""
         with self._lock:
+            self._expire(time.monotonic())
             arrivals, self._arrivals = self._arrivals, {}
         return arrivals
 
@@ -208,24 +217,36 @@ class BlockReceiver:
 
     def _accept(self) -> None:
         while True:
-            conn, _ = self._listener.accept()
+            try:
+                conn, _ = self._listener.accept()
+            except OSError as exc:  # out of files, say: the next one may do
+                log.warning("ferry shim: accepting a block connection failed: %s", exc)
+                time.sleep(0.1)
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # A source that vanished without a word (its host gone) is found out
+            # and its thread ends; an idle one stays (it sends the next migration).
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in _KEEPALIVE:
+                conn.setsockopt(socket.IPPROTO_TCP, option, value)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                header, _ = wire.recv_frame(conn)
+                header, _ = wire.recv_frame(conn, max_payload=0)
                 why = wire.layout_mismatch(self.layout, header.get("layout") or {})
                 wire.send_frame(conn, {"type": "hello", "ok": why is None, "error": why})
                 if why is not None:
                     return
                 while True:
-                    header, payload = wire.recv_frame(conn)
+                    header, payload = wire.recv_frame(conn, max_payload=self.max_bytes)
                     error = self._store(header, payload)
                     wire.send_frame(conn, {"type": "ack", "ok": error is None, "error": error})
             except (OSError, ConnectionError, ValueError):
                 return  # the sender went away; its staged blocks age out under the lease
+            except Exception as exc:  # noqa: BLE001 - a peer's frame must not end the worker
+                log.warning("ferry shim: dropped a block connection: %r", exc)
 
     def _store(self, header: dict[str, Any], payload: bytearray) -> str | None:
         if wire.checksum(payload) != header.get("crc"):

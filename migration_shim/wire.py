@@ -60,13 +60,20 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b""
         sock.sendall(payload)
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+def recv_frame(
+    sock: socket.socket, max_payload: int | None = None
+) -> tuple[dict[str, Any], bytearray]:
+    """One frame; ConnectionError for one no sender of this protocol would send
+    (the size is checked before any room is made for the payload: the port
+    takes any peer)."""
     (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if length > _MAX_HEADER:
         raise ConnectionError(f"frame header of {length} bytes")
     header = json.loads(_recv_exact(sock, length))
-    payload = _recv_exact(sock, int(header.get("size", 0)))
-    return header, payload
+    size = header.get("size", 0) if isinstance(header, dict) else None
+    if type(size) is not int or size < 0 or (max_payload is not None and size > max_payload):
+        raise ConnectionError(f"a frame of {size!r} bytes")
+    return header, _recv_exact(sock, size)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:

@@ -41,6 +41,10 @@ class MigrationWorker:
         self.sender: BlockSender | None = None
         self.receiver: BlockReceiver | None = None
         self.load_errors: set[int] = set()
+        # Stopped requests whose last blocks are on their way (their Commit is
+        # queued), and those of them vLLM has listed finished: only these are
+        # kept, not every request the instance ever finishes.
+        self.awaiting: set[str] = set()
         self.seen_finished: set[str] = set()
         self.unreported: set[str] = set()  # sent, waiting for vLLM to list it finished
         self.progress = WorkerProgress()
@@ -95,6 +99,7 @@ class MigrationWorker:
                     BlockCopy(copy.mig_id, copy.dest, index, payload, copy.bandwidth)
                 )
             if copy.final_req_id is not None:
+                self.awaiting.add(copy.final_req_id)
                 self.sender.submit(Commit(copy.mig_id, copy.final_req_id))
         for mig_id in orders.drops:
             self.receiver.drop(mig_id)
@@ -104,7 +109,9 @@ class MigrationWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         """Requests whose stop-and-copy is through: vLLM may free their blocks now."""
         assert self.sender is not None
-        self.seen_finished |= finished_req_ids
+        # vLLM lists a stopped request finished in the step that carries its
+        # final copy, and `wait_for_save` (which queues its Commit) runs first.
+        self.seen_finished |= finished_req_ids & self.awaiting
         sent = self.sender.take_progress()
         self.progress.acked.update(sent.acked)
         self.progress.errors.update(sent.errors)
@@ -114,6 +121,7 @@ class MigrationWorker:
         ready = self.unreported & self.seen_finished
         self.unreported -= ready
         self.seen_finished -= ready
+        self.awaiting -= ready
         return (ready or None), None
 
     def build_worker_meta(self) -> WorkerProgress | None:

@@ -328,6 +328,14 @@ class Relay:
         extra; an engine that schedules by priority is sent `priority`."""
         if body is None:
             return None, True
+        params = body.get("kv_transfer_params")
+        if isinstance(params, dict) and (wire.TAG in params or wire.LOAD in params):
+            # Ferry's own names there: the shim takes them as Ferry's word.
+            mine = (wire.TAG, wire.LOAD)
+            body = {
+                **body,
+                "kv_transfer_params": {k: v for k, v in params.items() if k not in mine},
+            }
         fields = self.cluster.instances[name].adapter.token_id_request_fields
         upstream_body, wants_ids = token_ids.upstream_body(body, fields)
         return self.upstreams.with_priority(name, upstream_body, priority), wants_ids

@@ -762,3 +762,19 @@ def test_an_interim_status_is_no_answer(standins: Any, ferry: Any, stream: bool)
     answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
     assert_openai_error(answer, 502, "upstream_error")
     assert "not a final status" in answer.json()["error"]["message"]
+
+
+def test_a_client_cannot_speak_for_ferry_to_the_shim(standins: Any, ferry: Any) -> None:
+    """`ferry_tag` and `ferry_load` in kv_transfer_params are Ferry's word to an
+    instance's migration_shim (which one finds a request by, which KV a
+    continuation loads): a client's are dropped, its other keys go on."""
+    [(standin, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url])
+    params = {"ferry_load": {"mig_id": "m", "num_tokens": 9}, "ferry_tag": "t", "mine": 1}
+    for stream in (False, True):
+        body = {"model": "standin", "prompt": "x", "max_tokens": 1, "stream": stream}
+        answer = httpx.post(
+            proxy.url + "/v1/completions", json={**body, "kv_transfer_params": params}
+        )
+        assert answer.status_code == 200, answer.text
+        assert standin.seen_bodies[-1]["kv_transfer_params"] == {"mine": 1}

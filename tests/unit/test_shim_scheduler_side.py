@@ -85,6 +85,29 @@ def test_a_continuation_waits_for_its_blocks_then_loads_all_but_one_token() -> N
     assert load.mig_id == "m" and load.blocks == [(1, 8), (2, 9)]  # the local hit keeps block 0
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {wire.LOAD: 1},
+        {wire.LOAD: {}},
+        {wire.LOAD: {"mig_id": "m", "num_tokens": "many"}},
+        {wire.LOAD: {"mig_id": ["m"], "num_tokens": 3}},
+        {wire.LOAD: {"mig_id": "m", "num_tokens": -5}},
+        {wire.TAG: {"not": "hashable as a tag"}, wire.LOAD: [1]},
+        "not an object",
+    ],
+    ids=repr,
+)
+def test_a_load_in_another_shape_than_ferrys_is_no_load(params: Any) -> None:
+    """A client's own kv_transfer_params reach the engine, and these hooks run in
+    its step, where an exception ends the engine (TypeError, KeyError before)."""
+    sched = scheduler()
+    request = FakeRequest("client-req", 10, params)
+    sched.on_new_request(request)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
+    assert sched.request_finished(request, []) == (False, None)  # type: ignore[arg-type]
+
+
 def test_a_continuation_whose_blocks_never_land_computes_them(monkeypatch: Any) -> None:
     sched = scheduler()
     request = continuation("m", tokens=300, prompt_len=301)
@@ -160,3 +183,16 @@ def test_a_continuation_preempted_after_its_load_is_recomputed_without_waiting()
     assert sched.get_num_new_matched_tokens(request, 0) == (200, False)
     sched.update_state_after_alloc(request, FakeBlocks([3, 4]), 200)
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # after a preemption
+
+
+def test_the_shim_refuses_more_than_one_worker_or_engine() -> None:
+    """Data-parallel engines each bound the same KV port (the second failed at
+    start) and the shim's calls reached all of them, answered by one."""
+    from types import SimpleNamespace
+
+    from migration_shim.connector import check_parallel
+
+    check_parallel(SimpleNamespace(world_size=1, data_parallel_size=1))
+    for world, data in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match="DP=1"):
+            check_parallel(SimpleNamespace(world_size=world, data_parallel_size=data))

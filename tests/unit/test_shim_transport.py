@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+import warnings
 
 import pytest
 
@@ -111,6 +112,9 @@ def test_staging_is_bounded(reason: str) -> None:
     seen = collect(tx, lambda s: s["acked"].get("new") or s["errors"])  # type: ignore[attr-defined]
     if reason == "lease":  # unclaimed blocks age out and make room
         assert seen["acked"].get("new") == 1 and rx.take("old") == {}  # type: ignore[attr-defined]
+        time.sleep(0.2)  # and without another arrival: an engine step's look ages them out
+        rx.take_arrivals()
+        assert rx.staged_bytes() == 0
     else:
         assert "staging full" in seen["errors"]["new"]  # type: ignore[index]
 
@@ -118,3 +122,70 @@ def test_staging_is_bounded(reason: str) -> None:
 def test_layout_mismatch_names_the_difference() -> None:
     assert wire.layout_mismatch(LAYOUT, dict(LAYOUT)) is None
     assert "block_size differs" in str(wire.layout_mismatch(LAYOUT, {**LAYOUT, "block_size": 16}))
+
+
+def test_the_worker_keeps_no_record_of_requests_that_never_migrate() -> None:
+    """vLLM lists every request that finishes; the worker kept each id for good
+    (a leak on every shim instance). Only a stopped request whose last blocks
+    are on their way is kept, until vLLM may free its blocks."""
+    with warnings.catch_warnings():  # vLLM's and torch's imports warn of deprecations
+        warnings.simplefilter("ignore")
+        pytest.importorskip("vllm")
+        from migration_shim.orders import CopyOrder, StepOrders
+        from migration_shim.transport import SenderProgress
+        from migration_shim.worker_side import MigrationWorker
+
+    class Sender:
+        def __init__(self) -> None:
+            self.sent: list[object] = []
+            self.done: set[str] = set()
+
+        def submit(self, job: object) -> None:
+            self.sent.append(job)
+
+        def take_progress(self) -> SenderProgress:
+            progress = SenderProgress()
+            progress.finished_sending |= self.done
+            self.done = set()
+            return progress
+
+    worker = MigrationWorker("m", 16, 8, {})
+    sender = worker.sender = Sender()  # type: ignore[assignment]
+    worker.receiver = object()  # type: ignore[assignment]
+    for step in range(100):  # requests that finish without ever migrating
+        assert worker.get_finished({f"other-{step}"}) == (None, None)
+    stop = CopyOrder("mig", "dest:1", [], 0.0, final_req_id="moved")
+    worker.wait_for_save(StepOrders(copies=[stop]))
+    assert worker.get_finished({"moved", "other"}) == (None, None)  # its blocks still go
+    sender.done = {"moved"}
+    assert worker.get_finished(set()) == ({"moved"}, None)
+    assert worker.seen_finished == worker.unreported == set()
+    assert worker.awaiting == set()
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"type": "hello", "layout": LAYOUT, "size": 1 << 40},  # room made before any check
+        [1, 2],  # not an object: KeyError, TypeError in the receiver's thread
+        {"type": "hello", "layout": LAYOUT, "size": "many"},
+    ],
+    ids=["huge", "list", "size-text"],
+)
+def test_a_hostile_peer_is_dropped_and_the_receiver_goes_on(frame: object) -> None:
+    """The block port takes any peer: a frame no sender would send closes that
+    connection, makes no room for a payload it announces, and leaves the
+    receiver serving the next source."""
+    import json
+    import struct
+
+    rx = receiver()
+    host, port = rx.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as peer:
+        head = json.dumps(frame).encode()
+        peer.sendall(struct.pack(">I", len(head)) + head)
+        peer.settimeout(5)
+        assert peer.recv(1) == b""  # closed on it
+    tx = BlockSender(LAYOUT)
+    tx.submit(BlockCopy("m", rx.address, 0, b"b" * 1000, 0))
+    collect(tx, lambda s: s["acked"].get("m") == 1)  # type: ignore[attr-defined]
