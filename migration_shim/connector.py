@@ -48,11 +48,19 @@ if vllm.__version__.split("+")[0] not in wire.SUPPORTED_VLLM:
 class FerryConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """vLLM's default for a producer (`kv_both`) recomputes the in-flight
+        output of every preempted request, on every instance with the shim. The
+        shim hands KV off only once its request has stopped, which no
+        preemption can tear (the copies of a preempted one are dropped)."""
+        return False
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        check_parallel(vllm_config.parallel_config)
+        check_supported(vllm_config.parallel_config, vllm_config.speculative_config)
         block_size = vllm_config.cache_config.block_size
         self.scheduler: MigrationScheduler | None = None
         self.worker: MigrationWorker | None = None
@@ -141,12 +149,16 @@ class FerryConnector(KVConnectorBase_V1):
         return self.scheduler.request_finished(request, block_ids)
 
 
-def check_parallel(parallel: Any) -> None:
+def check_supported(parallel: Any, speculative: Any) -> None:
     """One worker and one engine core per instance: `world_size` counts the
     workers of one engine (TP x PP), not data-parallel engines, each of which
-    would bind the same KV port and answer the shim's calls for all of them."""
+    would bind the same KV port and answer the shim's calls for all of them.
+    No speculative decoding: a request's computed tokens then count draft
+    tokens not yet verified, and a pre-copy stage would send their KV."""
     if parallel.world_size != 1 or parallel.data_parallel_size != 1:
         raise ValueError("migration_shim supports one worker per instance (TP=PP=DP=1)")
+    if speculative is not None:
+        raise ValueError("migration_shim does not support speculative decoding")
 
 
 def _model_name(vllm_config: VllmConfig) -> str:

@@ -190,9 +190,13 @@ def test_the_shim_refuses_more_than_one_worker_or_engine() -> None:
     start) and the shim's calls reached all of them, answered by one."""
     from types import SimpleNamespace
 
-    from migration_shim.connector import check_parallel
+    from migration_shim.connector import check_supported
 
-    check_parallel(SimpleNamespace(world_size=1, data_parallel_size=1))
+    one = SimpleNamespace(world_size=1, data_parallel_size=1)
+    check_supported(one, None)
     for world, data in ((2, 1), (1, 2)):
         with pytest.raises(ValueError, match="DP=1"):
-            check_parallel(SimpleNamespace(world_size=world, data_parallel_size=data))
+            check_supported(SimpleNamespace(world_size=world, data_parallel_size=data), None)
+    # Nor speculative decoding: a pre-copy would send KV of unverified tokens.
+    with pytest.raises(ValueError, match="speculative"):
+        check_supported(one, SimpleNamespace(method="eagle"))
