@@ -45,8 +45,8 @@ FLEET_OPS: dict[str, tuple[str, ...]] = {
     "drain": ("name", "migrate"),
     "undrain": ("name",),
     # A reload decided the instance: what the file says of it (`listed`) is its
-    # story from then on, but for a drain (see `compact`). Nothing to apply: each
-    # process reads its own file.
+    # story from then on, with the drain it was under (`draining`, which is not
+    # the file's). Nothing to apply where it runs: each process reads its own file.
     "file": ("name", "listed"),
 }
 
@@ -64,16 +64,13 @@ def op_instance(op: Any) -> str | None:
 def compact(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
     """An instance's fleet ops, shortest form, once `entry` ({"origin", "op", "at"}) is
     added: what a process that starts later applies instead of the whole log.
-    An add, a remove or a reload (`file`) starts the instance's story over (a
-    reload keeps a drain); drain and undrain keep only the last; patches merge
-    into one (later changes win). Applying the
+    An add, a remove or a reload (`file`, which says whether the instance was
+    draining) starts the instance's story over; drain and undrain keep only the
+    last; patches merge into one (later changes win). Applying the
     result leaves the instance as applying every op in order would."""
     kind = entry["op"]["op"]
-    if kind in ("add", "remove"):
+    if kind in ("add", "remove", "file"):
         return [entry]
-    if kind == "file":  # a reload keeps drains, and forgets everything else
-        drains = [e for e in history if e["op"]["op"] in ("drain", "undrain")]
-        return [*drains, entry] if entry["op"].get("listed") else [entry]
     if kind in ("drain", "undrain"):
         return [e for e in history if e["op"]["op"] not in ("drain", "undrain")] + [entry]
     if kind != "patch" or not isinstance(entry["op"].get("changes"), dict):
@@ -316,7 +313,10 @@ class Fleet:
         # file decides are history: a process that starts later, reading the
         # same file, must not make them again (proxy/sharing.py).
         for name in sorted(set(current) | set(wanted)):
-            self.announce({"op": "file", "name": name, "listed": name in wanted})
+            state = self.cluster.instances.get(name)
+            draining = name in wanted and state is not None and state.draining
+            self.announce({"op": "file", "name": name, "listed": name in wanted,
+                           "draining": draining})  # fmt: skip
         restart = [
             f"server.{f.name}"
             for f in dataclasses.fields(new.server)

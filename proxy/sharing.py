@@ -513,6 +513,10 @@ class Sharing:
             entry = {"origin": origin, "op": op, "at": _float(fields.get("at"))}
             if op.get("op") == "file" and name is not None:  # a peer's reload: its own file
                 self._remember(entry)
+                state = self.cluster.instances.get(name)
+                if at is None and op.get("draining") and state is not None and not state.draining:
+                    # Starting from the compacted state: the drain it keeps.
+                    self.fleet.apply_op({"op": "drain", "name": name, "migrate": True})
                 return
             if op.get("op") == "remove" and name is not None and name not in self.cluster.instances:
                 # Gone here already (the compacted state keeps every removal, so a

@@ -28,7 +28,7 @@ def apply(ops: list[dict[str, Any]]) -> dict[str, Any]:
         elif kind == "patch":
             state["config"] = {**state["config"], **op["changes"]}
         elif kind == "file":
-            draining = bool(state["draining"]) if op["listed"] else None
+            draining = op["draining"] if op["listed"] else None
             state = {"present": "file", "config": {}, "draining": draining}
         else:
             state["draining"] = kind == "drain"
@@ -42,7 +42,16 @@ ops = st.one_of(
     st.builds(lambda c: {"op": "patch", "name": NAME, "changes": c}, changes),
     st.builds(lambda m: {"op": "drain", "name": NAME, "migrate": m}, st.booleans()),
     st.just({"op": "undrain", "name": NAME}),
-    st.builds(lambda listed: {"op": "file", "name": NAME, "listed": listed}, st.booleans()),
+    st.builds(
+        lambda listed, draining: {
+            "op": "file",
+            "name": NAME,
+            "listed": listed,
+            "draining": listed and draining,
+        },
+        st.booleans(),
+        st.booleans(),
+    ),  # fmt: skip
 )
 
 
