@@ -243,23 +243,13 @@ class Splicer:
             if isinstance(delta, dict) and any(delta.get(k) for k in _REASONING):
                 self.unmovable = "reasoning"
         self._credit(new, texts)
-        if self._started_over:  # the destination's own id: the client's instead
-            return Fed(sse.event(self._as_origin(chunk)), len(new), reported)
-        # The engine's own bytes: no re-serialization on the hot path.
+        if self._started_over:  # the request sent again (`restart`): the client's identity
+            origin = self.origin
+            chunk.update(id=origin.id, created=origin.created, model=origin.model)
+            raw = b"data: " + sse.dumps(chunk)
+        # The engine's own bytes, elsewhere: no re-serialization on the hot path.
         data = raw if self.wants_ids else token_ids.hide(raw)
         return Fed(data + b"\n\n", len(new), reported)
-
-    def _as_origin(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """A chunk of the request sent again (`restart`), as the client's stream
-        has it: its id, created and model, and token ids only if it asked."""
-        assert self.origin is not None
-        chunk.update(id=self.origin.id, created=self.origin.created, model=self.origin.model)
-        if not self.wants_ids:
-            for holder in [chunk, *(c for c in chunk.get("choices") or () if isinstance(c, dict))]:
-                for key in ("token_ids", "prompt_token_ids"):
-                    if key in holder:
-                        holder[key] = None
-        return chunk
 
     def _continued(self, chunk: dict[str, Any], choices: list[dict[str, Any]]) -> Fed:
         assert self.origin is not None
