@@ -98,10 +98,15 @@ def test_a_high_priority_request_overtakes_the_engines_queue(
         high, queued = first_tokens(proxy.url, ranked)
     finally:
         proxy.close()
+    # Two sequences at most: when the long streams end, the engine may admit
+    # two waiting requests in one step, and which of two first tokens from one
+    # step a client thread sees first is chance. So the orders compared are
+    # "at most one queued request ahead" against "two ahead".
     if engine_priority:
-        assert high < min(queued), "the high-priority request waited behind the queue"
+        # Priority order admits the high one first: alone, or in the same
+        # step as the first queued one.
+        assert high < sorted(queued)[1], "the high-priority request waited behind the queue"
     else:
-        # In arrival order two of the queued run first (2 sequences at most);
-        # the third and the high-priority one then start in the same step, so
-        # which of those two first tokens a client thread sees first is chance.
+        # Arrival order admits two of the queued first, then the third and
+        # the high-priority one.
         assert high > sorted(queued)[1]
