@@ -391,8 +391,18 @@ class StandIn:
         self._refuse_if_told()
         chat = request.path.endswith("/chat/completions") or "messages" in body
         n = _tokens(body, "max_tokens")
-        if chat and self.max_model_len and body.get("max_tokens") is None:
-            n = self.max_model_len - len(PROMPT_IDS)
+        if self.max_model_len:  # as vLLM: no prompt past the context, no budget either
+            prompt = body.get("prompt")
+            ids_given = isinstance(prompt, list) and all(type(i) is int for i in prompt)
+            prompt_len = len(prompt) if ids_given else len(PROMPT_IDS)
+            if prompt_len > self.max_model_len:
+                message = (
+                    f"This model's maximum context length is {self.max_model_len} tokens."
+                    f" However, your request has {prompt_len} input tokens."
+                )
+                _refuse(400, message, param="input_tokens")
+            room = self.max_model_len - prompt_len
+            n = room if chat and body.get("max_tokens") is None else min(n, room)
         ids = bool(body.get("return_token_ids"))
         self.running += 1
         self.served += 1

@@ -47,6 +47,9 @@ class InstanceState:
     # Why its last `GET /v1/models` failed (None: it answered). Its load may
     # still be read, and it takes no request for a model it has not listed.
     models_error: str | None = None
+    # Its engine said it does not serve a model listed for it (restarted on its
+    # port with another, say): its models are read again at the next look.
+    models_stale: bool = False
     # Load the engine reports beyond Ferry's ledger (traffic bypassing the proxy),
     # measured at the last scrape and carried until the next one.
     external_blocks: float = 0.0

@@ -428,6 +428,7 @@ class LiveStream:
                 preferred,
                 cached,
                 rescue=order.reason == "failover",
+                reach=self.reach(),
             )
             if dest is None:
                 self.metrics.migrations.labels(order.reason, "no_destination").inc()
@@ -592,6 +593,18 @@ class LiveStream:
         request = self.request
         prompt = len(self.splicer.prompt_ids or ())
         return continuation.budget(request.body, request.endpoint, prompt, request.context)
+
+    def reach(self) -> int | None:
+        """The longest its sequence may grow (prompt and whole budget; no longer
+        than the context of the instance it began on, which cuts a budget past
+        it), or None where that is not known. A destination with a shorter
+        context would end it early."""
+        limit = self._limit()
+        if limit is None:
+            return None
+        prompt = len(self.splicer.prompt_ids or ()) or self.call.entry.prompt_tokens
+        context = self.request.context
+        return prompt + limit if context is None else min(prompt + limit, context)
 
     async def _in_step(self, instance: str) -> bool:
         """Whether the client has all the text of the tokens generated: no stop

@@ -157,6 +157,7 @@ class Migrator:
                 cached=self._cached(s),
                 silent_s=s.timing.silent_s(),
                 model=s.request.model,
+                short_context=self.placement.short_contexts(s.request.model, s.reach()),
             )
             for s in self.streams_on(instance)
             if s.movable and s.request.id not in skip
@@ -237,8 +238,7 @@ class Migrator:
         if not any(requests.values()):
             return
         view = self.placement.view_of(self.placement.migration_instances() | self.evacuating)
-        block_size = {n: self.cluster.block_size(n) for n in requests}
-        for move in plan_drain(view, requests, block_size):
+        for move in plan_drain(view, requests):
             log.info(
                 "drain: request %s %s -> %s: %s",
                 move.request_id,
@@ -335,6 +335,7 @@ class Migrator:
                 stream.splicer.continuation_tokens() or stream.call.entry.prompt_tokens,
                 stream.request.priority,
                 avoid,
+                reach=stream.reach(),
             )
         if destination is None:
             return await stream.order_move(None, reason, source=source)

@@ -111,6 +111,7 @@ def encode(record: ProcessRecord) -> str:
                 dict(r.cached),
                 round(r.silent_s, 3),
                 r.model,
+                sorted(r.short_context),
             ]
             for r in loads_
         ]
@@ -249,12 +250,14 @@ def _request(raw: Any) -> RequestLoad:
         values = [*values, 0.0]
     if len(values) == 6:  # from a peer that predates model (any instance serves it)
         values = [*values, None]
-    if len(values) != 7:
+    if len(values) == 7:  # from a peer that predates short_context
+        values = [*values, []]
+    if len(values) != 8:
         raise ValueError(
-            "a candidate must be [id, tokens, priority, running, cached, silent_s, model]"
-            f" ({raw!r})"
+            "a candidate must be [id, tokens, priority, running, cached, silent_s, model,"
+            f" short_context] ({raw!r})"
         )
-    ident, tokens, priority, running, cached, silent_s, model = values
+    ident, tokens, priority, running, cached, silent_s, model, short = values
     if not (_count(ident) and _count(tokens) and isinstance(running, bool)):
         raise ValueError(f"a candidate's id and tokens must be counts ({raw!r})")
     if not (isinstance(silent_s, int | float) and not isinstance(silent_s, bool) and silent_s >= 0):
@@ -263,6 +266,8 @@ def _request(raw: Any) -> RequestLoad:
         raise ValueError(f"a candidate's cached tokens must map names to counts ({raw!r})")
     if not (model is None or isinstance(model, str)):
         raise ValueError(f"a candidate's model must be a name or null ({raw!r})")
+    if not all(isinstance(name, str) for name in _list(short)):
+        raise ValueError(f"a candidate's short_context must list names ({raw!r})")
     return RequestLoad(
         ident,
         tokens,
@@ -271,6 +276,7 @@ def _request(raw: Any) -> RequestLoad:
         cached=dict(cached),
         silent_s=float(silent_s),
         model=model,
+        short_context=frozenset(short),
     )
 
 

@@ -97,6 +97,7 @@ class Placement:
         preferred: str | None = None,
         cached: Mapping[str, int] | None = None,
         rescue: bool = False,
+        reach: int | None = None,
     ) -> str | None:
         """Where a stream of `tokens` (prompt + generated) should go on: `preferred`
         if it can take it, else the policy's pick among migration instances;
@@ -105,7 +106,9 @@ class Placement:
         draining instance, the one with the fewest in flight: it is healthy, and
         its drain waits for the stream or moves it on, where the alternative is
         to lose the stream. Not one drained to be removed: it may be gone
-        before the stream starts there."""
+        before the stream starts there. Never one whose context is shorter than
+        the stream's `reach` (see `short_contexts`)."""
+        exclude = exclude | self.short_contexts(model, reach)
         usable = self.migration_instances()
         if preferred and preferred in usable and preferred not in exclude:
             return preferred
@@ -115,6 +118,16 @@ class Placement:
             return self.choose(request)[0].name
         except NoCandidate:
             return self._draining_destination(model, exclude) if rescue else None
+
+    def short_contexts(self, model: str, reach: int | None) -> frozenset[str]:
+        """Instances whose context for `model` is known and shorter than `reach`
+        tokens: a stream that may grow to `reach` would be cut short there
+        (vLLM trims a budget to the context left, and says "length")."""
+        if reach is None:
+            return frozenset()
+        serving = (n for n, state in self.cluster.instances.items() if model in state.models)
+        lengths = ((n, self.cluster.context_length(n, model)) for n in serving)
+        return frozenset(n for n, length in lengths if length is not None and length < reach)
 
     def _draining_destination(self, model: str, exclude: set[str]) -> str | None:
         instances = self.cluster.instances

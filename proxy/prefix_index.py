@@ -53,13 +53,23 @@ DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
 _SEED = 0x5EED
 
 
-def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:
+def text_chunk_hashes(text: str, chunk_chars: int, seed: int = _SEED) -> list[int]:
     """Chained hashes of the full `chunk_chars`-character chunks of `text`."""
-    hashes, prev = [], _SEED
+    hashes, prev = [], seed
     for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
         prev = hash((prev, text[start : start + chunk_chars]))
         hashes.append(prev)
     return hashes
+
+
+def _namespace(body: Mapping[str, Any] | None) -> int:
+    """The seed of a request's chain: vLLM shares cached blocks only between
+    requests of one LoRA adapter (its name, as the request's model) and one
+    `cache_salt`, so neither a prompt of another adapter nor another salt is
+    credited as cached."""
+    if body is None:
+        return _SEED
+    return hash((_SEED, str(body.get("model")), str(body.get("cache_salt"))))
 
 
 def prompt_ids(body: Mapping[str, Any] | None) -> tuple[int, ...] | None:
@@ -229,7 +239,7 @@ class PrefixIndex:
     def key(
         self, body: Mapping[str, Any] | None, prompt_tokens: int, session: str | None = None
     ) -> PrefixKey:
-        chunks = text_chunk_hashes(prompt_text(body), self.chunk_chars)
+        chunks = text_chunk_hashes(prompt_text(body), self.chunk_chars, _namespace(body))
         return PrefixKey(tuple(chunks), prompt_tokens, session, prompt_ids(body))
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int]:

@@ -210,10 +210,16 @@ class Relay:
             try:
                 if upstream.status != 200:
                     response, outcome = await self._whole(upstream, call, wants_ids, body is None)
-                    if _retryable(upstream) and attempt < self.retries:
+                    shorter = self._no_longer_context(name, model, upstream.status, response)
+                    unserved = upstream.status == 404 and body is not None
+                    state = self.cluster.instances.get(name)
+                    if unserved and state is not None:  # a route it has: it lacks the model
+                        state.models_stale = True
+                    if (_retryable(upstream) or shorter or unserved) and attempt < self.retries:
                         self._retrying(record, name, str(upstream.status))
                         failed = response
                         tried.add(name)
+                        tried.update(shorter)
                         continue
                     return response
                 # A server that answers a stream request whole (it ignored
@@ -285,6 +291,27 @@ class Relay:
         assert failed is not None  # every attempt that does not return sets it
         self._judge(retried, "no_instance")
         return failed
+
+    def _no_longer_context(
+        self, name: str, model: str | None, status: int, response: web.StreamResponse
+    ) -> set[str]:
+        """Where the request went too long for `name`'s context (its engine's
+        400 says so) and another instance serves the model with a longer one:
+        the instances to pass over for it, `name`'s context or shorter. Empty
+        otherwise: the 400 is the client's answer."""
+        if status != 400 or model is None or not isinstance(response, web.Response):
+            return set()
+        context = self.cluster.context_length(name, model)
+        if context is None or not _too_long(response.body):
+            return set()
+        lengths = {
+            n: self.cluster.context_length(n, model)
+            for n, state in self.cluster.instances.items()
+            if model in state.models
+        }
+        if not any(length is not None and length > context for length in lengths.values()):
+            return set()
+        return {n for n, length in lengths.items() if length is None or length <= context}
 
     def _retrying(self, record: access_log.AccessRecord, name: str, reason: str) -> None:
         """Count a call to `name` that failed before any byte reached the client
@@ -674,6 +701,15 @@ def _retryable(upstream: aiohttp.ClientResponse) -> bool:
     and says when to come back (429 with Retry-After)."""
     status = upstream.status
     return status >= 500 or (status == 429 and "Retry-After" in upstream.headers)
+
+
+def _too_long(body: Any) -> bool:
+    """Whether an engine's 400 says the request exceeds its context: vLLM's
+    "maximum context length", "max_model_len"; OpenAI's code for it."""
+    if not isinstance(body, bytes):
+        return False
+    text = body[:4096].lower()
+    return any(sign in text for sign in (b"context length", b"max_model_len", b"context_length"))
 
 
 def _as_is(data: bytes) -> bytes:

@@ -219,7 +219,10 @@ class Scraper:
                 if resp.status != 200:
                     return f"GET /v1/models returned HTTP {resp.status}"
                 body = json.loads(await read_whole(resp, MAX_PAGE_BYTES))
-            cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
+            data = body.get("data", [])
+            if not isinstance(data, list):
+                return f"GET /v1/models: its data is {type(data).__name__}, not a list"
+            cards = [c for c in data if isinstance(c, dict) and "id" in c]
         except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
             if out_of_files(exc):
                 raise OutOfFiles(str(exc)) from exc
@@ -320,7 +323,8 @@ class Scraper:
                 if config is not None:  # perhaps another engine: ask it by name again
                     state.metrics_path = None
                 next_models, config = 0.0, state.config
-            if await self.look(name, with_models=started >= next_models):
+            stale, state.models_stale = state.models_stale, False
+            if await self.look(name, with_models=stale or started >= next_models):
                 next_models = started + self.models_refresh_s
             elif not state.healthy:
                 # Down, perhaps restarting: what comes back may serve other models.

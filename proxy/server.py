@@ -25,6 +25,7 @@ import resource
 import signal
 import socket
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -426,17 +427,26 @@ async def _invocations(request: web.Request) -> web.StreamResponse:
 async def _passthrough(request: web.Request) -> web.StreamResponse:
     """Any other call goes to an instance serving its `model`, if it names one."""
     arrived = time.monotonic()
-    if any(segment in (".", "..") for segment in request.path.split("/")):
+    if any(urllib.parse.unquote(s) in (".", "..") for s in request.path.split("/")):
         # The URL sent on would resolve them: `/v1/../sleep` (or `/v1/%2e%2e/sleep`)
         # is the engine's `/sleep`, a route not passed through, sent with the
-        # instance's credentials.
+        # instance's credentials. (`/v1/%252e%252e/` is refused too: the path sent
+        # on keeps its escapes, so no engine would resolve it, but nothing does
+        # that but a probe.)
         return error_response(404, "a path with . or .. segments is not passed through")
+    if request.path.startswith(_ENGINE_ADMIN):
+        return error_response(404, "the engine's administration routes are not passed through")
     try:
         raw = await _body(request)
         boundary = None
         if request.content_type == openai_request.MULTIPART:
             boundary = parse_mimetype(request.headers["Content-Type"]).parameters.get("boundary")
         body = openai_request.parse_passthrough(raw, request.content_type, boundary)
+        model = body.model
+        if model is None and request.method == "POST":
+            # The engine answers a call that names no model with its first one:
+            # where the instances' first models differ, that is a draw.
+            model = _implied_model(request.app[CLUSTER])
     except openai_request.BadRequest as exc:
         return error_response(exc.status, exc.message, param=exc.param)
     return await request.app[RELAY].forward(
@@ -444,7 +454,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         _engine_path(request),
         None,
         raw,
-        model=body.model,
+        model=model,
         priority=Priority.NORMAL,
         prompt_estimate=0,
         arrived=arrived,
@@ -464,10 +474,21 @@ async def _body(request: web.Request) -> bytes:
         raise openai_request.BadRequest(message, status=408) from None
 
 
+# vLLM's routes that change what an engine serves (with
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING): sent to one instance, chosen by load, with
+# its credentials, they would change one instance of the fleet at random.
+_ENGINE_ADMIN = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+# What a path segment may hold unescaped (RFC 3986's pchar).
+_PATH_SAFE = "/:@!$&'()*+,;="
+
+
 def _engine_path(request: web.Request) -> str:
-    """The path an engine is sent: without a trailing slash, which vLLM would
-    answer with a redirect to its own address."""
-    path = request.path
+    """The path an engine is sent, escaped again (aiohttp's `path` is unescaped
+    once: sent as it is, a `%3F` in it would start a query there, and `%2e` be a
+    dot the URL resolves); without a trailing slash, which vLLM would answer
+    with a redirect to its own address."""
+    path = urllib.parse.quote(request.path, safe=_PATH_SAFE)
     return path.rstrip("/") if path.endswith("/") and path != "/" else path
 
 

@@ -262,7 +262,9 @@ class Splicer:
         for choice in choices:
             ids = self._valid_ids(choice.get("token_ids"))
             ids = self._drop_regenerated(list(ids))
-            text = choice.get("text") or ""
+            text = choice.get("text")
+            if not isinstance(text, str):  # (an engine's null; anything else is no text)
+                text = ""
             if self._skip:
                 text, self._skip = text[self._skip :], max(0, self._skip - len(text))
             choice["text"], choice["token_ids"] = text, ids

@@ -35,6 +35,9 @@ STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyn
 DONE = b"data: [DONE]\n\n"
 
 
+_BLANK = (b"\n", b"\r")
+
+
 class KeptAliveOnly(asyncio.TimeoutError):
     """An upstream sent only SSE comments (keep-alive pings, as sse-starlette's
     every 15 s) for as long as a silent socket may last: as hung as a silent one."""
@@ -42,14 +45,16 @@ class KeptAliveOnly(asyncio.TimeoutError):
 
 class KeepAliveWatch:
     """Raises KeptAliveOnly once whole events have been nothing but comments
-    (one event a read, as pings come) for `idle_s` (0: never)."""
+    or blank lines (one event a read, as pings come) for `idle_s` (0: never)."""
 
     def __init__(self, idle_s: float, clock: Callable[[], float]) -> None:
         self.idle_s, self.clock = idle_s, clock
         self.last_event = clock()  # the last event that was more than a comment
 
     def saw(self, events: bytes) -> None:
-        if not events.startswith(b":"):
+        if events[:1] in _BLANK:
+            events = events.lstrip(b"\r\n")
+        if events and not events.startswith(b":"):
             self.last_event = self.clock()
         elif self.idle_s and self.clock() - self.last_event > self.idle_s:
             raise KeptAliveOnly(f"nothing but keep-alives for {self.idle_s:g}s")

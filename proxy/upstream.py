@@ -402,7 +402,11 @@ class Upstreams:
                     "out of file descriptors, answering 503: %s (raise ulimit -n)", exc
                 )
                 raise OutOfFiles(f"ferry is out of file descriptors: {exc}") from exc
-            self.cluster.mark_unreachable(call.instance, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                # Not a connection the instance took and then dropped, twice:
+                # that may be the request's doing (one its engine chokes on),
+                # and is held against the instance as any failed call is.
+                self.cluster.mark_unreachable(call.instance, f"{type(exc).__name__}: {exc}")
             raise
         except BaseException:
             call.close()

@@ -228,6 +228,7 @@ class Simulator:
             # here with no token yet is most likely preempted.
             engine_preempted=max(0, waiting - inst.awaiting),
             queued_tokens=inst.queued_tokens,
+            block_size=self.profile.block_size,
             healthy=inst.healthy,
             draining=inst.draining,
             models=frozenset({MODEL}),
@@ -433,9 +434,8 @@ class Simulator:
         candidates = {i.name: [_load(r, self.now) for r in self._movable(i)] for i in draining}
         if not any(candidates.values()):
             return
-        block_size = {n: self.profile.block_size for n in candidates}
         reserve = self.migration_settings.dest_reserve_blocks
-        for move in plan_drain(self.view(), candidates, block_size, reserve):
+        for move in plan_drain(self.view(), candidates, reserve):
             self._start_migration(move.request_id, move.source, move.destination)
 
     def _retire_if_drained(self, inst: Instance) -> None:

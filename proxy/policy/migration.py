@@ -115,9 +115,14 @@ class RequestLoad:
     cached: Mapping[str, int] = field(default_factory=lambda: _NOTHING_CACHED)
     silent_s: float = 0.0  # running: seconds since its last token came through
     model: str | None = None  # the model it asked for (None: any instance serves it)
+    # Instances serving its model whose context is too short for all it may
+    # reach (prompt + its whole budget): there a continuation would end early.
+    short_context: frozenset[str] = frozenset()
 
     def served_by(self, dest: InstanceView) -> bool:
-        return self.model is None or self.model in dest.models
+        return (self.model is None or self.model in dest.models) and (
+            dest.name not in self.short_context
+        )
 
     def tail(self, instance: str) -> int:
         """Tokens a lite move to `instance` recomputes: those not cached there."""
@@ -252,12 +257,13 @@ def plan_migrations(
 def _pair(
     src_name: str, dests: Sequence[InstanceView], candidates: Sequence[RequestLoad]
 ) -> InstanceView | None:
-    """The destination for a source: the freest, counting the best prefix credit
-    any of the source's candidates has there (without any: the freest)."""
+    """The destination for a source: the freest that can take one of its
+    candidates (their model, their context), counting the best prefix credit
+    any of them has there (without any: the freest)."""
     best: InstanceView | None = None
     best_score = -math.inf
     for dest in dests:
-        if dest.name == src_name:
+        if dest.name == src_name or not any(r.served_by(dest) for r in candidates):
             continue
         credit = max(
             (prefix_credit(r.cached.get(dest.name, 0), dest) for r in candidates), default=0
@@ -290,16 +296,19 @@ def _pick(
     for r in [*stalled, *queued, *running]:
         if not r.served_by(dest):
             continue
-        blocks = request_blocks(r.tokens + 1, block_size)
-        if blocks > room_blocks(
+        # Blocks as each engine counts them: their block sizes may differ.
+        blocks_there = request_blocks(r.tokens + 1, dest.block_size)
+        if blocks_there > room_blocks(
             dest.capacity_blocks, dest.virtual_blocks, settings.dest_reserve_blocks
         ):
             continue
         src_after = instance_freeness(
-            src.capacity_blocks, src.virtual_blocks - blocks, src.batch - 1
+            src.capacity_blocks,
+            src.virtual_blocks - request_blocks(r.tokens + 1, block_size),
+            src.batch - 1,
         )
         dest_after = instance_freeness(
-            dest.capacity_blocks, dest.virtual_blocks + blocks, dest.batch + 1
+            dest.capacity_blocks, dest.virtual_blocks + blocks_there, dest.batch + 1
         )
         # No ping-pong: the destination stays freer than the source. A preempted
         # stream holds no KV on its source, so its move frees nothing there: the
@@ -336,7 +345,6 @@ def _pick(
 def plan_drain(
     view: ClusterView,
     requests: Mapping[str, Sequence[RequestLoad]],
-    block_size: Mapping[str, int],
     reserve_blocks: int = 2,
 ) -> list[Migration]:
     """Moves off draining instances (`requests` holds each one's movable
@@ -353,18 +361,17 @@ def plan_drain(
     batch = {d.name: d.batch for d in dests}
     plan: list[Migration] = []
     for src_name, loads in requests.items():
-        size = block_size.get(src_name, 16)
         movable = sorted(
             (r for r in loads if r.migratable), key=lambda r: (-r.priority, r.tokens, r.id)
         )
         for r in movable:
-            blocks = request_blocks(r.tokens + 1, size)
             best: InstanceView | None = None
             best_score = -math.inf
             for dest in dests:
                 if dest.name == src_name or not r.served_by(dest):
                     continue
                 room = room_blocks(dest.capacity_blocks, used[dest.name], reserve_blocks)
+                blocks = request_blocks(r.tokens + 1, dest.block_size)  # its blocks there
                 if r.running and dest.capacity_blocks > 0 and blocks > room:
                     continue
                 score = instance_freeness(dest.capacity_blocks, used[dest.name], batch[dest.name])
@@ -373,7 +380,7 @@ def plan_drain(
                     best, best_score = dest, score
             if best is None:
                 continue
-            used[best.name] += blocks
+            used[best.name] += request_blocks(r.tokens + 1, best.block_size)
             batch[best.name] += 1
             what = f"running request of {r.tokens} tokens" if r.running else "queued request"
             reason = f"{src_name} draining; {what}; {best.name} freeness {best_score:.1f}"

@@ -60,10 +60,24 @@ def test_engine_routes_go_by_model(two_models: Ferry, path: str) -> None:
         assert answer.headers["x-ferry-instance"] == instance
         if path not in ("/tokenize", "/detokenize"):
             assert answer.json()["model"] == model and answer.json()["route"] == path
-    assert httpx.post(two_models.url + "/tokenize", json=ROUTES["/tokenize"]).status_code == 200
+    # Named no model, the engine answers with its first: here that would be a draw.
+    nameless = httpx.post(two_models.url + path, json=ROUTES[path])
+    assert_openai_error(nameless, 400, None)
+    assert "'model' is required" in nameless.json()["error"]["message"]
     unknown = httpx.post(two_models.url + path, json={"model": "nope", **ROUTES[path]})
     assert_openai_error(unknown, 404, "model_not_found")
     assert unknown.json()["error"]["param"] == "model"
+
+
+def test_a_call_that_names_no_model_goes_to_the_model_every_instance_serves_first(
+    standins: Any, ferry: Any
+) -> None:
+    (alpha, a), (beta, b) = standins(1, model="alpha")[0], standins(1, model="alpha")[0]
+    proxy = ferry([a.url, b.url])
+    for path in ("/v1/embeddings", "/tokenize"):
+        body = {"input": "x"} if path == "/v1/embeddings" else {"prompt": "a b"}
+        assert httpx.post(proxy.url + path, json=body).status_code == 200
+    assert alpha.answers or beta.answers
 
 
 def test_tokenize_and_detokenize_answer_as_the_instance_does(two_models: Ferry) -> None:
@@ -238,9 +252,18 @@ def test_a_body_ferry_cannot_route_by_is_a_400_in_the_openai_shape(two_models: F
     assert_openai_error(httpx.post(url + "/rerank", json=["alpha"]), 400, None)
     bad = httpx.post(url + "/pooling", content=b"{", headers={"Content-Type": "application/json"})
     assert_openai_error(bad, 400, None)
-    # A body Ferry does not read (not JSON) goes on as it came; the instance judges it.
+    # A body Ferry does not read (not JSON) names no model it can see: here,
+    # where the instances serve different ones, it goes nowhere at random.
     form = httpx.post(url + "/v1/embeddings", content=b"model=alpha")
-    assert form.status_code == 400 and "Unsupported Media Type" in form.text
+    assert_openai_error(form, 400, None)
+    assert "'model' is required" in form.json()["error"]["message"]
+
+
+def test_a_body_ferry_does_not_read_goes_on_as_it_came(standins: Any, ferry: Any) -> None:
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url])
+    form = httpx.post(proxy.url + "/v1/embeddings", content=b"model=standin")
+    assert form.status_code == 400 and "Unsupported Media Type" in form.text  # the engine's
 
 
 def test_instances_are_asked_for_uncompressed_answers(standins: Any, ferry: Any) -> None:
@@ -668,7 +691,16 @@ def test_a_body_naming_no_model_gets_the_base_model_beside_aliases_and_adapters(
 
 
 @pytest.mark.parametrize(
-    "path", ["/v1/../metrics", "/v1/%2e%2e/metrics", "/v1/..%2Fmetrics", "/v1/./../metrics"]
+    "path",
+    [
+        "/v1/../metrics",
+        "/v1/%2e%2e/metrics",
+        "/v1/..%2Fmetrics",
+        "/v1/./../metrics",
+        "/v1/%252e%252e/metrics",
+        "/v1/.%252E/metrics",
+        "/v1/load_lora_adapter",
+    ],
 )
 def test_a_path_that_climbs_out_of_v1_is_not_passed_through(
     standins: Any, ferry: Any, path: str
@@ -685,6 +717,19 @@ def test_a_path_that_climbs_out_of_v1_is_not_passed_through(
     assert answer.status == 404
     assert json.loads(answer.read())["error"]["type"] == "not_found_error"
     connection.close()
+
+
+def test_a_path_is_sent_on_with_its_escapes(standins: Any, ferry: Any) -> None:
+    """aiohttp unescapes a path once: sent on as it came out, `%3F` would start
+    a query on the engine, and `%2e` be a dot its URL resolves."""
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url])
+    host, port = proxy.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    connection.request("POST", "/v1/x%253Fy=1/a%2520b", body=b"{}")
+    assert connection.getresponse().status == 404  # the stand-in's: no such route
+    connection.close()
+    assert standin.answers == [("/v1/x%3Fy=1/a%20b", 404)]
 
 
 CHUNK = (

@@ -494,6 +494,27 @@ def test_a_patch_that_makes_an_instance_another_ones_server_is_refused(
     assert send(proxy.url + "/admin/instances/d1", "PATCH", rank2)[0] == 200
 
 
+def test_an_instance_restarted_with_another_model_is_read_again_at_once(
+    standins: Any, ferry: Any
+) -> None:
+    """An engine that answers 404 for a model listed for it serves another now
+    (restarted on its port): the request goes to an instance that serves it,
+    and the instance's models are read again at its next look, not after
+    `models_refresh_s`."""
+    (swapped, a), (_, b) = standins(2, model="m1", itl_s=0.001)
+    proxy = ferry(
+        [a.url, b.url],
+        scheduler={"policy": "round_robin", "models_refresh_s": 600, "scrape_interval_s": 0.05},
+    )
+    wait_until(lambda: proxy.view("i0").models == frozenset({"m1"}))
+    swapped.model = "m2"
+    api = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    for _ in range(2):  # round robin: one of them tries `swapped` first
+        assert api.completions.create(model="m1", prompt="x", max_tokens=2).choices[0].text
+    wait_until(lambda: proxy.view("i0").models == frozenset({"m2"}))
+    assert api.completions.create(model="m2", prompt="x", max_tokens=2).choices[0].text
+
+
 def test_an_instance_whose_models_cannot_be_read_says_why(standins: Any, ferry: Any) -> None:
     """Its load reads fine, so it is healthy, yet it takes no traffic for a model
     it has not listed: `/admin/instances` says why, until its models read again."""
@@ -504,3 +525,7 @@ def test_an_instance_whose_models_cannot_be_read_says_why(standins: Any, ferry: 
     assert rows(proxy.url)["i0"]["healthy"]
     standin.models_body = None
     wait_until(lambda: rows(proxy.url)["i0"]["models_error"] is None)
+    standin.models_body = b'{"object": "list", "data": null}'
+    wait_until(lambda: rows(proxy.url)["i0"]["models_error"] is not None)
+    assert "not a list" in rows(proxy.url)["i0"]["models_error"]
+    assert rows(proxy.url)["i0"]["healthy"]

@@ -1114,6 +1114,31 @@ def test_a_moved_stream_without_a_budget_keeps_the_one_it_had(standins: Any, fer
     assert healthy.seen_bodies[-1]["max_tokens"] == 11
 
 
+def test_a_stream_moves_only_where_its_context_holds_all_it_may_reach(
+    standins: Any, ferry: Any
+) -> None:
+    """Instances of one model with different contexts: a stream that may grow
+    to 63 tokens does not go on where the context is 50, which would cut it
+    short with a `length` finish."""
+    (broken, a), (small, b), (big, c) = standins(3, itl_s=0.001)
+    broken.max_model_len, small.max_model_len, big.max_model_len = 4096, 50, 4096
+    broken.break_after = 20
+    proxy = ferry(
+        [a.url, b.url, c.url], instances_migration="lite", scheduler={"policy": "round_robin"}
+    )
+    client = api(proxy.url)
+    for _ in range(3):  # the failover's round-robin turn falls on each in turn
+        broken.served = 0
+        while not broken.served:  # until one lands on `broken`
+            chunks = list(
+                client.completions.create(model="standin", prompt="x", max_tokens=60, stream=True)
+            )
+        assert "".join(c.choices[0].text for c in chunks) == " tok" * 60
+        assert chunks[-1].choices[0].finish_reason == "length"
+    continued = [s for s in (small, big) for b in s.seen_bodies if isinstance(b["prompt"], list)]
+    assert continued == [big] * 3
+
+
 def test_a_lora_chat_without_a_budget_keeps_its_base_models_room(standins: Any, ferry: Any) -> None:
     """vLLM lists a LoRA adapter's card without `max_model_len`, naming its base
     model as `parent`: the room left is the base model's. Where no card says

@@ -364,6 +364,27 @@ def test_connection_failure_is_retried_on_another_instance(
     assert not proxy.view("i0").healthy  # marked on the failed connection
 
 
+def test_a_request_its_engine_hangs_up_on_leaves_the_instance_in_use(
+    standins: Any, ferry: Any
+) -> None:
+    """An engine that takes the connection and drops it (twice: Ferry tries a
+    second connection) may be choking on the request: it goes to another
+    instance, and the first one still takes everyone else's requests. Marked
+    unreachable, as when it refuses connections, one client's requests could
+    take every instance out until their next scrapes."""
+    (choking, a), (other, b) = standins(2, itl_s=0.001)
+    proxy = ferry([a.url, b.url], scheduler={"scrape_interval_s": 60, "policy": "round_robin"})
+    with client(proxy) as api:
+        for _ in range(2):
+            choking.drop_next = 2
+            out = api.completions.create(model="standin", prompt="x", max_tokens=2)
+            assert out.choices[0].text == " tok" * 2
+        assert proxy.view("i0").healthy and proxy.view("i1").healthy
+        for _ in range(4):
+            api.completions.create(model="standin", prompt="x", max_tokens=2)
+    assert choking.served >= 1 and choking.drop_next == 0
+
+
 def test_admin_requires_the_token_and_drains(standins: Any, ferry: Any) -> None:
     sites = standins(2, itl_s=0.001)
     proxy = ferry([s.url for _, s in sites], admin_token="sekret")
@@ -512,6 +533,29 @@ def test_a_client_error_is_not_retried_and_retries_run_out(standins: Any, ferry:
     status, payload, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
     assert status == 502 and "HTTP 500" in payload["error"]["message"]
     assert len(a.answers) + len(b.answers) == 5  # 1 + 2 + 2: never twice on one instance
+
+
+def test_a_prompt_too_long_for_one_instance_goes_to_one_it_fits(standins: Any, ferry: Any) -> None:
+    """Instances of one model with different contexts: the engine's 400 for a
+    prompt past its context is tried again where the context is longer, and is
+    the client's answer where no instance has a longer one."""
+    (small, site_small), (big, site_big), (twin, site_twin) = standins(3)
+    small.max_model_len, big.max_model_len, twin.max_model_len = 50, 4096, 50
+    proxy = ferry([site_small.url, site_big.url], scheduler={"policy": "round_robin"})
+    with client(proxy) as api:
+        for i in range(4):  # round robin: `small` first, at least once
+            prompt = list(range(100 * i, 100 * i + 60))  # 60 token ids
+            answer = api.completions.create(model="standin", prompt=prompt, max_tokens=2)
+            assert answer.choices[0].text == " tok" * 2
+    refused = len(small.answers)
+    assert refused >= 1 and small.answers == [("/v1/completions", 400)] * refused
+    assert [status for _, status in big.answers] == [200] * 4
+    text = httpx.get(proxy.url + "/metrics").text
+    assert f'ferry_retries_total{{reason="400"}} {refused:.1f}' in text
+    alike = ferry([site_small.url, site_twin.url])
+    with client(alike) as api, pytest.raises(openai.BadRequestError, match="context length"):
+        api.completions.create(model="standin", prompt=list(range(60)), max_tokens=2)
+    assert len(small.answers) + len(twin.answers) == refused + 1  # none longer: once
 
 
 def test_failing_instance_is_ejected_with_a_doubling_backoff(

@@ -292,18 +292,18 @@ def test_a_drain_moves_only_what_fits_and_leaves_the_rest_decoding() -> None:
     # 10 blocks free on "a", 2 of them kept in reserve: 8 for the drain.
     view = ClusterView((drained(), inst("a", 100, 90, 2)))
     reqs = [running(1, 16 * 5 - 1), running(2, 16 * 3 - 1), running(3, 16 * 2 - 1)]
-    moves = plan_drain(view, {"d": reqs}, {"d": BS})
+    moves = plan_drain(view, {"d": reqs})
     # Shortest first: 2 + 3 blocks fit, the 5-block one would overfill "a".
     assert [(m.request_id, m.destination) for m in moves] == [(3, "a"), (2, "a")]
     assert all(m.prewarm and "draining" in m.reason for m in moves)
     full = ClusterView((drained(), inst("a", 100, 99, 2)))
-    assert plan_drain(full, {"d": reqs}, {"d": BS}) == []
+    assert plan_drain(full, {"d": reqs}) == []
 
 
 def test_a_drain_spreads_by_freeness_counting_its_own_moves() -> None:
     view = ClusterView((drained(), inst("a", 100, 40, 2), inst("b", 100, 50, 2)))
     reqs = [running(i, 16 * 10 - 1) for i in range(1, 5)]
-    moves = plan_drain(view, {"d": reqs}, {"d": BS})
+    moves = plan_drain(view, {"d": reqs})
     # a (F 30) takes the first; then a (F 16.7) and b (F 25): b; then a and b alternate.
     assert [m.destination for m in moves] == ["a", "b", "a", "b"]
 
@@ -311,7 +311,7 @@ def test_a_drain_spreads_by_freeness_counting_its_own_moves() -> None:
 def test_a_queued_request_leaves_a_drain_even_for_a_full_instance() -> None:
     view = ClusterView((drained(), inst("a", 100, 130, 5)))
     queued = RequestLoad(1, 500, Priority.NORMAL, running=False)
-    [move] = plan_drain(view, {"d": [queued, running(2, 40)]}, {"d": BS})
+    [move] = plan_drain(view, {"d": [queued, running(2, 40)]})
     assert (move.request_id, move.destination, move.prewarm) == (1, "a", False)
 
 
@@ -326,10 +326,10 @@ def test_a_drain_goes_first_for_high_priority_and_only_where_the_model_is() -> N
     low = RequestLoad(1, 40, Priority.LOW, running=True, model="m")
     high = RequestLoad(2, 16 * 4 - 1, Priority.HIGH, running=True, model="m")
     # Room for 6 blocks on "a": the high-priority one (4) first, then the low (3) does not fit.
-    [move] = plan_drain(view, {"d": [low, high]}, {"d": BS})
+    [move] = plan_drain(view, {"d": [low, high]})
     assert (move.request_id, move.destination) == (2, "a")
     anywhere = RequestLoad(3, 40, Priority.NORMAL, running=True)  # no model: any instance
-    assert plan_drain(view, {"d": [anywhere]}, {"d": BS})[0].destination == "b"
+    assert plan_drain(view, {"d": [anywhere]})[0].destination == "b"
 
 
 def test_a_rebalance_never_sends_a_request_where_its_model_is_not_served() -> None:
@@ -342,3 +342,42 @@ def test_a_rebalance_never_sends_a_request_where_its_model_is_not_served() -> No
     queued = RequestLoad(1, 300, Priority.NORMAL, running=False, model="m")
     assert plan(view, {"hot": [queued]}) == []
     assert plan(view, {"hot": [dataclasses.replace(queued, model="other")]}) != []
+
+
+def test_a_rebalance_pairs_with_the_freest_instance_of_its_model() -> None:
+    """Another model's idle instance, the freest, does not stand in the way."""
+    llama = frozenset({"llama"})
+    view = ClusterView(
+        (
+            inst("hot", 100, 130, 6, models=llama),
+            inst("free", 100, 40, 2, models=llama),
+            inst("idle", 100, 0, 0, models=frozenset({"mistral"})),
+        )
+    )
+    queued = RequestLoad(1, 300, Priority.NORMAL, running=False, model="llama")
+    [move] = plan(view, {"hot": [queued]})
+    assert (move.request_id, move.destination) == (1, "free")
+
+
+def test_a_stream_goes_nowhere_its_context_is_too_short() -> None:
+    view = ClusterView((inst("hot", 100, 130, 6), inst("small", 100, 10, 1)))
+    queued = RequestLoad(1, 300, Priority.NORMAL, running=False)
+    assert plan(view, {"hot": [queued]}) != []
+    short = dataclasses.replace(queued, short_context=frozenset({"small"}))
+    assert plan(view, {"hot": [short]}) == []
+    drain = ClusterView((drained(), inst("small", 100, 10, 1), inst("big", 100, 60, 3)))
+    assert plan_drain(drain, {"d": [queued]})[0].destination == "small"
+    assert plan_drain(drain, {"d": [short]})[0].destination == "big"
+
+
+def test_a_move_counts_its_blocks_in_each_engines_block_size() -> None:
+    """1,000 tokens are 63 blocks of 16 on the source, 8 of 128 on the
+    destination: the drain sees that they fit there, and not the other way."""
+    stream = running(1, 1000)
+    roomy = ClusterView((drained(), inst("gpu", 40, 0, 0, block_size=128)))
+    assert [m.destination for m in plan_drain(roomy, {"d": [stream]})] == ["gpu"]
+    tight = ClusterView((drained(), inst("small", 30, 0, 0, block_size=16)))
+    assert plan_drain(tight, {"d": [stream]}) == []
+    hot = inst("hot", 100, 130, 6)
+    assert plan(ClusterView((hot, inst("gpu", 40, 0, 0, block_size=128))), {"hot": [stream]})
+    assert not plan(ClusterView((hot, inst("small", 30, 0, 0))), {"hot": [stream]})

@@ -31,7 +31,14 @@ def record(process: str, seq: int = 0, **loads: InstanceLoad) -> ProcessRecord:
 
 def test_a_record_reads_back_as_written_without_its_idle_instances() -> None:
     moving = RequestLoad(
-        7, 130, Priority.LOW, running=True, cached={"b": 64}, silent_s=0.75, model="m"
+        7,
+        130,
+        Priority.LOW,
+        running=True,
+        cached={"b": 64},
+        silent_s=0.75,
+        model="m",
+        short_context=frozenset({"c"}),
     )
     written = ProcessRecord(
         "host:1:ab",
@@ -130,6 +137,18 @@ def test_a_change_reads_back_as_written() -> None:
         (
             json.dumps({"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, True, {}, 0, 3]]}}),
             "model must be a name or null",
+        ),
+        (
+            json.dumps(
+                {"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, True, {}, 0, "m", [3]]]}}
+            ),
+            "short_context must list names",
+        ),
+        (
+            json.dumps(
+                {"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, True, {}, 0, "m", "c"]]}}
+            ),
+            "must be a list",
         ),
     ],
 )

@@ -127,6 +127,16 @@ def test_cached_tokens_per_instance_and_affinity() -> None:
     assert index.cached_tokens(index.key(first, 10)) == {"a": 10}
 
 
+def test_a_prompt_is_cached_for_its_own_adapter_and_salt_only() -> None:
+    """vLLM's block hashes take in the LoRA adapter and the `cache_salt`."""
+    index = PrefixIndex(block_size=4)
+    body = {"model": "base", "prompt": "x" * 160}
+    index.record("a", index.key(body, 40), capacity_blocks=1000)
+    assert index.cached_tokens(index.key(dict(body), 40)) == {"a": 40}
+    assert index.cached_tokens(index.key({**body, "model": "sql-lora"}, 40)) == {}
+    assert index.cached_tokens(index.key({**body, "cache_salt": "tenant-2"}, 40)) == {}
+
+
 def test_capacity_comes_from_the_engine_cache() -> None:
     index = PrefixIndex(block_size=1)  # 4-character chunks
     key = index.key({"prompt": "x" * 400}, 100)

@@ -287,6 +287,19 @@ def test_continuation_chunks_take_the_clients_identity_and_shape() -> None:
     assert total == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
 
 
+@pytest.mark.parametrize("text", [5, None, ["x"], {"t": 1}])
+def test_a_continuations_text_that_is_no_string_is_no_text(text: Any) -> None:
+    splicer = Splicer({}, "completions", wants_ids=False)
+    first = {"id": "c", "created": 1, "model": "m", "prompt_token_ids": [1, 2]}
+    first["choices"] = [{"index": 0, "text": " a", "token_ids": [4]}]
+    splicer.feed(b"data: " + json.dumps(first).encode())
+    splicer.join(Join(keep=1, skip=0))
+    chunk = {"id": "d", "choices": [{"index": 0, "text": text, "token_ids": [5]}]}
+    fed = splicer.feed(b"data: " + json.dumps(chunk).encode())
+    assert fed.tokens == 1 and json.loads(fed.data[6:])["choices"][0]["text"] == ""
+    assert splicer.sent == " a" and splicer.generated == [4, 5]
+
+
 def test_a_continued_chats_usage_keeps_the_shape_the_source_gave_it() -> None:
     """vLLM's chat puts `completion_tokens_details` in each chunk's usage
     (`continuous_usage_stats`), and its continuation, a completion, does not:

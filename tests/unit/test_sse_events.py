@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.sse import AnswerTooLarge, Events
+from proxy.sse import AnswerTooLarge, Events, KeepAliveWatch, KeptAliveOnly
 
 EVENTS = [b'data: {"a":1}', b"data: \xe4\xbb\x8a\xf0\x9f\x9a\x80", b": comment", b"data: [DONE]"]
 
@@ -60,3 +60,19 @@ def test_an_event_read_in_many_pieces_is_joined_once() -> None:
     assert len(events._parts) == 1001  # joined only when the event ends
     whole = events.take(b"\n\n")
     assert whole == b"data: " + piece * 1000 + b"\n\n" and not events._parts
+
+
+@pytest.mark.parametrize("ping", [b": ping\n\n", b"\n\n", b"\r\n\r\n", b"\n"])
+def test_pings_or_blank_lines_alone_are_no_progress(ping: bytes) -> None:
+    """An upstream that sends nothing but comments or blank lines is as hung as
+    a silent one, once `idle_s` passes; one event with data is progress."""
+    now = [0.0]
+    watch = KeepAliveWatch(2.0, lambda: now[0])
+    now[0] = 1.0
+    watch.saw(b'\ndata: {"a":1}\n\n')  # a blank line before an event: progress
+    for t in (2.0, 2.9):
+        now[0] = t
+        watch.saw(ping)
+    now[0] = 3.1
+    with pytest.raises(KeptAliveOnly):
+        watch.saw(ping)

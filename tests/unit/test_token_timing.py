@@ -93,8 +93,10 @@ def test_a_continuation_not_yet_under_way_is_a_queued_candidate() -> None:
         ),
         call=SimpleNamespace(entry=SimpleNamespace(prompt_tokens=35)),
         timing=timing,
+        reach=lambda: None,
     )
     migrator = Migrator(None, None, None, None, max_concurrent=2, prewarm=True)  # type: ignore[arg-type]
+    migrator.placement = SimpleNamespace(short_contexts=lambda model, reach: frozenset())  # type: ignore[assignment]
     migrator.streams[7] = stream  # type: ignore[assignment]
     assert migrator.candidates("b")[0].running
     timing.cut()
