@@ -193,7 +193,9 @@ class SchedulerConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    max_body_bytes: int = 4 * 1024 * 1024
+    # Room for what vLLM takes whole: a 25 MB audio clip (its own limit), images
+    # sent as base64 in a chat. (vllm-router's default is 256 MB.)
+    max_body_bytes: int = 32 * 1024 * 1024
     upstream_connect_timeout_s: float = 3.0
     upstream_read_timeout_s: float = 600.0  # a whole (non-streamed) response may take this long
     # A stream that sends nothing for this long is broken: it resumes elsewhere

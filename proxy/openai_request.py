@@ -161,11 +161,12 @@ def _flag(value: Any) -> bool | None:
 
 def parse_passthrough(raw: bytes, content_type: str, boundary: str | None = None) -> PassThrough:
     """A body Ferry sends on unchanged. A JSON one is read (strictly, as by
-    `parse`) for its `model`, a multipart form (an audio upload) for its field
-    `model` (`boundary`: the Content-Type's); any other, or none, goes to any
-    instance."""
+    `parse`) for its `model`, a multipart form (an audio upload) for its fields
+    `model` and `stream` (`boundary`: the Content-Type's); any other, or none,
+    names no model."""
     if raw and content_type == MULTIPART and boundary:
-        return PassThrough(form_model(raw, boundary), False)
+        stream = form_field(raw, boundary, b"stream")
+        return PassThrough(form_model(raw, boundary), _flag(stream) is True)
     if not raw or content_type != JSON:
         return PassThrough(None, False)
     body = read_object(raw)
@@ -176,7 +177,11 @@ def parse_passthrough(raw: bytes, content_type: str, boundary: str | None = None
 
 
 def form_model(raw: bytes, boundary: str) -> str | None:
-    """The value of the field `model` in a multipart/form-data body (RFC 7578;
+    return form_field(raw, boundary, b"model")
+
+
+def form_field(raw: bytes, boundary: str, name: bytes) -> str | None:
+    """The value of the field `name` in a multipart/form-data body (RFC 7578;
     the last, if several, as Starlette reads it), or None. Only the parts'
     headers are searched: a file is skipped over, never copied."""
     dash = b"--" + boundary.encode("latin-1", "replace")
@@ -193,7 +198,7 @@ def form_model(raw: bytes, boundary: str) -> str | None:
         end = raw.find(delimiter, head_end + 4)
         if end < 0:
             return model
-        if _field_name(raw[head:head_end]) == b"model":
+        if _field_name(raw[head:head_end]) == name:
             model = raw[head_end + 4 : end].decode("utf-8", "replace")
         at = end + 2
 

@@ -33,6 +33,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.helpers import parse_mimetype
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy import access_log, admin, client_auth, openai_request, sse, tracing, ttft_stages
 from proxy.cluster import Cluster
@@ -257,8 +258,25 @@ def build_app(
     return app
 
 
+class _ClientFaultsQuiet(logging.Filter):
+    """aiohttp logs each request its parser refuses (a malformed header line, a
+    body encoding it cannot decode) at ERROR with a traceback: any client could
+    flood the log. They are the client's faults, answered 400: debug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = record.exc_text = None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:
     """How `serve` runs the app (tests run it so too)."""
+    aiohttp_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _ClientFaultsQuiet) for f in aiohttp_log.filters):
+        aiohttp_log.addFilter(_ClientFaultsQuiet())
     return web.AppRunner(
         app,
         # A client that hangs up cancels its handler, which closes the upstream

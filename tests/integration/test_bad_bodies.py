@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import socket
 import time
 from typing import Any
 
@@ -257,4 +258,29 @@ def test_a_body_that_does_not_decompress_ends_its_connection_quietly(
         ok = client.post(proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"})
         assert ok.status_code == 200
     time.sleep(0.2)  # (aiohttp's lingering read came after the answer)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: zstd\r\n"
+        b"Content-Length: 2\r\n\r\n{}",
+    ],
+    ids=["header line", "zstd"],
+)
+def test_a_request_aiohttps_parser_refuses_logs_no_error(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture, head: bytes
+) -> None:
+    """aiohttp answers it 400 before any of Ferry's code runs, and logged each
+    one at ERROR with a traceback: a log any client could flood."""
+    [(_, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url])
+    caplog.set_level(logging.INFO)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(head)
+        assert raw.recv(4096).startswith(b"HTTP/1.")
+    assert httpx.post(proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"})
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

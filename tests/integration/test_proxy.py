@@ -337,14 +337,16 @@ def test_a_first_look_whose_whole_page_fails_still_reads_the_load_by_name(
 def test_an_answer_no_check_foresaw_is_a_failed_scrape_from_the_first_look(
     standins: Any, ferry: Any
 ) -> None:
-    """`/v1/models` with `data` that is not a list (something else on the port):
-    Ferry starts, the instance is unhealthy while it answers so, healthy after."""
+    """`/v1/models` with `data` that is not a list: Ferry starts, the instance
+    serves no model while it answers so (its load reads fine: it is healthy,
+    and says why), and its models after."""
     [(standin, site)] = standins(1)
     standin.models_body = b'{"data": 5}'
     proxy = ferry([site.url], scheduler={"scrape_interval_s": 0.05, "unhealthy_after_failures": 1})
-    assert not proxy.view("i0").healthy
+    state = proxy.cluster.instances["i0"]
+    assert not proxy.view("i0").models and "not a list" in (state.models_error or "")
     standin.models_body = None
-    wait_until(lambda: proxy.view("i0").healthy)
+    wait_until(lambda: proxy.view("i0").models == frozenset({"standin"}))
 
 
 def test_connection_failure_is_retried_on_another_instance(

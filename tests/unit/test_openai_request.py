@@ -240,6 +240,20 @@ def test_a_forms_model_is_found_past_any_file(
     assert parse_passthrough(raw, MULTIPART, None).model is None  # no boundary: any instance
 
 
+@pytest.mark.parametrize(("value", "stream"), [(b"true", True), (b"false", False), (None, False)])
+def test_a_streamed_upload_is_a_stream(value: bytes | None, stream: bool) -> None:
+    """A transcription's `stream` is a form field: a streamed one gets a
+    stream's idle timeout, not a whole answer's."""
+    fields: list[tuple[str, bytes, str | None]] = [
+        ("file", b"RIFF", "a.wav"),
+        ("model", b"m", None),
+    ]
+    if value is not None:
+        fields.append(("stream", value, None))
+    passed = parse_passthrough(multipart(fields, "B"), MULTIPART, "B")
+    assert (passed.model, passed.stream) == ("m", stream)
+
+
 def test_a_forms_model_is_read_as_starlette_reads_it() -> None:
     """A quoted file name may hold `; name=model`; names are case-sensitive,
     spaces may surround `=`, and of two `model` fields the last counts."""

@@ -15,9 +15,11 @@ import pytest
 from proxy.workers import EXIT_CONFIG, MAX_FAILED_RESTARTS, supervise
 
 
-def sleeper() -> None:
-    """A worker that stops cleanly on SIGTERM, as Ferry's do."""
+def sleeper(ready: str) -> None:
+    """A worker that stops cleanly on SIGTERM, as Ferry's do; it says it is
+    ready (a file in the folder `ready`) once a SIGTERM would find it so."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    Path(ready, str(os.getpid())).touch()
     time.sleep(60)
 
 
@@ -33,13 +35,17 @@ def _children(n: int) -> list[multiprocessing.process.BaseProcess]:
 
 @pytest.mark.parametrize(("killed", "status"), [(1, 0), (2, 1)])
 def test_a_worker_that_died_before_the_stop_fails_it_only_if_none_was_left(
-    killed: int, status: int
+    killed: int, status: int, tmp_path: Path
 ) -> None:
     """Workers killed, their restarts still ahead, when SIGTERM comes: with one
     left to stop cleanly the stop is clean (exit 0); with none, it is not."""
 
     def kill_then_stop() -> None:
-        for worker in _children(2)[:killed]:
+        workers = _children(2)
+        deadline = time.monotonic() + 30  # a spawned child takes seconds on a busy machine
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for worker in workers[:killed]:
             os.kill(worker.pid or 0, signal.SIGKILL)
         _children(2 - killed)
         time.sleep(0.3)  # the supervisor has seen the deaths and set their restarts
@@ -47,7 +53,9 @@ def test_a_worker_that_died_before_the_stop_fails_it_only_if_none_was_left(
 
     killer = threading.Thread(target=kill_then_stop)
     killer.start()
-    code = supervise(2, sleeper, (), stop_timeout_s=10, restart_delay_s=60, poll_s=0.05)
+    code = supervise(
+        2, sleeper, (str(tmp_path),), stop_timeout_s=10, restart_delay_s=60, poll_s=0.05
+    )
     killer.join()
     assert code == status
 
