@@ -281,7 +281,8 @@ class Migrator:
         does not fit (the decision is the policy core's `make_room_victim`)."""
         if chosen.name not in self.placement.migration_instances():
             return False
-        victim = make_room_victim(chosen, blocks_needed, self.candidates(chosen.name))
+        elsewhere = self.placement.view_of(self.placement.migration_instances()).instances
+        victim = make_room_victim(chosen, blocks_needed, self.candidates(chosen.name), elsewhere)
         if victim is None:
             return False
         self.submit(self.streams[victim], None, "priority")

@@ -41,10 +41,18 @@ class Coordinator(Protocol):
         """Each peer's movable streams by instance (ids are the peer's own)."""
 
     def send_move(
-        self, owner: str, request_id: int, destination: str, prewarm: bool, reason: str
+        self,
+        owner: str,
+        request_id: int,
+        destination: str,
+        prewarm: bool,
+        reason: str,
+        *,
+        source: str,
     ) -> None:
-        """Ask `owner` to move its stream `request_id` to `destination` (warming
-        the destination first, or not, for `reason`: see `Migrator.submit`)."""
+        """Ask `owner` to move its stream `request_id`, planned off `source`, to
+        `destination` (warming the destination first, or not, for `reason`: see
+        `Migrator.submit`)."""
 
 
 class Rescheduler:
@@ -146,7 +154,7 @@ class Rescheduler:
             else:
                 assert self.coordinator is not None
                 self.coordinator.send_move(
-                    owner, request_id, move.destination, move.prewarm, reason
+                    owner, request_id, move.destination, move.prewarm, reason, source=move.source
                 )
         return len(plan)
 

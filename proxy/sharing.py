@@ -181,8 +181,8 @@ class Sharing:
         self._fleet_state: dict[str, list[dict[str, Any]]] = {}
         self._epoch: str | None = None  # Redis's, as last read
         self._restore_due = False
-        # Moves to send: (owner, id, destination, prewarm, reason).
-        self._outbox: list[tuple[str, int, str, bool, str]] = []
+        # Moves to send: (owner, id, destination, prewarm, reason, source).
+        self._outbox: list[tuple[str, int, str, bool, str, str]] = []
         self._announced: list[dict[str, Any]] = []  # fleet changes made here, to send
         # The fleet log orders every change, and every process must end as applying
         # it in that order would leave it. A change made here was applied at once,
@@ -254,9 +254,16 @@ class Sharing:
         return {name: record.candidates for name, record in self.peers.records.items()}
 
     def send_move(
-        self, owner: str, request_id: int, destination: str, prewarm: bool, reason: str
+        self,
+        owner: str,
+        request_id: int,
+        destination: str,
+        prewarm: bool,
+        reason: str,
+        *,
+        source: str,
     ) -> None:
-        self._outbox.append((owner, request_id, destination, prewarm, reason))
+        self._outbox.append((owner, request_id, destination, prewarm, reason, source))
 
     def health(self) -> tuple[bool, bool, int]:
         """Whether Redis answers, whether this process holds the lease, and how
@@ -346,9 +353,9 @@ class Sharing:
             self._metrics_at = started
             ttl = int(METRICS_TTL_S * 1000)
             pipe.set(self._metrics_key(self.name), exposition(), px=ttl)
-        for owner, request_id, destination, prewarm, reason in outbox:
+        for owner, request_id, destination, prewarm, reason, source in outbox:
             key = f"{self.settings.key_prefix}:moves:{owner}"
-            pipe.rpush(key, json.dumps([request_id, destination, prewarm, reason]))
+            pipe.rpush(key, json.dumps([request_id, destination, prewarm, reason, source]))
             pipe.pexpire(key, ttl_ms)  # a dead owner's moves go with it
         try:
             results = await pipe.execute()
@@ -577,9 +584,10 @@ class Sharing:
     def _apply_move(self, raw: str) -> None:
         try:
             request_id, destination, *rest = json.loads(raw)
-            # An older peer sends [id, destination] or [id, destination, prewarm].
+            # An older peer sends [id, destination], then prewarm, reason, source.
             prewarm = rest[0] if rest else True
             reason = rest[1] if len(rest) > 1 and rest[1] == "rescue" else "rebalance"
+            source = rest[2] if len(rest) > 2 and isinstance(rest[2], str) else None
         except (ValueError, TypeError):
             log.warning("ignoring a malformed move: %r", raw)
             return
@@ -591,9 +599,10 @@ class Sharing:
             stream is None
             or not stream.movable
             or stream.instance == destination  # moved there by an earlier plan
+            or source is not None and stream.instance != source  # it failed over since
             or destination not in self.cluster.instances
         ):
-            return  # finished, moving already, or the destination is gone
+            return  # finished, moving already, gone on elsewhere, or the destination is gone
         log.info("%s (the lease holder's plan): request %s -> %s", reason, request_id, destination)
         self.migrator.submit(stream, destination, reason, prewarm is not False)
 

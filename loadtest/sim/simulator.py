@@ -264,7 +264,7 @@ class Simulator:
         it moves to the freest other instance."""
         inst = self.by_name[chosen.name]
         candidates = [_load(r, self.now) for r in self._movable(inst)]
-        victim = make_room_victim(chosen, blocks, candidates)
+        victim = make_room_victim(chosen, blocks, candidates, view.instances)
         if victim is None:
             return
         victim_load = self.by_id[victim]

@@ -15,7 +15,10 @@ from proxy.policy.view import InstanceView, Priority
 
 
 def make_room_victim(
-    chosen: InstanceView, blocks_needed: int, candidates: Sequence[RequestLoad]
+    chosen: InstanceView,
+    blocks_needed: int,
+    candidates: Sequence[RequestLoad],
+    elsewhere: Sequence[InstanceView],
 ) -> int | None:
     """The id of the request to move off `chosen` so that a high-priority request
     of `blocks_needed` KV blocks fits, or None when it fits already, the capacity
@@ -23,12 +26,18 @@ def make_room_victim(
 
     Room is M - V without the high-priority headroom (`freeness_high` x batch).
     The victim is the lowest-priority, then shortest, movable request below high
-    priority: the cheapest to move and the one that least deserves to stay.
+    priority that one of the instances `elsewhere` can take (its model, its
+    context): the cheapest to move and the one that least deserves to stay.
     """
     room = chosen.freeness_high * max(chosen.batch, 1)
     if not chosen.capacity_blocks or room >= blocks_needed:
         return None
-    victims = [r for r in candidates if r.priority < Priority.HIGH and r.migratable]
+    others = [d for d in elsewhere if d.name != chosen.name and d.dispatchable]
+    victims = [
+        r
+        for r in candidates
+        if r.priority < Priority.HIGH and r.migratable and any(r.served_by(d) for d in others)
+    ]
     if not victims:
         return None
     return min(victims, key=lambda r: (r.priority, r.tokens, r.id)).id

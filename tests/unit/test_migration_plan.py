@@ -10,6 +10,7 @@ from proxy.policy.migration import (
     plan_migrations,
     sources,
 )
+from proxy.policy.priority import make_room_victim
 
 BS = 16
 
@@ -381,3 +382,17 @@ def test_a_move_counts_its_blocks_in_each_engines_block_size() -> None:
     hot = inst("hot", 100, 130, 6)
     assert plan(ClusterView((hot, inst("gpu", 40, 0, 0, block_size=128))), {"hot": [stream]})
     assert not plan(ClusterView((hot, inst("small", 30, 0, 0))), {"hot": [stream]})
+
+
+def test_room_is_made_by_moving_a_stream_that_has_somewhere_to_go() -> None:
+    """The shortest low-priority stream is an adapter's that no other instance
+    serves: the one moved is the next, which one does."""
+    both = frozenset({"base", "lora"})
+    chosen = inst("hot", 100, 99, 2, models=both)
+    other = inst("other", 100, 10, 1, models=frozenset({"base"}))
+    adapter = RequestLoad(1, 40, Priority.LOW, running=True, model="lora")
+    base = RequestLoad(2, 400, Priority.LOW, running=True, model="base")
+    assert make_room_victim(chosen, 8, [adapter, base], [chosen, other]) == 2
+    assert make_room_victim(chosen, 8, [adapter], [chosen, other]) is None
+    draining = dataclasses.replace(other, draining=True)
+    assert make_room_victim(chosen, 8, [adapter, base], [chosen, draining]) is None

@@ -48,6 +48,7 @@ class Coordinator:
     def __init__(self, holds: bool, peers: dict[str, dict[str, list[RequestLoad]]]) -> None:
         self.holds, self.peers = holds, peers
         self.sent: list[tuple[str, int, str, bool, str]] = []
+        self.sources: list[str] = []
 
     def holds_lease(self) -> bool:
         return self.holds
@@ -56,9 +57,17 @@ class Coordinator:
         return self.peers
 
     def send_move(
-        self, owner: str, request_id: int, destination: str, prewarm: bool, reason: str
+        self,
+        owner: str,
+        request_id: int,
+        destination: str,
+        prewarm: bool,
+        reason: str,
+        *,
+        source: str,
     ) -> None:
         self.sent.append((owner, request_id, destination, prewarm, reason))
+        self.sources.append(source)
 
 
 def queued(request_id: int) -> RequestLoad:
@@ -83,6 +92,7 @@ def test_the_holder_sends_a_peer_s_stream_to_that_peer() -> None:
     assert planner.tick() == 1
     # The peer's own id; queued: no warming.
     assert coordinator.sent == [("p1", 42, "b", False, "rebalance")]
+    assert coordinator.sources == ["a"]  # where it was planned off
     assert migrator.submitted == []
 
 
@@ -145,3 +155,25 @@ def test_a_tick_that_fails_does_not_end_rebalancing(caplog: Any) -> None:
     asyncio.run(run())
     assert Flaky.calls > 3
     assert caplog.text.count("a rescheduler tick failed") == 1
+
+
+def test_a_planned_move_of_a_stream_that_went_on_elsewhere_is_dropped() -> None:
+    """The lease holder planned the move off `a`; by the time it arrives the
+    stream failed over to `c` by itself: moving it again would spend a resume
+    and take it off the healthy instance it went to."""
+    import json
+    from types import SimpleNamespace
+
+    from proxy.config import SharingConfig
+    from proxy.sharing import Sharing
+
+    stream = SimpleNamespace(instance="c", movable=True)
+    submitted: list[tuple[Any, ...]] = []
+    migrator = SimpleNamespace(streams={7: stream}, submit=lambda *a: submitted.append(a))
+    cluster = make_cluster("a", "b", "c")
+    sharing = Sharing(None, SharingConfig(), cluster, None, migrator, None, name="p")  # type: ignore[arg-type]
+    sharing._apply_move(json.dumps([7, "b", True, "rebalance", "a"]))
+    assert submitted == []
+    sharing._apply_move(json.dumps([7, "b", True, "rebalance", "c"]))
+    sharing._apply_move(json.dumps([7, "b"]))  # an older peer's: no source said
+    assert [a[1:3] for a in submitted] == [("b", "rebalance")] * 2
