@@ -599,7 +599,8 @@ class Sharing:
             stream is None
             or not stream.movable
             or stream.instance == destination  # moved there by an earlier plan
-            or source is not None and stream.instance != source  # it failed over since
+            or source is not None
+            and stream.instance != source  # it failed over since
             or destination not in self.cluster.instances
         ):
             return  # finished, moving already, gone on elsewhere, or the destination is gone
