@@ -30,7 +30,7 @@ from proxy.live_stream import LiveStream
 from proxy.placement import Placement
 from proxy.policy import InstanceView
 from proxy.policy.migration import RequestLoad, plan_drain
-from proxy.policy.priority import make_room_victim
+from proxy.policy.priority import lacks_room, make_room_victim
 from proxy.upstream import Upstreams
 
 log = logging.getLogger("ferry.migration")
@@ -279,6 +279,8 @@ class Migrator:
     def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
         """A high-priority request goes to `chosen`: move a lower one off if it
         does not fit (the decision is the policy core's `make_room_victim`)."""
+        if not lacks_room(chosen, blocks_needed):  # (the common case: no candidates read)
+            return False
         if chosen.name not in self.placement.migration_instances():
             return False
         elsewhere = self.placement.view_of(self.placement.migration_instances()).instances

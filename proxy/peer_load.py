@@ -111,7 +111,9 @@ def encode(record: ProcessRecord) -> str:
                 dict(r.cached),
                 round(r.silent_s, 3),
                 r.model,
-                sorted(r.short_context),
+                # Only where it says something: a peer that predates it refuses
+                # a record whose candidates have more fields than it knows.
+                *([sorted(r.short_context)] if r.short_context else []),
             ]
             for r in loads_
         ]

@@ -212,6 +212,7 @@ class Relay:
                     response, outcome = await self._whole(upstream, call, wants_ids, body is None)
                     shorter = self._no_longer_context(name, model, upstream.status, response)
                     unserved = upstream.status == 404 and body is not None
+                    unserved = unserved and _model_unknown(response)
                     state = self.cluster.instances.get(name)
                     if unserved and state is not None:  # a route it has: it lacks the model
                         state.models_stale = True
@@ -305,9 +306,9 @@ class Relay:
         if context is None or not _too_long(response.body):
             return set()
         lengths = {
-            n: self.cluster.context_length(n, model)
-            for n, state in self.cluster.instances.items()
-            if model in state.models
+            v.name: self.cluster.context_length(v.name, model)
+            for v in self.cluster.view().instances
+            if v.dispatchable and model in v.models
         }
         if not any(length is not None and length > context for length in lengths.values()):
             return set()
@@ -701,6 +702,15 @@ def _retryable(upstream: aiohttp.ClientResponse) -> bool:
     and says when to come back (429 with Retry-After)."""
     status = upstream.status
     return status >= 500 or (status == 429 and "Retry-After" in upstream.headers)
+
+
+def _model_unknown(response: web.StreamResponse) -> bool:
+    """Whether an engine's 404 says the model is unknown (vLLM: "The model `m`
+    does not exist.", param "model"), not the route."""
+    if not isinstance(response, web.Response) or not isinstance(response.body, bytes):
+        return False
+    text = response.body[:4096].lower()
+    return b"model" in text and (b"does not exist" in text or b"not found" in text)
 
 
 def _too_long(body: Any) -> bool:

@@ -9,9 +9,10 @@ Routes:
   passed through, and `GET /version`;
 - SageMaker's `POST /invocations`, read as the chat or completion its body is;
 - `/health`, `/livez`, `/readyz` (and vLLM's `/ping`), `/metrics` and `/admin/*`.
-A pass-through call goes to an instance serving its JSON body's `model` (any
-instance when it names none) and is answered as the instance answers: a stream
-as it comes, byte for byte, anything else whole.
+A pass-through call goes to an instance serving its JSON body's `model` (one
+that names none, to the model vLLM would answer it with: `_implied_model`) and
+is answered as the instance answers: a stream as it comes, byte for byte,
+anything else whole.
 """
 
 from __future__ import annotations

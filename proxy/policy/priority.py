@@ -14,6 +14,14 @@ from proxy.policy.migration import RequestLoad
 from proxy.policy.view import InstanceView, Priority
 
 
+def lacks_room(chosen: InstanceView, blocks_needed: int) -> bool:
+    """Whether a high-priority request of `blocks_needed` KV blocks does not fit
+    on `chosen` (of known capacity): room is M - V without the high-priority
+    headroom (`freeness_high` x batch)."""
+    room = chosen.freeness_high * max(chosen.batch, 1)
+    return bool(chosen.capacity_blocks) and room < blocks_needed
+
+
 def make_room_victim(
     chosen: InstanceView,
     blocks_needed: int,
@@ -24,13 +32,11 @@ def make_room_victim(
     of `blocks_needed` KV blocks fits, or None when it fits already, the capacity
     is unknown, or nothing can move.
 
-    Room is M - V without the high-priority headroom (`freeness_high` x batch).
     The victim is the lowest-priority, then shortest, movable request below high
     priority that one of the instances `elsewhere` can take (its model, its
     context): the cheapest to move and the one that least deserves to stay.
     """
-    room = chosen.freeness_high * max(chosen.batch, 1)
-    if not chosen.capacity_blocks or room >= blocks_needed:
+    if not lacks_room(chosen, blocks_needed):
         return None
     others = [d for d in elsewhere if d.name != chosen.name and d.dispatchable]
     victims = [

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from proxy.config import load_config
 from proxy.migrator import PREWARM_WAIT_S
@@ -501,7 +502,7 @@ def test_an_instance_restarted_with_another_model_is_read_again_at_once(
     (restarted on its port): the request goes to an instance that serves it,
     and the instance's models are read again at its next look, not after
     `models_refresh_s`."""
-    (swapped, a), (_, b) = standins(2, model="m1", itl_s=0.001)
+    (swapped, a), (other, b) = standins(2, model="m1", itl_s=0.001)
     proxy = ferry(
         [a.url, b.url],
         scheduler={"policy": "round_robin", "models_refresh_s": 600, "scrape_interval_s": 0.05},
@@ -513,6 +514,13 @@ def test_an_instance_restarted_with_another_model_is_read_again_at_once(
         assert api.completions.create(model="m1", prompt="x", max_tokens=2).choices[0].text
     wait_until(lambda: proxy.view("i0").models == frozenset({"m2"}))
     assert api.completions.create(model="m2", prompt="x", max_tokens=2).choices[0].text
+    # A 404 that is not about the model (a gateway's, say) is the client's answer.
+    swapped.model, other.fail_status = "m1", 404
+    proxy.cluster.instances["i0"].models_stale = True
+    wait_until(lambda: proxy.view("i0").models == frozenset({"m1"}))
+    with pytest.raises(openai.NotFoundError, match="told to fail"):
+        for _ in range(2):  # round robin: one of them tries `other` first, not again
+            api.completions.create(model="m1", prompt="x", max_tokens=2)
 
 
 def test_an_instance_whose_models_cannot_be_read_says_why(standins: Any, ferry: Any) -> None:
