@@ -376,13 +376,18 @@ class LiveStream:
         """Start the continuation and switch to it: "moved", "failed" (the stream
         stays where it is), or "done" (nothing was left to generate)."""
         order.cut = True
-        tried = {self.instance}
+        source = self.instance
+        tried = {source}
         if order.reason != "failover":
             tried |= self.failed_on
         try:
-            return await self._continue(order, response, tried)
+            result = await self._continue(order, response, tried)
         finally:
             self._release_unused(order, tried)
+        if result == "moved":  # the source's call is over (the relay counts the last)
+            outcome = "stream_broken" if order.reason == "failover" else "migrated"
+            self.metrics.requests.labels(source, outcome).inc()
+        return result
 
     async def _continue(
         self, order: MoveOrder, response: web.StreamResponse, tried: set[str]

@@ -60,7 +60,13 @@ _LATENCY_BUCKETS = (
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # proxy/live_stream.py and proxy/migrator.py: why a stream moved, how the cut-over went.
 MIGRATION_REASONS = ("failover", "rescue", "drain", "rebalance", "priority")
-MIGRATION_OUTCOMES = ("ok", "no_destination", "destination_failed", "no_prompt_ids")
+MIGRATION_OUTCOMES = (
+    "ok",
+    "no_destination",
+    "destination_failed",
+    "no_prompt_ids",
+    "not_migratable",
+)
 # TTFT stages: parsing and dispatch take microseconds, the engine's part seconds.
 _STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4) + _LATENCY_BUCKETS
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)

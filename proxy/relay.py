@@ -122,6 +122,9 @@ class Relay:
         stages = None
         if stream and body is not None and parsed is not None:
             stages = TTFTStages(self.clock, arrived, parsed)
+        # A failed call to try again (instance, why): a retry once another
+        # instance is found for it; else the failure is the answer, and no retry.
+        again: tuple[str, str] | None = None
         for attempt in range(self.retries + 1):
             try:
                 chosen, cached = self.placement.choose(
@@ -136,6 +139,9 @@ class Relay:
                 return error_response(
                     503, exc.reason, code="no_instance", headers={"Retry-After": self.retry_after}
                 )
+            if again is not None:
+                self._retrying(record, *again)
+                again = None
             name = chosen.name
             record.instances.append(name)
             record.model_label = self.metrics.model_label(
@@ -189,7 +195,7 @@ class Relay:
                 )
                 self._count(name, outcome, _describe(exc))
                 if attempt < self.retries:
-                    self._retrying(record, name, outcome)
+                    again = (name, outcome)
                 record.outcome = outcome
                 failed = error_response(
                     503,
@@ -217,7 +223,7 @@ class Relay:
                     if unserved and state is not None:  # a route it has: it lacks the model
                         state.models_stale = True
                     if (_retryable(upstream) or shorter or unserved) and attempt < self.retries:
-                        self._retrying(record, name, str(upstream.status))
+                        again = (name, str(upstream.status))
                         failed = response
                         tried.add(name)
                         tried.update(shorter)
@@ -275,7 +281,7 @@ class Relay:
                 failed = _upstream_failed(name, exc.__cause__ or exc)
                 if attempt == self.retries:
                     return failed
-                self._retrying(record, name, outcome)
+                again = (name, outcome)
                 tried.add(name)
                 continue
             except asyncio.CancelledError:
@@ -684,7 +690,11 @@ def _note_end(
     tokens as the client got them (a moved stream's whole prompt and generation)."""
     record.outcome, record.ttft_s = outcome, timing.ttft
     record.ttft_stages_s = timing.stage_seconds
-    prompt, completion = call.entry.prompt_tokens, call.entry.generated_tokens
+    entry = call.entry
+    # The engine's count; else Ferry's estimate, for what the engine served
+    # without saying (not for what it refused: nothing was prefilled).
+    prompt = entry.prompt_tokens if entry.prompt_exact or outcome == "ok" else None
+    completion = entry.generated_tokens
     if live is not None:
         ids = live.splicer.prompt_ids
         prompt = len(ids) if ids is not None else prompt

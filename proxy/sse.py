@@ -328,6 +328,7 @@ class TokenTiming:
         "ttft",
         "stages",
         "stage_seconds",
+        "_first_from",
     )
 
     def __init__(
@@ -345,6 +346,7 @@ class TokenTiming:
         self.ttft: float | None = None  # seconds, once the first token came
         self.stages = stages  # None once its breakdown is recorded
         self.stage_seconds: dict[str, float] | None = None  # the breakdown, once recorded
+        self._first_from: str | None = None  # the first token's instance, until it is written
 
     @property
     def first_token_seen(self) -> bool:
@@ -390,7 +392,13 @@ class TokenTiming:
             self.stages.read()
 
     def written(self) -> None:
-        """Bytes went to the client: if they held the first token, its breakdown is done."""
+        """Bytes went to the client: if they held the first token, its TTFT and
+        breakdown are done (what the client waited for includes the answer's
+        headers and the write)."""
+        if self._first_from is not None:
+            self.ttft = self.clock() - self.arrived
+            self.metrics.ttft.labels(self.model, self._first_from).observe(self.ttft)
+            self._first_from = None
         stages = self.stages
         if stages is not None and self.last is not None:
             self.stages = None
@@ -413,8 +421,7 @@ class TokenTiming:
                 self.metrics.migration_downtime.observe(downtime)
             self.cut_at = None
         if self.last is None:
-            self.ttft = now - self.arrived
-            self.metrics.ttft.labels(self.model, instance).observe(self.ttft)
+            self._first_from = instance  # its TTFT is taken when it is written
             if self.stages is not None:
                 self.stages.first_token()
         else:

@@ -57,7 +57,11 @@ def test_a_stream_that_breaks_resumes_on_the_other_instance(standins: Any, ferry
     assert "x-data-parallel-rank" not in sent  # the first instance's rank, not this one's
     first = {k.lower(): v for k, v in broken.seen_headers[-1].items()}
     assert first["x-data-parallel-rank"] == "1"
-    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
+    text = metrics(proxy.url)
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in text
+    # One per call: the one that broke, and the one that finished the stream.
+    assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in text
+    assert 'ferry_requests_total{instance="i1",outcome="ok"} 1.0' in text
 
 
 def test_chat_resumes_as_chat_deltas_with_usage_counted_once(standins: Any, ferry: Any) -> None:

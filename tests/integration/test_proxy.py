@@ -173,7 +173,7 @@ def test_a_client_that_leaves_before_a_whole_answer_is_counted(standins: Any, fe
         ),
         (
             "/v1/completions",
-            b'{"model": "standin", "prompt": "' + b"x" * 5_000_000 + b'"}',
+            b'{"model": "standin", "prompt": "' + b"x" * 34_000_000 + b'"}',  # > 32 MiB
             {},
             413,
             None,
@@ -558,6 +558,26 @@ def test_a_prompt_too_long_for_one_instance_goes_to_one_it_fits(standins: Any, f
     with client(alike) as api, pytest.raises(openai.BadRequestError, match="context length"):
         api.completions.create(model="standin", prompt=list(range(60)), max_tokens=2)
     assert len(small.answers) + len(twin.answers) == refused + 1  # none longer: once
+
+
+def test_a_failure_with_nowhere_else_to_go_is_no_retry_and_bills_no_prompt(
+    standins: Any, ferry: Any
+) -> None:
+    """One instance, and it answers 500 (then 400): the request is not tried
+    again, and says so; the prompt it refused is not counted as served."""
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url], scheduler={"retries": 1})
+    for status in (500, 400):
+        standin.fail_status = status
+        answer = httpx.post(
+            proxy.url + "/v1/completions", json={"model": "standin", "prompt": "word " * 400}
+        )
+        assert answer.status_code == (502 if status == 500 else 400)
+    assert len(standin.answers) == 2
+    text = httpx.get(proxy.url + "/metrics").text
+    assert "ferry_retries_total{" not in text
+    assert 'ferry_requests_total{instance="i0",outcome="upstream_5xx"} 1.0' in text
+    assert "ferry_prompt_tokens_total{" not in text
 
 
 def test_failing_instance_is_ejected_with_a_doubling_backoff(
