@@ -183,7 +183,7 @@ def add_routes(
         return web.json_response(row(name))
 
     async def reload(request: web.Request) -> web.Response:
-        return web.json_response(fleet().reload())
+        return web.json_response(await fleet().reload())
 
     async def shared_view(request: web.Request) -> web.Response:
         return web.json_response(status.describe())

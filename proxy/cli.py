@@ -252,6 +252,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
 
     from proxy.config import (
         ConfigError,
+        check_key,
         check_redis_url,
         check_workers,
         config_from_backends,
@@ -278,6 +279,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
     if args.workers is not None:
         server = dataclasses.replace(server, workers=args.workers)
     token = args.admin_token or config.admin_token
+    if args.admin_token:
+        check_key(args.admin_token, "--admin-token")
     redis_url = config.redis_url
     if args.redis:
         check_redis_url(args.redis, "--redis")

@@ -64,7 +64,12 @@ class InstanceConfig:
         """Both name one server the same way: listed twice, it would be billed
         twice. (One URL with another `x-data-parallel-rank` header is another rank
         of a vLLM data-parallel server: a server of its own to route to.)"""
-        return _server_of(self.url) == _server_of(other.url) and self.headers == other.headers
+        return self.server == other.server
+
+    @property
+    def server(self) -> tuple[Any, ...]:
+        """The server it names, as `same_server` compares them (a dict's key)."""
+        return (*_server_of(self.url), tuple(sorted(self.headers.items())))
 
     def auth_headers(self) -> dict[str, str]:
         """The headers every call to this instance carries."""
@@ -347,10 +352,14 @@ def parse_config(raw: Any, env: dict[str, str] | None = None) -> FerryConfig:
     token = top.get("admin_token")
     if token is not None and not isinstance(token, str):
         raise ConfigError("admin_token: must be a string")
-    token = token or env.get("FERRY_ADMIN_TOKEN") or None
+    # `${VAR}` as in the instances (taken as written, "${FERRY_TOKEN}" would be a
+    # token anyone could guess).
+    token = _expand(token, "admin_token", env) or env.get("FERRY_ADMIN_TOKEN") or None
     if token is not None:
-        _check_key(token, "admin_token (or FERRY_ADMIN_TOKEN)")
+        check_key(token, "admin_token (or FERRY_ADMIN_TOKEN)")
     redis_url = top.get("redis_url")
+    if isinstance(redis_url, str):
+        redis_url = _expand(redis_url, "redis_url", env)  # a password from the environment
     if redis_url is not None:
         check_redis_url(redis_url, "redis_url")
     config = FerryConfig(
@@ -375,7 +384,7 @@ def _api_keys(top: dict[str, Any], env: dict[str, str]) -> tuple[str, ...]:
         given = env.get("FERRY_API_KEYS", "").split(",")
         keys = [k.strip() for k in given if k.strip()]
         for i, key in enumerate(keys):
-            _check_key(key, f"FERRY_API_KEYS, key {i + 1}")
+            check_key(key, f"FERRY_API_KEYS, key {i + 1}")
         return tuple(keys)
     raw = top["api_keys"]
     if not isinstance(raw, list) or not raw:
@@ -386,12 +395,12 @@ def _api_keys(top: dict[str, Any], env: dict[str, str]) -> tuple[str, ...]:
         if not isinstance(item, str):
             raise ConfigError(f"{where}: must be a string")
         key = _expand(item, where, env) or ""
-        _check_key(key, where)
+        check_key(key, where)
         keys.append(key)
     return tuple(keys)
 
 
-def _check_key(key: str, where: str) -> None:
+def check_key(key: str, where: str) -> None:
     """A bearer token as a header carries it: visible ASCII (HTTP clients send
     headers as Latin-1, servers read UTF-8; a space is trimmed off)."""
     if not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
@@ -399,9 +408,13 @@ def _check_key(key: str, where: str) -> None:
 
 
 def check_redis_url(url: Any, where: str) -> None:
-    if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        _ = parts and parts.port  # raises on a port that is none
+    except ValueError as exc:  # "redis://[::1", "redis://h:99999"
+        raise ConfigError(f"{where}: not a URL ({exc}; got {url!r})") from None
+    if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"{where}: must be a redis://, rediss:// or unix:// URL (got {url!r})")
-    parts = urlsplit(url)
     # redis-py reads the path as the database number and quietly uses 0 for anything else.
     if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
         raise ConfigError(
@@ -471,13 +484,14 @@ def _instances(
         )
     result: list[InstanceConfig] = []
     names: set[str] = set()
+    servers: dict[tuple[Any, ...], str] = {}
     for i, item in enumerate(raw):
         inst = parse_instance(item, f"instances[{i}]", env, defaults)
         if inst.name in names:
             raise ConfigError(f"instances[{i}].name: duplicate instance name {inst.name!r}")
-        twin = next((other for other in result if other.same_server(inst)), None)
-        if twin is not None:
-            raise ConfigError(f"instances[{i}].url: the server of instance {twin.name!r}")
+        twin = servers.setdefault(inst.server, inst.name)
+        if twin != inst.name:
+            raise ConfigError(f"instances[{i}].url: the server of instance {twin!r}")
         names.add(inst.name)
         result.append(inst)
     return tuple(result)
@@ -488,9 +502,11 @@ def parse_instance(
     where: str,
     env: dict[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    *,
+    runtime: bool = False,
 ) -> InstanceConfig:
-    """One instance, as in the YAML list (also the body of `POST /admin/instances`);
-    a key it does not set is taken from `defaults` (`instance_defaults:`)."""
+    """One instance, as in the YAML list (also the body of `POST /admin/instances`,
+    `runtime`); a key it does not set is taken from `defaults` (`instance_defaults:`)."""
     env = dict(os.environ) if env is None else env
     own = _mapping(raw, where)
     entry = {**(defaults or {}), **own}
@@ -508,15 +524,23 @@ def parse_instance(
     # `${VAR}` in the addresses too: a Deployment passes hosts and ports in its env.
     # An error quotes an address as written, not as expanded: the admin API
     # answers with it, and a variable may hold a secret.
+    # Not at runtime: the admin API shows an address as it was expanded, and so
+    # would hand its caller any of Ferry's variables (its client keys); `api_key`
+    # and `headers`, never shown, are expanded there too.
     written = {key: entry.get(key) for key in _ADDRESSES}
-    for key in _ADDRESSES:
+    for key in () if runtime else _ADDRESSES:
         if isinstance(entry.get(key), str):
             entry[key] = _expand(entry[key], f"{where}.{key}", env)
     inst = _section(InstanceConfig, entry, where, required=("name", "url"))
-    if not isinstance(inst.name, str) or not _INSTANCE_NAME.fullmatch(inst.name):
+    if (
+        not isinstance(inst.name, str)
+        or not _INSTANCE_NAME.fullmatch(inst.name)
+        or len(inst.name) > MAX_INSTANCE_NAME
+    ):
         raise ConfigError(
             f"{where}.name: must be ASCII letters, digits and . _ : - @ [ ] only, not"
-            f" starting with . (got {inst.name!r})"
+            f" starting with ., at most {MAX_INSTANCE_NAME} characters"
+            f" (got {str(inst.name)[:200]!r})"
         )
     if not _http_url(inst.url):
         raise ConfigError(
@@ -600,6 +624,8 @@ def _server_of(url: str) -> tuple[str, str, int | None, str]:
 # An instance's name: in metrics labels, the admin API's paths, log lines and a
 # response header, so printable ASCII and path-safe. '@' and brackets for the
 # names discovery gives (name@address:port, name@[v6]:port), which a PATCH reads.
+# A name is in every answer's `x-ferry-instance` header and every metric label.
+MAX_INSTANCE_NAME = 128
 _INSTANCE_NAME = re.compile(r"[A-Za-z0-9_:@\[\]-][A-Za-z0-9._:@\[\]-]*")
 # Headers that frame the request, which the HTTP client sets: an instance's
 # `headers` replacing them would break every call to it.
@@ -939,5 +965,7 @@ def _join(where: str, key: str) -> str:
 
 
 def _name_from_url(url: str) -> str:
-    parts = urlsplit(url)
-    return parts.netloc or url
+    try:
+        return urlsplit(url).netloc or url
+    except ValueError:  # "http://[::1": the URL's own check says why
+        return "unnamed"

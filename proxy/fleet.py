@@ -182,7 +182,7 @@ class Fleet:
     def add_raw(self, raw: Any) -> InstanceConfig:
         """`POST /admin/instances`: a JSON object like one YAML instance."""
         defaults = self.config.instance_defaults
-        instance = _parse(lambda: parse_instance(raw, "instance", defaults=defaults))
+        instance = _parse(lambda: parse_instance(raw, "instance", defaults=defaults, runtime=True))
         self.add(instance)
         return instance
 
@@ -191,6 +191,14 @@ class Fleet:
         old = self._get(name).config
         if not isinstance(changes, dict):
             raise FleetError(400, "body: must be a JSON object", "invalid_request")
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(InstanceConfig)})
+        if unknown:
+            raise FleetError(
+                400,
+                f"instance.{unknown[0]}: no such field (those that can change at runtime:"
+                f" {', '.join(PATCHABLE)})",
+                "invalid_request",
+            )
         fixed = sorted(set(changes) - set(PATCHABLE))
         if fixed:
             raise FleetError(
@@ -200,7 +208,7 @@ class Fleet:
                 "invalid_request",
             )
         raw = {"name": name, "url": old.url, "engine": old.engine, **changes}
-        parsed = _parse(lambda: parse_instance(raw, "instance"))
+        parsed = _parse(lambda: parse_instance(raw, "instance", runtime=True))
         new = dataclasses.replace(old, **{key: getattr(parsed, key) for key in changes})
         for other, state in self.cluster.instances.items():  # headers tell servers apart
             if other != name and not state.leaving and state.config.same_server(new):
@@ -254,13 +262,14 @@ class Fleet:
         self.cluster.set_draining(name, False)
         self.migrator.stop_draining(name)
 
-    def reload(self) -> dict[str, Any]:
-        """Read the configuration file again and apply the difference."""
+    async def reload(self) -> dict[str, Any]:
+        """Read the configuration file again and apply the difference. The file
+        is read and checked in a thread: a long one takes the loop no time."""
         if self.load is None:
             raise FleetError(
                 409, "ferry was started without a configuration file", "no_config_file"
             )
-        return self.apply(_parse(self.load))
+        return self.apply(await asyncio.to_thread(_parse, self.load))
 
     def apply(self, new: FerryConfig) -> dict[str, Any]:
         """Make the running fleet match `new`; returns what changed."""
@@ -285,8 +294,9 @@ class Fleet:
             for n, s in self.cluster.instances.items()
             if n not in current and n not in wanted and not s.leaving
         ]
+        servers = {c.server: n for n, c in staying}
         for i, instance in enumerate(new.instances):
-            twin = next((n for n, c in staying if c.same_server(instance)), None)
+            twin = servers.get(instance.server)
             if twin is not None:
                 message = f"instances[{i}].url: the server of instance {twin!r} (discovered)"
                 raise FleetError(409, message, "instance_exists")

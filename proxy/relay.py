@@ -50,7 +50,7 @@ _NOT_FORWARDED = frozenset(
     {
         "connection", "keep-alive", "proxy-connection", "proxy-authorization", "te",
         "trailer", "transfer-encoding", "upgrade", "host", "expect",
-        "content-length", "content-type", "content-encoding", "accept-encoding",
+        "content-length", "content-type", "content-encoding", "accept-encoding", "via",
         access_log.REQUEST_ID, *access_log.TRACE_HEADERS, PRIORITY_HEADER,
     }
 )  # fmt: skip
@@ -82,6 +82,9 @@ class Relay:
         self.retry_after = str(retry_after_s)
         self.retries = retries
         self.max_resumes = max_resumes
+        # This process, in the `Via` of what it sends on: a request that comes
+        # back with it went round (an instance's URL that leads to Ferry).
+        self.hop = f"ferry-{uuid.uuid4().hex[:12]}"
 
     async def forward(
         self,
@@ -106,8 +109,13 @@ class Relay:
         stream = stream if body is None else bool(body.get("stream"))
         record = access_log.record_of(request)
         record.model, record.priority = model, priority.name.lower()
+        via = request.headers.getall("Via", [])
+        if any(self.hop in hop for hop in via):
+            message = "the request came back to Ferry: an instance's URL leads to Ferry itself"
+            return error_response(508, message, code="loop_detected")
         headers = forwarded_headers(request)
         headers.update(record.upstream_headers)
+        headers["Via"] = ", ".join([*via, f"1.1 {self.hop}"])
         # A body Ferry read goes on as the JSON it re-encodes; any other as it
         # came, Content-Type and all (a charset, a multipart boundary).
         content_type = (

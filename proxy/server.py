@@ -647,14 +647,21 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
 
-    def reload() -> None:
+    async def reload() -> None:
         try:
-            app[FLEET].reload()
+            await app[FLEET].reload()
         except FleetError as exc:
             log.error("reload refused, nothing changed: %s", exc)
 
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_sighup() -> None:
+        task = asyncio.create_task(reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     try:
-        loop.add_signal_handler(signal.SIGHUP, reload)
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
     except (NotImplementedError, RuntimeError):
         pass
     orphan_watch = (

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -521,6 +522,40 @@ def test_an_instance_restarted_with_another_model_is_read_again_at_once(
     with pytest.raises(openai.NotFoundError, match="told to fail"):
         for _ in range(2):  # round robin: one of them tries `other` first, not again
             api.completions.create(model="m1", prompt="x", max_tokens=2)
+
+
+def test_an_instance_that_leads_back_to_ferry_ends_the_round_at_once(
+    standins: Any, ferry: Any
+) -> None:
+    """An instance added with Ferry's own URL: a request sent there comes back
+    (its `Via` says so) and goes no further, where it went round and round,
+    thousands of connections deep, until its client gave up."""
+    [(standin, site)] = standins(1)
+    proxy = ferry([site.url], admin_token=TOKEN, scheduler={"policy": "round_robin"})
+    added = {"name": "self", "url": proxy.url, "engine": "openai"}
+    assert send(proxy.url + "/admin/instances", "POST", added)[0] == 201
+    wait_until(lambda: rows(proxy.url)["self"]["healthy"] and proxy.view("self").models)
+    assert send(proxy.url + "/admin/instances/i0/drain", "POST")[0] == 200
+    answer = httpx.post(
+        proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"}, timeout=10
+    )
+    assert answer.status_code == 502 and "leads to Ferry itself" in answer.text
+    assert standin.served == 0
+
+
+def test_a_runtime_address_is_not_read_from_ferrys_environment(
+    standins: Any, ferry: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admin API shows an instance's URL: `${VAR}` there would hand any of
+    Ferry's variables to whoever holds the admin token."""
+    monkeypatch.setenv("FERRY_SECRET_FOR_TEST", "hunter2")
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url], admin_token=TOKEN)
+    added = {"name": "leak", "url": "http://127.0.0.1:9/${FERRY_SECRET_FOR_TEST}"}
+    status_, payload = send(proxy.url + "/admin/instances", "POST", added)
+    assert "hunter2" not in json.dumps(payload) and "hunter2" not in json.dumps(rows(proxy.url))
+    typo = send(proxy.url + "/admin/instances/i0", "PATCH", {"migraton": "lite"})
+    assert typo[0] == 400 and "no such field" in typo[1]["error"]["message"]
 
 
 def test_an_instance_whose_models_cannot_be_read_says_why(standins: Any, ferry: Any) -> None:

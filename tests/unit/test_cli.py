@@ -16,6 +16,11 @@ from proxy.cli import main
         (["sim", "--trace", "/nonexistent.jsonl", "--instances", "2", "--policy", "llumnix"],
          1, "No such file or directory"),
         (["serve", "--backend", "http://127.0.0.1:1", "--port", "99999"], 2, "--port: must be"),
+        (["serve", "--backend", "http://[::1"], 2, "instances[0].url: must be"),
+        (["serve", "--backend", "http://127.0.0.1:1", "--redis", "redis://h:99999"], 2,
+         "--redis: not a URL"),
+        (["serve", "--backend", "http://127.0.0.1:1", "--admin-token", "t\u00f6k"], 2,
+         "--admin-token: must be a key"),
     ],
 )  # fmt: skip
 def test_a_mistake_is_one_line(

@@ -55,6 +55,13 @@ def test_admin_token_from_environment() -> None:
     )
 
 
+def test_admin_token_and_redis_url_read_variables_as_instances_do() -> None:
+    env = {"TOKEN": "t0k", "REDIS_PASSWORD": "pw"}
+    raw = base(admin_token="${TOKEN}", redis_url="redis://:${REDIS_PASSWORD}@h:6379/0")
+    config = parse_config(raw, env=env)
+    assert config.admin_token == "t0k" and config.redis_url == "redis://:pw@h:6379/0"
+
+
 def test_client_keys_from_yaml_or_environment() -> None:
     assert parse_config(base(), env={}).api_keys == ()
     assert parse_config(base(), env={"FERRY_API_KEYS": " k1, ,k2 "}).api_keys == ("k1", "k2")
@@ -230,6 +237,13 @@ def test_client_keys_from_yaml_or_environment() -> None:
         (base(scheduler=[1]), r"^scheduler: must be a mapping"),
         (base(redis_url="http://h:6379"), r"^redis_url: must be a redis://, rediss:// or unix://"),
         (base(redis_url=6379), r"^redis_url: must be a redis://"),
+        (base(redis_url="redis://[::1"), r"^redis_url: not a URL \(Invalid IPv6 URL"),
+        (base(redis_url="redis://h:99999"), r"^redis_url: not a URL \(Port out of range"),
+        (base(redis_url="redis://${NOT_SET_ANYWHERE}"), r"^redis_url: environment variable"),
+        (
+            {"instances": [{"name": "n" * 129, "url": "http://h:1"}]},
+            r"^instances\[0\]\.name: .*at most 128 characters",
+        ),
         (
             base(redis_url="redis://h:6379/abc"),
             r"^redis_url: the path names the database by number",
