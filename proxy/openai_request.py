@@ -189,17 +189,17 @@ def form_field(raw: bytes, boundary: str, name: bytes) -> str | None:
     at = 0 if raw.startswith(dash) else raw.find(delimiter) + 2  # past any preamble
     if at == 1:
         return None  # no delimiter at all
-    model = None
+    value = None
     while True:
         head = at + len(dash)
         head_end = raw.find(b"\r\n\r\n", head)
         if raw.startswith(b"--", head) or head_end < 0:
-            return model  # the closing delimiter, or a cut body
+            return value  # the closing delimiter, or a cut body
         end = raw.find(delimiter, head_end + 4)
         if end < 0:
-            return model
+            return value
         if _field_name(raw[head:head_end]) == name:
-            model = raw[head_end + 4 : end].decode("utf-8", "replace")
+            value = raw[head_end + 4 : end].decode("utf-8", "replace")
         at = end + 2
 
 
