@@ -82,8 +82,15 @@ class TraceSpec:
 def generate(spec: TraceSpec) -> list[TraceRequest]:
     if spec.arrival not in ARRIVALS:
         raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)} (got {spec.arrival!r})")
+    finite = (spec.rate, spec.cv, spec.input_mean, spec.output_mean, spec.sigma, spec.day_s)
+    if not all(math.isfinite(x) for x in finite):
+        raise ValueError("rate, cv, input_mean, output_mean, sigma and day_s must be finite")
     if spec.rate <= 0 or spec.requests < 0 or spec.cv <= 0:
         raise ValueError("rate and cv must be positive, requests not negative")
+    if spec.input_mean <= 0 or spec.output_mean <= 0 or spec.sigma < 0 or spec.max_len < 1:
+        raise ValueError("input_mean and output_mean must be positive, max_len at least 1")
+    if spec.burst_size < 1 or not 0 <= spec.high_priority <= 1:
+        raise ValueError("burst_size must be at least 1, high_priority in [0, 1]")
     if spec.day_s < 0 or not 0 <= spec.day_amplitude < 1:
         raise ValueError("day_s must not be negative, day_amplitude must be in [0, 1)")
     if spec.prefix_groups < 0 or spec.prefix_len < 0 or spec.turns < 1:
@@ -95,6 +102,8 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
     t = 0.0
     for i in range(spec.requests):
         t += _gap(spec, rng, i)
+        if not math.isfinite(t):
+            raise ValueError(f"rate {spec.rate:g} is too small: arrivals pass any time")
         out.append(
             TraceRequest(
                 id=i,
@@ -199,16 +208,43 @@ def write(path: Path, requests: Iterable[TraceRequest]) -> None:
 
 
 def read(path: Path) -> list[TraceRequest]:
-    out = []
+    out: list[TraceRequest] = []
+    ids: set[int] = set()
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                out.append(TraceRequest(**json.loads(line)))
+                request = TraceRequest(**json.loads(line))
+                _check(request)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: not a trace request: {exc}") from None
+            if request.id in ids:
+                raise ValueError(f"{path}:{n}: request id {request.id} is taken")
+            ids.add(request.id)
+            out.append(request)
     return out
+
+
+def _check(r: TraceRequest) -> None:
+    """A request the simulator and the replays can run, else a ValueError."""
+
+    def count(value: object, least: int) -> bool:
+        return type(value) is int and value >= least
+
+    if not count(r.id, 0):
+        raise ValueError(f"id must be a count (got {r.id!r})")
+    arrival = r.arrival_s
+    if not (type(arrival) in (int, float) and math.isfinite(arrival) and arrival >= 0):
+        raise ValueError(f"arrival_s must be seconds, 0 or more (got {arrival!r})")
+    if not (count(r.prompt_tokens, 1) and count(r.output_tokens, 1)):
+        raise ValueError("prompt_tokens and output_tokens must be counts, at least 1")
+    if r.priority not in ("high", "normal", "low"):
+        raise ValueError(f"priority must be high, normal or low (got {r.priority!r})")
+    if not (count(r.prefix_group, -1) and count(r.session, -1)):
+        raise ValueError("prefix_group and session must be counts (or -1: none)")
+    if not (count(r.prefix_tokens, 0) and r.prefix_tokens <= r.prompt_tokens):
+        raise ValueError("prefix_tokens must be a count, at most prompt_tokens")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -70,9 +70,18 @@ def load(path: Path | None) -> Profile:
         return LLAMA7B_A10
     data = json.loads(Path(path).read_text())
     try:
-        return Profile(**data)
+        profile = Profile(**data)
     except TypeError as exc:
         raise ValueError(f"{path}: not a profile: {exc}") from None
+    counts = (profile.kv_blocks, profile.block_size, profile.max_num_seqs)
+    if not all(type(n) is int and n >= 1 for n in counts):
+        raise ValueError(
+            f"{path}: kv_blocks, block_size and max_num_seqs must be counts, 1 or more"
+        )
+    seconds = (profile.step_base_s, profile.step_per_token_s, profile.request_overhead_s)
+    if not all(type(x) in (int, float) and 0 <= x < float("inf") for x in seconds):
+        raise ValueError(f"{path}: step and overhead times must be seconds, 0 or more")
+    return profile
 
 
 def save(profile: Profile, path: Path) -> None:

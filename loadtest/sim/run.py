@@ -134,10 +134,28 @@ def settings_of(args: argparse.Namespace) -> SimSettings:
 
 def run(args: argparse.Namespace) -> int:
     requests = trace.read(args.trace)
+    if not requests:
+        raise ValueError(f"{args.trace}: no requests to simulate")
+    profile = profiles.load(args.profile)
+    room = profile.kv_blocks * profile.block_size
+    too_long = next((r for r in requests if r.prompt_tokens + r.output_tokens > room), None)
+    if too_long is not None:  # it would wait for room forever
+        raise ValueError(
+            f"{args.trace}: request {too_long.id} needs {too_long.prompt_tokens}"
+            f" + {too_long.output_tokens} tokens of KV; an instance of {profile.name}"
+            f" holds {room}"
+        )
+    if args.autoscale and not (args.scale_interval > 0 and args.scale_in_window >= 0):
+        raise ValueError("--scale-interval must be positive, --scale-in-window not negative")
+    headroom = args.headroom_blocks
+    if headroom is not None and not 0 <= headroom < float("inf"):
+        raise ValueError("--headroom-blocks must be blocks, 0 or more")
+    if not (0 < args.slo_ttft < float("inf") and 0 < args.slo_decode < float("inf")):
+        raise ValueError("--slo-ttft and --slo-decode must be positive seconds")
     settings = settings_of(args)
     summary = simulate(
         requests,
-        profiles.load(args.profile),
+        profile,
         settings,
         Slo(args.slo_ttft, args.slo_decode),
         show_progress=not args.json,

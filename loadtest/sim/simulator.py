@@ -156,6 +156,7 @@ class Simulator:
                 )
             )
         self.by_id = {r.id: r for r in self.requests}
+        self._copying: set[int] = set()  # requests whose full-mode copy is in flight
         # Lite moves recompute on the destination; full moves carry their KV.
         ms = settings.migration_settings
         self.migration_settings = dataclasses.replace(
@@ -319,13 +320,21 @@ class Simulator:
             self._start_migration(move.request_id, move.source, move.destination)
 
     def _movable(self, inst: Instance) -> list[SimRequest]:
-        return [r for r in (*inst.waiting, *inst.running) if r.cut_to is None]
+        """Its requests not already on their way elsewhere (a cut-over, or a
+        full-mode copy in flight)."""
+        return [
+            r
+            for r in (*inst.waiting, *inst.running)
+            if r.cut_to is None and r.id not in self._copying
+        ]
 
     # migration ----------------------------------------------------------------
     def _start_migration(self, request_id: int, source: str, destination: str) -> None:
         r = self.by_id[request_id]
         src, dst = self.by_name[source], self.by_name[destination]
-        if r.instance is not src or r.finish is not None:
+        if r.instance is not src or r.finish is not None or src is dst:
+            return
+        if r.cut_to is not None or r.id in self._copying:  # on its way already
             return
         self.migrations["started"] += 1
         if not r.running:  # queued: nothing computed yet, the move is free
@@ -345,11 +354,13 @@ class Simulator:
         if not dst.reserve(r.id, blocks):
             self.migrations["aborted"] += 1
             return
+        self._copying.add(r.id)
         # Pre-copy in stages while the source keeps decoding; done when the bulk is across.
         self.push(self.now + self.profile.copy_time(r.tokens), Kind.COPY_DONE, (r, dst, r.tokens))
 
     def _copy_done(self, payload: tuple[SimRequest, Instance, int]) -> None:
         r, dst, copied = payload
+        self._copying.discard(r.id)
         if r.finish is not None or r.instance is None:
             dst.release(r.id)
             self.migrations["aborted"] += 1

@@ -73,3 +73,17 @@ def test_a_drain_is_not_done_while_the_other_processes_cannot_be_counted(
         assert code == 0 and "a: done" in out
     else:
         assert code == 1 and "cannot be counted (Redis unreachable)" in out
+
+
+def test_sim_refuses_a_request_no_instance_could_ever_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It would wait for room forever: the run never ended (100% CPU)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": 0, "arrival_s": 0, "prompt_tokens": 20000, "output_tokens": 5}\n')
+    argv = ["sim", "--trace", str(trace), "--instances", "2", "--policy", "llumnix"]
+    with pytest.raises(SystemExit) as exited:
+        raise SystemExit(main(argv))
+    err = capsys.readouterr().err
+    assert exited.value.code != 0 and "needs 20000 + 5 tokens of KV" in err
+    assert len(err.splitlines()) == 1, err

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loadtest.sim.profile import LLAMA7B_A10, Profile, load, save
 from loadtest.sim.run import simulate
 from loadtest.sim.simulator import SimSettings, Simulator
@@ -15,6 +17,19 @@ from loadtest.trace import TraceRequest, TraceSpec, generate, write
 from proxy.policy.migration import MigrationSettings
 
 SMALL = dataclasses.replace(LLAMA7B_A10, name="small", kv_blocks=60)  # 960 tokens
+
+
+def test_a_full_mode_copy_in_flight_is_not_planned_again() -> None:
+    """A stream whose KV copy is under way was offered for another move: the
+    destination reserved its blocks twice (and kept one reservation for good),
+    and a second copy moved it to where it already was."""
+    spec = TraceSpec(requests=300, rate=40, seed=3, prefix_groups=4, prefix_len=384, turns=3)
+    settings = SimSettings(2, "random", "full", prefix_caching=True)
+    sim = Simulator(generate(spec), LLAMA7B_A10, settings)
+    done = sim.run()
+    assert all(r.finish is not None for r in done)
+    assert all(i.used == 0 and not i.reserved for i in sim.instances)
+    assert sim.migrations["started"] == sim.migrations["done"] + sim.migrations["aborted"]
 
 
 def test_every_request_finishes_with_exactly_its_tokens() -> None:
@@ -150,6 +165,10 @@ def test_profile_files_round_trip(tmp_path: Path) -> None:
     save(SMALL, tmp_path / "p.json")
     assert load(tmp_path / "p.json") == SMALL
     assert isinstance(load(None), Profile)
+    for field, value in (("kv_blocks", 0), ("block_size", "16"), ("step_base_s", -1.0)):
+        save(dataclasses.replace(SMALL, **{field: value}), tmp_path / "bad.json")
+        with pytest.raises(ValueError, match="bad.json"):  # no run that never ends
+            load(tmp_path / "bad.json")
 
 
 def test_cli_trace_and_sim_json(tmp_path: Path) -> None:

@@ -71,3 +71,50 @@ def test_a_day_shaped_rate_peaks_at_midday() -> None:
     assert day_rate(day / 2, 20, day, 0.6) == pytest.approx(32)
     with pytest.raises(ValueError, match="day_amplitude"):
         generate(TraceSpec(requests=1, rate=1, seed=1, day_s=day, day_amplitude=1.0))
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ({"rate": math.nan}, "finite"),
+        ({"rate": 1e-320}, "too small"),
+        ({"arrival": "burst", "burst_size": 0}, "burst_size"),
+        ({"arrival": "gamma", "cv": math.inf}, "finite"),
+        ({"output_mean": math.inf}, "finite"),
+        ({"input_mean": 0}, "positive"),
+        ({"high_priority": 2}, "high_priority"),
+        ({"max_len": 0}, "max_len"),
+    ],
+)
+def test_a_spec_that_makes_no_trace_says_why(spec: dict[str, object], says: str) -> None:
+    raw: dict[str, object] = {"requests": 10, "rate": 1.0, "seed": 1, **spec}
+    with pytest.raises(ValueError, match=says):
+        generate(TraceSpec(**raw))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"id": 0, "arrival_s": -1, "prompt_tokens": 5, "output_tokens": 5}',
+        '{"id": 0, "arrival_s": NaN, "prompt_tokens": 5, "output_tokens": 5}',
+        '{"id": 0, "arrival_s": "1", "prompt_tokens": 5, "output_tokens": 5}',
+        '{"id": 0, "arrival_s": 1, "prompt_tokens": 0, "output_tokens": 5}',
+        '{"id": 0, "arrival_s": 1, "prompt_tokens": 10.5, "output_tokens": 5}',
+        '{"id": 0, "arrival_s": 1, "prompt_tokens": 5, "output_tokens": 5, "priority": 2}',
+        '{"id": [0], "arrival_s": 1, "prompt_tokens": 5, "output_tokens": 5}',
+        '{"id": 0, "arrival_s": 1, "prompt_tokens": 5, "output_tokens": 5, "session": "s"}',
+    ],
+)
+def test_a_request_no_run_could_serve_is_refused_with_its_line(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: not a trace request"):
+        read(path)
+
+
+def test_a_taken_id_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    one = '{"id": 3, "arrival_s": 1, "prompt_tokens": 5, "output_tokens": 5}'
+    path.write_text(one + "\n" + one + "\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: request id 3 is taken"):
+        read(path)
