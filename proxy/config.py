@@ -509,6 +509,8 @@ def parse_instance(
     `runtime`); a key it does not set is taken from `defaults` (`instance_defaults:`)."""
     env = dict(os.environ) if env is None else env
     own = _mapping(raw, where)
+    if runtime:
+        _refuse_variables(own, where)
     entry = {**(defaults or {}), **own}
     # A default is for the engines that can take it: an `openai` instance in a
     # fleet whose default is lite migration stays off, as it must.
@@ -524,11 +526,8 @@ def parse_instance(
     # `${VAR}` in the addresses too: a Deployment passes hosts and ports in its env.
     # An error quotes an address as written, not as expanded: the admin API
     # answers with it, and a variable may hold a secret.
-    # Not at runtime: the admin API shows an address as it was expanded, and so
-    # would hand its caller any of Ferry's variables (its client keys); `api_key`
-    # and `headers`, never shown, are expanded there too.
     written = {key: entry.get(key) for key in _ADDRESSES}
-    for key in () if runtime else _ADDRESSES:
+    for key in _ADDRESSES:
         if isinstance(entry.get(key), str):
             entry[key] = _expand(entry[key], f"{where}.{key}", env)
     inst = _section(InstanceConfig, entry, where, required=("name", "url"))
@@ -586,6 +585,23 @@ def parse_instance(
     return replace(inst, api_key=api_key, headers=headers)
 
 
+def _refuse_variables(own: dict[str, Any], where: str) -> None:
+    """The admin API's instances read none of Ferry's environment: `${VAR}` in
+    a URL would show the caller any variable (the clients' keys), and in an
+    `api_key` send it to a server of the caller's choosing. (The file's
+    `instance_defaults` still do: the operator wrote them.)"""
+    values = [(k, v) for k, v in own.items() if isinstance(v, str)]
+    headers = own.get("headers")
+    if isinstance(headers, dict):
+        values += [(f"headers.{k}", v) for k, v in headers.items() if isinstance(v, str)]
+    for key, value in values:
+        if "${" in value:
+            raise ConfigError(
+                f"{where}.{key}: the admin API reads none of Ferry's environment;"
+                " send the value itself"
+            )
+
+
 # An instance's addresses, where `${VAR}` reads the environment.
 _ADDRESSES = ("url", "kv_events", "kv_events_replay")
 
@@ -626,6 +642,7 @@ def _server_of(url: str) -> tuple[str, str, int | None, str]:
 # names discovery gives (name@address:port, name@[v6]:port), which a PATCH reads.
 # A name is in every answer's `x-ferry-instance` header and every metric label.
 MAX_INSTANCE_NAME = 128
+MAX_DISCOVERY_PREFIX = 64  # + "@[" + an IPv6 address + "]:" + a port stays under it
 _INSTANCE_NAME = re.compile(r"[A-Za-z0-9_:@\[\]-][A-Za-z0-9._:@\[\]-]*")
 # Headers that frame the request, which the HTTP client sets: an instance's
 # `headers` replacing them would break every call to it.
@@ -712,6 +729,11 @@ def _check_discovery(d: DiscoveryConfig, where: str) -> None:
         raise ConfigError(f"{where}.refresh_s: must be at least 0.1 seconds (got {d.refresh_s})")
     if "/" in d.name or "@" in d.name:
         raise ConfigError(f"{where}.name: must contain no '/' or '@' (got {d.name!r})")
+    if len(d.name or d.dns.split(".")[0]) > MAX_DISCOVERY_PREFIX:
+        raise ConfigError(
+            f"{where}.name: the instances' names start with it and end with @[address]:port:"
+            f" at most {MAX_DISCOVERY_PREFIX} characters (set `name:` to a shorter one)"
+        )
 
 
 def _expand(value: str | None, where: str, env: dict[str, str]) -> str | None:

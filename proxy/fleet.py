@@ -134,6 +134,7 @@ class Fleet:
         self.load = load
         self.poll_s = poll_s
         self._removals: dict[str, asyncio.Task[None]] = {}
+        self._reloading = asyncio.Lock()
         # Instances that DNS discovery owns (proxy/discovery.py): a reload of the
         # file neither removes them nor reports them.
         self.discovered: frozenset[str] = frozenset()
@@ -269,7 +270,8 @@ class Fleet:
             raise FleetError(
                 409, "ferry was started without a configuration file", "no_config_file"
             )
-        return self.apply(await asyncio.to_thread(_parse, self.load))
+        async with self._reloading:  # one at a time: the file read last is applied last
+            return self.apply(await asyncio.to_thread(_parse, self.load))
 
     def apply(self, new: FerryConfig) -> dict[str, Any]:
         """Make the running fleet match `new`; returns what changed."""

@@ -385,7 +385,9 @@ class LiveStream:
         finally:
             self._release_unused(order, tried)
         if result == "moved":  # the source's call is over (the relay counts the last)
-            outcome = "stream_broken" if order.reason == "failover" else "migrated"
+            # (A source Ferry's shim stopped for a move did not break.)
+            stopped = self._source_stopped or order.source_stopped
+            outcome = "stream_broken" if order.reason == "failover" and not stopped else "migrated"
             self.metrics.requests.labels(source, outcome).inc()
         return result
 

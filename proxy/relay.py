@@ -699,9 +699,10 @@ def _note_end(
     record.outcome, record.ttft_s = outcome, timing.ttft
     record.ttft_stages_s = timing.stage_seconds
     entry = call.entry
-    # The engine's count; else Ferry's estimate, for what the engine served
-    # without saying (not for what it refused: nothing was prefilled).
-    prompt = entry.prompt_tokens if entry.prompt_exact or outcome == "ok" else None
+    # The engine's count; else Ferry's estimate, for what the engine prefilled
+    # without saying (it answered, or sent tokens; not what it refused).
+    served = entry.prompt_exact or outcome == "ok" or entry.generated_tokens > 0
+    prompt = entry.prompt_tokens if served else None
     completion = entry.generated_tokens
     if live is not None:
         ids = live.splicer.prompt_ids

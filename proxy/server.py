@@ -652,6 +652,8 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
             await app[FLEET].reload()
         except FleetError as exc:
             log.error("reload refused, nothing changed: %s", exc)
+        except Exception:  # noqa: BLE001 - a signal's task: said here or nowhere
+            log.exception("reload failed")
 
     reloads: set[asyncio.Task[None]] = set()
 

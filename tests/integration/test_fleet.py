@@ -546,14 +546,20 @@ def test_an_instance_that_leads_back_to_ferry_ends_the_round_at_once(
 def test_a_runtime_address_is_not_read_from_ferrys_environment(
     standins: Any, ferry: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The admin API shows an instance's URL: `${VAR}` there would hand any of
-    Ferry's variables to whoever holds the admin token."""
+    """The admin API shows an instance's URL, and sends its `api_key` to the
+    server it names: `${VAR}` there would hand any of Ferry's variables (the
+    clients' keys) to whoever holds the admin token."""
     monkeypatch.setenv("FERRY_SECRET_FOR_TEST", "hunter2")
-    [(_, site)] = standins(1)
+    [(standin, site)] = standins(1)
     proxy = ferry([site.url], admin_token=TOKEN)
-    added = {"name": "leak", "url": "http://127.0.0.1:9/${FERRY_SECRET_FOR_TEST}"}
-    status_, payload = send(proxy.url + "/admin/instances", "POST", added)
-    assert "hunter2" not in json.dumps(payload) and "hunter2" not in json.dumps(rows(proxy.url))
+    for added in (
+        {"name": "leak", "url": "http://127.0.0.1:9/${FERRY_SECRET_FOR_TEST}"},
+        {"name": "leak", "url": "http://127.0.0.1:9", "api_key": "${FERRY_SECRET_FOR_TEST}"},
+        {"name": "leak", "url": "http://127.0.0.1:9", "headers": {"X-K": "${PATH}"}},
+    ):
+        status_, payload = send(proxy.url + "/admin/instances", "POST", added)
+        assert status_ == 400 and "reads none of Ferry's environment" in json.dumps(payload)
+    assert "leak" not in rows(proxy.url)
     typo = send(proxy.url + "/admin/instances/i0", "PATCH", {"migraton": "lite"})
     assert typo[0] == 400 and "no such field" in typo[1]["error"]["message"]
 

@@ -241,6 +241,10 @@ def test_client_keys_from_yaml_or_environment() -> None:
         (base(redis_url="redis://h:99999"), r"^redis_url: not a URL \(Port out of range"),
         (base(redis_url="redis://${NOT_SET_ANYWHERE}"), r"^redis_url: environment variable"),
         (
+            {"instances": [], "discovery": [{"dns": "v.svc", "port": 80, "name": "p" * 65}]},
+            r"^discovery\[0\]\.name: .*at most 64 characters",
+        ),
+        (
             {"instances": [{"name": "n" * 129, "url": "http://h:1"}]},
             r"^instances\[0\]\.name: .*at most 128 characters",
         ),
