@@ -107,7 +107,12 @@ def test_an_operators_day_with_streams_in_flight(
         morning = Streams(proxy.url, 3)
 
         # Add the keyed server (migration off), then turn migration on for it.
-        code, row = admin(proxy.url + "/admin/instances", "POST", keyed_entry)
+        # The admin API reads none of Ferry's environment: it is sent the key
+        # itself (the file, below, reads it from the environment).
+        code, _ = admin(proxy.url + "/admin/instances", "POST", keyed_entry)
+        assert code == 400
+        added = {**keyed_entry, "api_key": KEY}
+        code, row = admin(proxy.url + "/admin/instances", "POST", added)
         assert code == 201 and "api_key" not in json.dumps(row) and KEY not in json.dumps(row)
         wait_until(lambda: proxy.view("keyed").healthy, timeout=30)
         code, row = admin(proxy.url + "/admin/instances/keyed", "PATCH", {"migration": "lite"})
