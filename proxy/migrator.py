@@ -281,9 +281,10 @@ class Migrator:
         does not fit (the decision is the policy core's `make_room_victim`)."""
         if not lacks_room(chosen, blocks_needed):  # (the common case: no candidates read)
             return False
-        if chosen.name not in self.placement.migration_instances():
+        movable = self.placement.migration_instances()
+        if chosen.name not in movable:
             return False
-        elsewhere = self.placement.view_of(self.placement.migration_instances()).instances
+        elsewhere = self.placement.view_of(movable).instances
         victim = make_room_victim(chosen, blocks_needed, self.candidates(chosen.name), elsewhere)
         if victim is None:
             return False

@@ -225,8 +225,9 @@ class Relay:
                 if upstream.status != 200:
                     response, outcome = await self._whole(upstream, call, wants_ids, body is None)
                     shorter = self._no_longer_context(name, model, upstream.status, response)
-                    unserved = upstream.status == 404 and body is not None
-                    unserved = unserved and _model_unknown(response)
+                    unserved = (
+                        upstream.status == 404 and body is not None and _model_unknown(response)
+                    )
                     state = self.cluster.instances.get(name)
                     if unserved and state is not None:  # a route it has: it lacks the model
                         state.models_stale = True
