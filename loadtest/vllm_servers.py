@@ -148,7 +148,8 @@ def start_vllm(
 def metric(url: str, line_start: str) -> float:
     """The value of the first line of `url`'s /metrics that starts with `line_start`
     (0 if none: Prometheus counters start at 0)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+    # A generous timeout: a busy CPU server's API process can stall for seconds.
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         for line in resp.read().decode().splitlines():
             if line.startswith(line_start):
                 return float(line.rsplit(" ", 1)[1])

@@ -67,12 +67,19 @@ def run(vllm_args: list[str], kv_port: int | None, host: str) -> int:
 # later. Seen: "Address already in use" on a busy test machine.
 FREE_PORTS = range(20000, 32000)
 _PICK = random.Random()  # its own: a test's seeded `random` must not pick ports
+# Handed out by this process: a port picked for a server not yet bound is free
+# to the kernel, so without this a second pick could name it again.
+_HANDED_OUT: set[int] = set()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, outside the ephemeral range."""
+    """A port nothing listens on now, outside the ephemeral range, and not one
+    this process handed out before."""
     for _ in range(1000):
         port = _PICK.choice(FREE_PORTS)
+        if port in _HANDED_OUT:
+            continue
+        _HANDED_OUT.add(port)
         with socket.socket() as s:
             try:
                 s.bind((host, port))

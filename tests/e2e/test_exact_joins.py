@@ -41,7 +41,9 @@ PROMPTS = (
 )
 MAX_TOKENS = 64
 TRIALS = 12  # per mode; three modes: 36 cuts
-MOVE_BOUND_S = 2.0  # drain call to cut-over done, on a busy 2-core machine
+# Drain call to cut-over done, on a busy 2-core machine: the median is a few
+# engine steps (a pre-warm waits up to 1 s); the slowest of ~72 has room for a stall.
+MOVE_MEDIAN_BOUND_S, MOVE_BOUND_S = 1.0, 4.0
 
 
 @pytest.fixture(scope="module", params=["cjk", "sentencepiece"])
@@ -193,6 +195,7 @@ def test_moved_streams_are_exact_at_random_cuts(
     assert inside >= 2, "no cut fell inside a character: the case was not exercised"
     # Every move finished promptly, full mode included (cuts fall before the first
     # 128-token block is full): a few engine steps plus the copy, or a lite fallback.
+    assert sorted(move_s)[len(move_s) // 2] < MOVE_MEDIAN_BOUND_S, move_s
     assert max(move_s) < MOVE_BOUND_S, move_s
 
 

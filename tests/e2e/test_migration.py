@@ -251,6 +251,8 @@ def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
     threads += [threading.Thread(target=whole) for _ in range(2)]  # one on each server
     for t in threads[4:]:
         t.start()
+    # All six placed (round robin: three on each) before i0 stops answering.
+    wait_until(lambda: proxy.view("i0").inflight + proxy.view("i1").inflight == 6, timeout=30)
     time.sleep(0.3)
     began = time.monotonic()
     frozen.freeze()
@@ -269,7 +271,7 @@ def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
 
 
 def preemptions(server: VLLMServer) -> int:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
         from adapters.vllm import parse_metrics
 
         return parse_metrics(resp.read().decode()).preemptions_total

@@ -147,7 +147,8 @@ def test_sigterm_lets_real_streams_finish(vllm_pair: list[VLLMServer], tmp_path:
     proc, url = ferry_process(
         {
             "instances": [{"name": "a", "url": vllm_pair[0].url, "migration": "lite"}],
-            "server": {"shutdown_delay_s": 0.5, "shutdown_grace_s": 60},
+            # A delay the 503 can be seen in on a loaded machine.
+            "server": {"shutdown_delay_s": 3, "shutdown_grace_s": 60},
         },
         tmp_path / "ferry.yaml",
     )
@@ -155,7 +156,7 @@ def test_sigterm_lets_real_streams_finish(vllm_pair: list[VLLMServer], tmp_path:
         reference, _, _ = stream_ids(api(vllm_pair[0].url), False, TOKENS, on_chunk=lambda n: None)
         streams = Streams(url, 3)
         proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: status(url + "/readyz") == 503, timeout=2, poll=0.02)
+        wait_until(lambda: status(url + "/readyz") == 503, timeout=5, poll=0.02)
         assert streams.join() == [reference] * 3  # none cut inside the grace period
         assert proc.wait(30) == 0
     finally:

@@ -134,7 +134,7 @@ def test_remove_with_migrate_moves_streams_and_undrain_calls_it_off(
 ) -> None:
     (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
     proxy = lite_pair(ferry, site_a.url, site_b.url)
-    threads, texts = streams(proxy.url, 4, 80)
+    threads, texts = streams(proxy.url, 4, 200)  # 4 s streams
     wait_until(lambda: a.running == 2 and b.running == 2)
     # Undrain before the removal is done (streams still run there) keeps the instance.
     code, _ = send(proxy.url + "/admin/instances/i1", "DELETE")
@@ -156,10 +156,10 @@ def test_remove_with_migrate_moves_streams_and_undrain_calls_it_off(
 
     code, row = send(proxy.url + "/admin/instances/i0?migrate=true", "DELETE")
     assert code == 202 and row["migrating"] == 2
-    # Moved off, so i0 is gone long before its 1.6 s streams would have ended.
-    wait_until(lambda: "i0" not in rows(proxy.url), timeout=1.2)
+    # Moved off, so i0 is gone long before its 4 s streams would have ended.
+    wait_until(lambda: "i0" not in rows(proxy.url), timeout=2.5)
     join(threads)
-    assert texts == [" tok" * 80] * 4
+    assert texts == [" tok" * 200] * 4
     assert "i1" in rows(proxy.url)
 
 
@@ -322,15 +322,16 @@ def test_a_drain_moves_streams_whose_instance_answers_after_it(standins: Any, fe
     """A busy instance sends a stream's headers late: the stream is in flight (billed)
     but not yet movable when the drain comes; it moves as soon as it is."""
     (a, site_a), (b, site_b) = standins(2, itl_s=0.02)
-    a.headers_delay_s = 0.5
+    a.headers_delay_s = 2.0
     proxy = lite_pair(ferry, site_a.url, site_b.url)
-    threads, texts = streams(proxy.url, 4, 60)
+    threads, texts = streams(proxy.url, 4, 150)
     wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 2)
     code, row = send(proxy.url + "/admin/instances/i0/drain?migrate=true", "POST")
     assert code == 200 and row["migrating"] == 0  # none has answered yet
-    wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 0, timeout=1.2)  # not 1.7 s
+    # Moved once answered (2 s), not left to end in place (5 s).
+    wait_until(lambda: rows(proxy.url)["i0"]["inflight"] == 0, timeout=3.5)
     join(threads)
-    assert texts == [" tok" * 60] * 4
+    assert texts == [" tok" * 150] * 4
     text = get(proxy.url + "/metrics")[1]["raw"]
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 2.0' in text
 
@@ -407,21 +408,22 @@ def test_a_move_cuts_right_after_a_token_not_in_the_middle_of_a_gap(
 ) -> None:
     """Ordered between two tokens 0.6 s apart, a move waits for the next one and
     cuts there: its downtime is the destination's first token alone (here almost
-    nothing), not also the 0.25 s of the gap that had passed."""
+    nothing), not also the 0.25 s of the gap that had passed. (A move waits at
+    most CUT_WAIT_MAX_S, 0.5 s, for the next token.)"""
     (a, site_a), (b, site_b) = standins(2, itl_s=0.6)
     proxy = lite_pair(ferry, site_a.url, site_b.url)
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
-    chunks = client.completions.create(model="standin", prompt="x", max_tokens=6, stream=True)
+    chunks = client.completions.create(model="standin", prompt="x", max_tokens=5, stream=True)
     seen = [next(chunks).choices[0].text, next(chunks).choices[0].text]  # its pace is known
     time.sleep(0.25)
     code, _ = send(proxy.url + "/admin/instances/i0/drain?migrate=true", "POST")
     assert code == 200
     seen += [c.choices[0].text for c in chunks]
-    assert "".join(seen) == " tok" * 6
+    assert "".join(seen) == " tok" * 5
     text = get(proxy.url + "/metrics")[1]["raw"]
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in text
     [downtime] = re.findall(r"^ferry_migration_downtime_seconds_sum (\S+)$", text, re.M)
-    assert float(downtime) < 0.15
+    assert float(downtime) < 0.2
 
 
 def test_a_removal_called_off_as_it_stops_the_scrapes_leaves_the_instance_scraped(

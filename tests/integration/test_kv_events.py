@@ -71,7 +71,7 @@ class Follower:
         self.loop = loop
         self.cluster = Cluster((parse_instance(raw, "instance", {}),), UsageSettings(), 3)
         self.cluster.prefixes.enabled = True
-        self.events = KVEvents(self.cluster, replay_timeout_s=0.5)
+        self.events = KVEvents(self.cluster, replay_timeout_s=2.0)
         loop.call(self.events.sync)
 
     @property

@@ -761,8 +761,10 @@ def _busy(sites: list[tuple[Any, Any]]) -> tuple[str, Any]:
 def test_a_move_ordered_between_tokens_cuts_right_after_the_next(standins: Any, ferry: Any) -> None:
     """The next token, on its way, reaches the client from the source (relayed
     as it arrives, by the tap) and the cut comes right after it: the
-    continuation starts from three tokens, not two and not more."""
-    sites = standins(2, itl_s=0.2)
+    continuation starts from three tokens, not two and not more (0.4 s apart:
+    room for the drain to arrive before the third on a loaded machine, and
+    within the 0.5 s a move waits for a next token)."""
+    sites = standins(2, itl_s=0.4)
     proxy = ferry(
         [site.url for _, site in sites],
         instances_migration="lite",

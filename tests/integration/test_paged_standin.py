@@ -209,7 +209,8 @@ def test_a_drain_moves_a_stream_only_once_another_engine_has_room_for_it(
     # 40 blocks of 4 tokens each. While i1 runs the filler (80 + 40 tokens), it has
     # too little room for the stream on i0 (80 + 70): the drain of i0 leaves that
     # stream decoding there, and moves it once the filler is done.
-    engine = {"kv_blocks": 40, "block_size": 4, "step_base_s": 0.02, "step_per_seq_s": 0.0}
+    # Steps of 50 ms: the filler runs 2 s, long enough to be seen still running.
+    engine = {"kv_blocks": 40, "block_size": 4, "step_base_s": 0.05, "step_per_seq_s": 0.0}
     (source, a), (dest, b) = paged_standins(2, **engine)
     prompt, filler_prompt = [7] * 80, [9] * 80
     unmoved = stream_ids(a.url, prompt, 70)[1]

@@ -120,7 +120,11 @@ def test_burst_spreads_by_ledger_between_scrapes(standins: Any, ferry: Any) -> N
     api = client(proxy)
     streams = [
         api.completions.create(
-            model="standin", prompt=f"{n} " + "x" * 300, max_tokens=30, stream=True
+            # 6 s streams: all ten still running when the last has begun
+            model="standin",
+            prompt=f"{n} " + "x" * 300,
+            max_tokens=300,
+            stream=True,
         )
         for n in range(10)
     ]
@@ -128,7 +132,7 @@ def test_burst_spreads_by_ledger_between_scrapes(standins: Any, ferry: Any) -> N
         next(iter(s))
     assert [proxy.view(n).inflight for n in ("i0", "i1")] == [5, 5]
     for s in streams:
-        list(s)
+        s.close()
 
 
 def test_client_disconnect_aborts_upstream(standins: Any, ferry: Any) -> None:

@@ -193,21 +193,21 @@ def test_each_process_sees_the_others_load_and_fleet_changes_apply_everywhere(
 
     # A drain through B drains i0 in A too: A's requests go to i1 only.
     b.admin("/admin/instances/i0/drain", "POST")
-    wait_until(lambda: a.rows()["i0"]["draining"], timeout=2)
+    wait_until(lambda: a.rows()["i0"]["draining"], timeout=10)
     before = {n: r["local_inflight"] for n, r in a.rows().items()}
     late = Streams(a.url, 2, tokens=20)
     after = {n: r["local_inflight"] for n, r in a.rows().items()}
     assert after["i0"] <= before["i0"] and after["i1"] == before["i1"] + 2
     # ... and the undrain through A reaches B.
     a.admin("/admin/instances/i0/undrain", "POST")
-    wait_until(lambda: not b.rows()["i0"]["draining"], timeout=2)
+    wait_until(lambda: not b.rows()["i0"]["draining"], timeout=10)
 
     # Added through A, changed through B, removed through A: everywhere each time.
     [(_, extra)] = standins(1)
     a.admin("/admin/instances", "POST", {"name": "i2", "url": extra.url})
-    wait_until(lambda: "i2" in b.rows(), timeout=2)
+    wait_until(lambda: "i2" in b.rows(), timeout=10)
     b.admin("/admin/instances/i2", "PATCH", {"migration": "lite"})
-    wait_until(lambda: a.rows()["i2"]["migration_configured"] == "lite", timeout=2)
+    wait_until(lambda: a.rows()["i2"]["migration_configured"] == "lite", timeout=10)
     a.admin("/admin/instances/i2", "DELETE")
     wait_until(lambda: "i2" not in b.rows() and "i2" not in a.rows(), timeout=5)
     # One that starts later reads the removal and, having no i2, has nothing to say.
@@ -218,7 +218,7 @@ def test_each_process_sees_the_others_load_and_fleet_changes_apply_everywhere(
         s.join()
         assert not s.errors, s.errors
     assert streams.texts == [" tok" * 100] * 4 and late.texts == [" tok" * 20] * 2
-    wait_until(lambda: a.inflight() == 0 and b.inflight() == 0, timeout=3)
+    wait_until(lambda: a.inflight() == 0 and b.inflight() == 0, timeout=10)
 
 
 def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
@@ -240,7 +240,7 @@ def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
     try:
         # 11 changes (sent with the next round), of which the log keeps 3.
         state = f"{redis_prefix}:fleet:state"
-        wait_until(lambda: b"zone" in (client.hget(state, "i0") or b""), timeout=2)
+        wait_until(lambda: b"zone" in (client.hget(state, "i0") or b""), timeout=10)
         assert client.xlen(f"{redis_prefix}:fleet") == 3
         # The first PATCH of i0 is long gone from the log; its compacted state keeps it.
         [b] = ferries(1)
@@ -262,7 +262,7 @@ def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
                 f"{redis_prefix}:fleet", {"origin": "peer", "op": junk}, maxlen=3, approximate=False
             )
         pipe.execute()
-        wait_until(lambda: not b.rows()["i1"]["draining"], timeout=2)
+        wait_until(lambda: not b.rows()["i1"]["draining"], timeout=10)
         assert "fleet log trimmed past the last change applied here" in b.log.read_text()
     finally:
         client.close()
@@ -280,7 +280,7 @@ def test_a_process_started_after_a_reload_makes_the_fleet_the_file_says(
     a.admin("/admin/instances", "POST", {"name": "i2", "url": extra.url})
     a.admin("/admin/instances/i0", "PATCH", {"labels": {"zone": "a"}})
     a.admin("/admin/instances/i1/drain", "POST")
-    wait_until(lambda: a.rows()["i0"]["labels"] == {"zone": "a"}, timeout=2)
+    wait_until(lambda: a.rows()["i0"]["labels"] == {"zone": "a"}, timeout=10)
     summary = a.admin("/admin/reload", "POST")
     assert summary["removed"] == ["i2"] and summary["changed"] == ["i0"]
     [late] = ferries(1)
@@ -381,9 +381,9 @@ def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
             lease_s = now
         time.sleep(0.02)
     # No phantom load: the dead process's totals left the view with their TTL,
-    # and the lease passed on with its own (1 s of slack for a loaded machine).
-    assert gone_s is not None and gone_s <= TTL_S + 1.0, gone_s
-    assert lease_s is not None and lease_s <= LEASE_TTL_S + 1.0, lease_s
+    # and the lease passed on with its own (2 s of slack for a loaded machine).
+    assert gone_s is not None and gone_s <= TTL_S + 2.0, gone_s
+    assert lease_s is not None and lease_s <= LEASE_TTL_S + 2.0, lease_s
     assert survivor.sharing()["lease_holder"] == survivor.sharing()["process"]
 
     # The survivor serves on; the dead process's streams broke (clients retry).
@@ -416,15 +416,15 @@ def test_garbage_in_the_shared_keys_does_not_end_the_sharing(
     time.sleep(3 * 0.05 + 0.5)  # rounds have read them all
     [c] = ferries(1)
     b.admin("/admin/instances/i0/drain", "POST")
-    wait_until(lambda: a.rows()["i0"]["draining"] and c.rows()["i0"]["draining"], timeout=3)
+    wait_until(lambda: a.rows()["i0"]["draining"] and c.rows()["i0"]["draining"], timeout=10)
     # An added instance's key reaches the peers, not their logs.
     [(_, extra)] = standins(1)
     a.admin("/admin/instances", "POST", {"name": "i2", "url": extra.url, "api_key": "sk-sekrit"})
-    wait_until(lambda: "i2" in b.rows() and "i2" in c.rows(), timeout=3)
-    streams = Streams(a.url, 2, tokens=40)
-    wait_until(lambda: b.inflight() == 2, timeout=3)
+    wait_until(lambda: "i2" in b.rows() and "i2" in c.rows(), timeout=10)
+    streams = Streams(a.url, 2, tokens=100)  # 5 s each
+    wait_until(lambda: b.inflight() == 2, timeout=5)
     streams.join()
-    assert not streams.errors and streams.texts == [" tok" * 40] * 2
+    assert not streams.errors and streams.texts == [" tok" * 100] * 2
     logs = a.log.read_text() + b.log.read_text() + c.log.read_text()
     assert "sk-sekrit" not in logs
     assert "applied: add i2" in b.log.read_text()
@@ -504,7 +504,7 @@ def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:
     wait_until(lambda: a.sharing()["lease_holder"] is not None)
     holder, other = (a, b) if a.sharing()["holds_lease"] else (b, a)
     other.admin("/admin/instances/i1/drain", "POST")  # so the streams all start on i0
-    wait_until(lambda: holder.rows()["i1"]["draining"], timeout=2)
+    wait_until(lambda: holder.rows()["i1"]["draining"], timeout=10)
     streams = Streams(other.url, 3, tokens=300)  # 15 s each
     holder.admin("/admin/instances/i1/undrain", "POST")
     wait_until(lambda: other.rows()["i1"]["local_inflight"] >= 1, timeout=15)
@@ -646,7 +646,7 @@ def test_changes_made_at_once_through_two_processes_end_alike_everywhere(
             def all_logged(count: int = 4 * (attempt + 1), key: str = log_key) -> bool:
                 return bool(client.xlen(key) == count)
 
-            wait_until(all_logged, timeout=3)
+            wait_until(all_logged, timeout=10)
             ops = [json.loads(f[b"op"]) for _, f in client.xrange(log_key)]
             logged = {
                 "draining": [o["op"] == "drain" for o in ops if o.get("name") == "i1"][-1],
@@ -656,7 +656,7 @@ def test_changes_made_at_once_through_two_processes_end_alike_everywhere(
             def as_logged(want: dict[str, Any] = logged) -> bool:
                 return all(fleet_state(p) == want for p in (a, b))
 
-            wait_until(as_logged, timeout=3)
+            wait_until(as_logged, timeout=10)
     finally:
         client.close()
 

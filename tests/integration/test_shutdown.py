@@ -37,11 +37,12 @@ def serving(config: dict[str, Any], path: Path) -> Iterator[tuple[subprocess.Pop
 def test_sigterm_stops_readiness_at_once_and_finishes_streams(
     standins: Any, tmp_path: Path
 ) -> None:
-    [(_, site)] = standins(1, itl_s=0.05)  # 40 tokens: a 2 s stream
+    [(_, site)] = standins(1, itl_s=0.05)  # 100 tokens: a 5 s stream
+    # A delay long enough that a loaded machine still sends `late` inside it.
     config = {
         "instances": [{"name": "a", "url": site.url}],
         "scheduler": {"scrape_interval_s": 0.1},
-        "server": {"shutdown_delay_s": 1.0, "shutdown_grace_s": 10.0},
+        "server": {"shutdown_delay_s": 2.5, "shutdown_grace_s": 10.0},
     }
     with serving(config, tmp_path / "ferry.yaml") as (proc, url):
         assert status(url + "/livez") == 200
@@ -50,7 +51,7 @@ def test_sigterm_stops_readiness_at_once_and_finishes_streams(
 
         def one() -> None:
             chunks = client.completions.create(
-                model="standin", prompt="x", max_tokens=40, stream=True
+                model="standin", prompt="x", max_tokens=100, stream=True
             )
             texts.append("".join(c.choices[0].text for c in chunks))
 
@@ -64,7 +65,7 @@ def test_sigterm_stops_readiness_at_once_and_finishes_streams(
         late = client.completions.create(model="standin", prompt="x", max_tokens=2)
         assert late.choices[0].text == " tok" * 2
         streaming.join(15)
-        assert texts == [" tok" * 40]  # not cut by the shutdown
+        assert texts == [" tok" * 100]  # not cut by the shutdown
         assert proc.wait(15) == 0
 
 
@@ -89,7 +90,7 @@ def test_a_stream_past_the_grace_is_cut_when_it_ends_and_told_so(
             for _ in chunks:
                 pass
         cut_s = time.monotonic() - sent
-        assert delay_s + grace_s - 0.2 < cut_s < delay_s + grace_s + 1.0, cut_s
+        assert delay_s + grace_s - 0.2 < cut_s < delay_s + grace_s + 3.0, cut_s
         assert proc.wait(10) == 0
 
 

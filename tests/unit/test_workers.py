@@ -85,11 +85,16 @@ def supervise_flaky(counter: str, then: str, stop_after_runs: int | None) -> int
     SIGTERM the supervisor once `stop_after_runs` runs started (if given)."""
 
     def runs() -> int:
+        if not os.path.exists(counter):  # no run has begun
+            return 0
         with open(counter) as f:
             return len(f.read())
 
     def kill_then_stop() -> None:
         [first] = _children(1)
+        deadline = time.monotonic() + 30
+        while runs() < 1 and time.monotonic() < deadline:  # it has started (imports done)
+            time.sleep(0.05)
         time.sleep(MIN_UPTIME_S + 0.2)  # it served
         os.kill(first.pid or 0, signal.SIGKILL)
         if stop_after_runs is None:
