@@ -362,4 +362,5 @@ class Cluster:
             healthy=state.healthy and name not in self._ejected,
             draining=state.draining,
             models=state.models,
+            ejected=state.healthy and name in self._ejected,
         )

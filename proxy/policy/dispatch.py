@@ -2,7 +2,10 @@
 
 The runner filters candidates (healthy, not draining, serving the model, not
 already tried), raises `NoCandidate` with the reason when none is left, and
-hands the rest to the policy. The registry maps config names to factories.
+hands the rest to the policy. Where only ejected instances are left, they are
+the candidates: Envoy's panic threshold, applied when routing, as the fleet
+may have lost every other instance since the ejection (which lasts up to
+minutes). The registry maps config names to factories.
 """
 
 from __future__ import annotations
@@ -78,6 +81,15 @@ def dispatch(
             v
             for v in view.instances
             if v.dispatchable and (model is None or model in v.models) and v.name not in exclude
+        ]
+    if not candidates:
+        candidates = [
+            v
+            for v in view.instances
+            if v.ejected
+            and not v.draining
+            and (model is None or model in v.models)
+            and v.name not in exclude
         ]
     if not candidates:
         reason, model_unknown = _why_none(request, view)

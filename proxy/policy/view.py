@@ -76,6 +76,9 @@ class InstanceView:
     healthy: bool = True
     draining: bool = False
     models: frozenset[str] = frozenset()
+    # Answering its scrapes, but ejected for failing calls (`healthy` is then
+    # False): a request with nowhere else to go still goes there (`dispatch`).
+    ejected: bool = False
     dispatchable: bool = field(init=False)  # healthy and not draining; one load per decision
 
     def __post_init__(self) -> None:

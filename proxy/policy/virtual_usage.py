@@ -161,6 +161,7 @@ def instance_view(
     healthy: bool = True,
     draining: bool = False,
     models: frozenset[str] = frozenset(),
+    ejected: bool = False,
 ) -> InstanceView:
     """One instance's view from its totals: the proxy (ledger + scrape) and the
     simulator build their views with this, so both rank instances alike."""
@@ -191,4 +192,5 @@ def instance_view(
         healthy=healthy,
         draining=draining,
         models=models,
+        ejected=ejected,
     )

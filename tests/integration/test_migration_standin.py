@@ -245,6 +245,43 @@ def test_an_instance_that_breaks_every_stream_is_ejected_though_each_resumes(
     assert "stream broken" in str(proxy.loop.call(lambda: proxy.cluster.instances["i0"].last_error))
 
 
+def test_an_ejected_instance_takes_what_has_nowhere_else_to_go(standins: Any, ferry: Any) -> None:
+    """Ejection left i0 out while i1 could serve; then i1 breaks a stream and is
+    drained. The stream resumes on i0 and a new request is served there: with
+    no other instance left, an ejected one is better than none (Envoy's panic
+    threshold, at routing time; the ejection itself lasts a minute here)."""
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.001)
+    a.break_after = 3
+    proxy = ferry(
+        [site_a.url, site_b.url],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={
+            "policy": "round_robin",
+            "eject_after_failures": 2,
+            "eject_base_s": 60,
+            "scrape_interval_s": 0.05,
+        },
+    )
+
+    def stream() -> str:
+        chunks = api(proxy.url).completions.create(
+            model="standin", prompt="hi", max_tokens=10, stream=True
+        )
+        return "".join(c.choices[0].text for c in chunks)
+
+    for _ in range(4):  # i0 breaks two (each resumes on i1): ejected
+        assert stream() == " tok" * 10
+    ejected_for = proxy.cluster.ejected_for
+    assert proxy.loop.call(ejected_for, "i0") > 0 and not proxy.view("i0").dispatchable
+    a.break_after, b.break_after = None, 3  # i0 is well again; i1 now breaks
+    assert stream() == " tok" * 10  # from i1 to i0, ejected but the only other
+    assert 'ferry_migrations_total{outcome="ok",reason="failover"} 3.0' in metrics(proxy.url)
+    _drain(proxy, "i1")
+    assert stream() == " tok" * 10  # i0 alone takes new requests
+    assert proxy.loop.call(ejected_for, "i0") > 0  # still: a spare back ends the panic
+
+
 def test_a_drain_does_not_move_a_stream_back_to_where_it_broke(standins: Any, ferry: Any) -> None:
     """A drain moved the stream to an instance that then hung; it came back by
     failover, and the drain does not send it there again (each round would

@@ -118,6 +118,19 @@ def test_unhealthy_and_draining_instances_get_nothing() -> None:
         assert {pick(policy, *views, seq=s, seed=s) for s in range(10)} == {"ok"}, policy
 
 
+def test_an_ejected_instance_is_chosen_only_when_no_other_can_be() -> None:
+    ejected = inst("ejected", healthy=False, ejected=True, freeness=99.0)
+    for policy in POLICIES:
+        assert pick(policy, ejected, inst("ok", freeness=1.0)) == "ok", policy
+        assert pick(policy, ejected, inst("sick", healthy=False)) == "ejected", policy
+        assert pick(policy, ejected, inst("ok"), exclude=frozenset({"ok"})) == "ejected", policy
+    # Never one that is draining or was tried already.
+    with pytest.raises(NoCandidate):
+        pick("llumnix", inst("e", healthy=False, ejected=True, draining=True))
+    with pytest.raises(NoCandidate):
+        pick("llumnix", ejected, exclude=frozenset({"ejected"}))
+
+
 def test_no_candidate_says_why() -> None:
     with pytest.raises(NoCandidate, match="not served here") as unknown:
         pick("llumnix", inst("a", models=frozenset({"other"})))
