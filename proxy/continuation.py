@@ -6,7 +6,10 @@ budget reduced by |G| and the same sampling parameters. The destination's
 chunks are rewritten so the client sees one stream (see `splicer`).
 
 Exact at temperature 0. With sampling, the destination draws from the same
-distribution, but a `seed` restarts its random sequence at the join.
+distribution; a `seed` cannot carry the random sequence over the join, so the
+continuation's seed is the request's plus |G| (`_join_seed`): the same seed
+again would draw the same numbers the stream began with, and on a model whose
+next token depends little on its context, repeat its opening.
 """
 
 from __future__ import annotations
@@ -190,6 +193,16 @@ def budget(
     return None if context is None else max(0, context - prompt_tokens)
 
 
+_INT64 = 2**64
+
+
+def _join_seed(seed: int, generated: int) -> int:
+    """The continuation's seed: the request's moved on by the tokens before the
+    join, within int64 (the range vLLM takes), so a stream moved twice at the
+    same cut draws alike, and its second half not as its first."""
+    return (seed + generated + _INT64 // 2) % _INT64 - _INT64 // 2
+
+
 def continuation_body(
     body: dict[str, Any],
     prompt_ids: list[int],
@@ -209,6 +222,9 @@ def continuation_body(
     for key in _SAMPLING:
         if key in body:
             out[key] = body[key]
+    seed = integer(body.get("seed"))
+    if seed is not None:
+        out["seed"] = _join_seed(seed, len(generated))
     if limit is not None:
         out["max_tokens"] = limit - len(generated)
     least = integer(body.get("min_tokens"))

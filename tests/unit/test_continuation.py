@@ -111,12 +111,10 @@ def test_continuation_body_reduces_the_budget_and_keeps_sampling() -> None:
     out = cont.continuation_body(body, [1, 2, 3], [9] * 40, limit=limit, wants_usage=True)
     assert out["prompt"] == [1, 2, 3] + [9] * 40
     assert out["max_tokens"] == 60 and out["min_tokens"] == 0
-    assert (out["temperature"], out["seed"], out["stop"], out["cache_salt"]) == (
-        0.0,
-        7,
-        ["\n"],
-        "s",
-    )
+    assert (out["temperature"], out["stop"], out["cache_salt"]) == (0.0, ["\n"], "s")
+    # Moved on by the 40 tokens before the join: the seed again would draw the
+    # numbers the stream began with.
+    assert out["seed"] == 7 + 40
     assert out["ignore_eos"]
     assert out["stream"] and out["return_token_ids"]
     assert out["stream_options"] == {"include_usage": True}
@@ -178,3 +176,12 @@ def test_a_budget_that_is_not_a_number_keeps_the_request_in_place() -> None:
         cont.continuation_body(body, [1], [2] * 50, limit=300, wants_usage=False)["min_tokens"]
         == 200
     )
+
+
+def test_the_seed_at_the_join_stays_in_int64() -> None:
+    body = {"model": "m", "prompt": "x", "stream": True, "seed": 2**63 - 2}
+    out = cont.continuation_body(body, [1], [5, 6, 7], limit=10, wants_usage=False)
+    assert out["seed"] == -(2**63) + 1
+    assert None is cont.continuation_body(
+        {**body, "seed": None}, [1], [5], limit=10, wants_usage=False
+    ).get("seed")
