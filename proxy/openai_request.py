@@ -17,6 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from proxy.policy import Priority
 
 PRIORITY_HEADER = "x-ferry-priority"
@@ -34,6 +36,11 @@ CHARS_PER_TOKEN = 3
 # nest tens of levels; json's C parser and encoder recurse once per level and hit
 # Python's stack limit (1000 frames, shared with the handler's) near 980.
 MAX_DEPTH = 128
+# A body may hold at most this many `[` and `{` (counted at C speed, strings
+# too, before it is read): each empty object read costs Python ~100 bytes and
+# its walk, so 32 MiB of `{},` made 1.6 GB and 12 s of work. A real request
+# holds a few thousand (a batch of token-id lists: one per prompt).
+MAX_BRACKETS = 1_000_000
 # Fields Ferry reads itself (migration, usage): a wrong type is the client's 400.
 _FIELD_KINDS: dict[str, tuple[type, str]] = {
     "stream_options": (dict, "an object"),
@@ -159,6 +166,23 @@ def _flag(value: Any) -> bool | None:
     return None
 
 
+def invocation_kind(raw: bytes) -> str | None:
+    """What SageMaker's `/invocations` body is, as vLLM tells: "chat" (it has
+    `messages`), "completions" (`prompt`), or None (anything else: it passes
+    through, and the pass-through says what is wrong with a bad body)."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_BRACKETS:
+        return None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(body, dict) and "messages" in body:
+        return "chat"
+    if isinstance(body, dict) and "prompt" in body:
+        return "completions"
+    return None
+
+
 def parse_passthrough(raw: bytes, content_type: str, boundary: str | None = None) -> PassThrough:
     """A body Ferry sends on unchanged. A JSON one is read (strictly, as by
     `parse`) for its `model`, a multipart form (an audio upload) for its fields
@@ -218,9 +242,15 @@ def _field_name(head: bytes) -> bytes | None:
 def read_object(raw: bytes) -> dict[str, Any]:
     """`raw` as a JSON object, read strictly (RFC 8259): UTF-8, a leading byte
     order mark ignored; no NaN, Infinity or numbers that overflow to them; no
-    duplicate keys (which one would an engine take?); at most `MAX_DEPTH` levels."""
+    duplicate keys (which one would an engine take?); at most `MAX_DEPTH` levels
+    and `MAX_BRACKETS` brackets."""
     if raw.startswith(codecs.BOM_UTF8):
         raw = raw[len(codecs.BOM_UTF8) :]
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets > MAX_BRACKETS:
+        raise BadRequest(
+            f"request body has {brackets:,} brackets; at most {MAX_BRACKETS:,} are read"
+        )
     try:
         text = raw.decode()
     except UnicodeDecodeError as exc:
@@ -237,7 +267,7 @@ def read_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    if _deeper_than(MAX_DEPTH, raw, body):
+    if brackets > MAX_DEPTH and _deeper_than(MAX_DEPTH, body):
         raise BadRequest(f"request body is nested more than {MAX_DEPTH} levels deep")
     return body
 
@@ -262,10 +292,8 @@ def _finite(literal: str) -> float:
     return value
 
 
-def _deeper_than(limit: int, raw: bytes, value: Any) -> bool:
-    # Fast path at C speed: a body cannot nest deeper than it has brackets.
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False
+def _deeper_than(limit: int, value: Any) -> bool:
+    # (The caller's fast path: a body cannot nest deeper than it has brackets.)
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()

@@ -28,10 +28,9 @@ import socket
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
-import orjson
 from aiohttp import web
 from aiohttp.helpers import parse_mimetype
 from aiohttp.http_exceptions import HttpProcessingError
@@ -395,7 +394,9 @@ def _openai_handler(endpoint: str) -> Any:
         arrived = time.monotonic()
         try:
             raw = await _body(request)
-            parsed = openai_request.parse(
+            parsed = await _read(
+                raw,
+                openai_request.parse,
                 raw,
                 endpoint,
                 request.headers.get(openai_request.PRIORITY_HEADER),
@@ -431,14 +432,13 @@ async def _invocations(request: web.Request) -> web.StreamResponse:
     as on its own route (and sent to the instance's `/invocations`); anything
     else (an embedding, a score) passes through."""
     try:
-        body = orjson.loads(await _body(request))
+        raw = await _body(request)
     except openai_request.BadRequest as exc:
         return error_response(exc.status, exc.message, param=exc.param)
-    except orjson.JSONDecodeError:
-        body = None  # the pass-through says what is wrong with it
-    if isinstance(body, dict) and "messages" in body:
+    kind = await _read(raw, openai_request.invocation_kind, raw)
+    if kind == "chat":
         return await _CHAT(request)
-    if isinstance(body, dict) and "prompt" in body:
+    if kind == "completions":
         return await _COMPLETIONS(request)
     return await _passthrough(request)
 
@@ -460,7 +460,9 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         boundary = None
         if request.content_type == openai_request.MULTIPART:
             boundary = parse_mimetype(request.headers["Content-Type"]).parameters.get("boundary")
-        body = openai_request.parse_passthrough(raw, request.content_type, boundary)
+        body = await _read(
+            raw, openai_request.parse_passthrough, raw, request.content_type, boundary
+        )
         model = body.model
         if model is None and request.method == "POST":
             # The engine answers a call that names no model with its first one:
@@ -479,6 +481,21 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         arrived=arrived,
         stream=body.stream,
     )
+
+
+_T = TypeVar("_T")
+# A body past this is read in a worker thread: reading one can take seconds of
+# Python (near `MAX_BRACKETS` of them; a long multipart form), and the event
+# loop serves every other stream meanwhile (the GIL passes between them every
+# few ms). A smaller one is read sooner than the hop to a thread takes.
+READ_OFF_LOOP_BYTES = 64 * 1024
+
+
+async def _read(raw: bytes, read: Callable[..., _T], *args: Any) -> _T:
+    """`read(*args)`, of the body `raw`: off the event loop when it is large."""
+    if len(raw) <= READ_OFF_LOOP_BYTES:
+        return read(*args)
+    return await asyncio.to_thread(read, *args)
 
 
 async def _body(request: web.Request) -> bytes:

@@ -284,3 +284,46 @@ def test_a_request_aiohttps_parser_refuses_logs_no_error(
         assert raw.recv(4096).startswith(b"HTTP/1.")
     assert httpx.post(proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"})
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/invocations"])
+def test_a_body_that_takes_long_to_read_stalls_no_one(standins: Any, ferry: Any, path: str) -> None:
+    """A body of nearly `MAX_BRACKETS` empty objects takes Python most of a
+    second to read. It is read off the event loop: `/livez` (and every stream)
+    is answered meanwhile, where it used to wait for the whole read."""
+    from threading import Thread
+
+    from proxy.openai_request import MAX_BRACKETS, read_object
+
+    [(_, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url], server={"max_body_bytes": 8 * 1024 * 1024})
+    items = b",".join([b"{}"] * (MAX_BRACKETS - 10))
+    body = b'{"model": "standin", "prompt": "x", "input": "x", "x": [' + items + b"]}"
+    began = time.monotonic()
+    read_object(body)
+    read_s = time.monotonic() - began  # what the read costs, here and now
+    answered: list[int] = []
+    sender = Thread(
+        target=lambda: answered.append(
+            httpx.post(
+                proxy.url + path,
+                content=body,
+                headers={"Content-Type": "application/json"},
+                timeout=60,
+            ).status_code
+        )
+    )
+    with httpx.Client() as client:
+        client.get(proxy.url + "/livez")  # connected before the read begins
+        sender.start()
+        waits = []
+        while sender.is_alive():
+            sent = time.monotonic()
+            assert client.get(proxy.url + "/livez").status_code == 200
+            waits.append(time.monotonic() - sent)
+            time.sleep(0.01)
+        sender.join()
+    # Read, and sent on: the stand-in's own limit (aiohttp's 1 MiB) answers.
+    assert answered == [413]
+    print(f"read {read_s:.3f} s; /livez waited at most {max(waits):.3f} s")
+    assert max(waits) < read_s / 2, (max(waits), read_s)

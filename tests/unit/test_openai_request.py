@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from proxy import token_ids
 from proxy.openai_request import (
+    MAX_BRACKETS,
     MAX_DEPTH,
     MULTIPART,
     BadRequest,
@@ -88,6 +89,8 @@ def test_token_ids_are_counted_and_hidden() -> None:
         (b"\xef\xbb\xbf\xef\xbb\xbf{}", "not valid JSON"),  # one BOM is ignored, not two
         (b'{"a": ' + b"[" * (MAX_DEPTH) + b"]" * (MAX_DEPTH) + b"}", "nested more than"),
         (b"[" * 100_000, "nested too deeply"),
+        # Refused before it is read: reading it would cost seconds and gigabytes.
+        (b'{"x": [' + b"{}," * MAX_BRACKETS + b"{}]}", "at most 1,000,000 are read"),
         (b'"{}"', "must be a JSON object"),
         (b"null", "must be a JSON object"),
     ],
