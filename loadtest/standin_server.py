@@ -586,8 +586,8 @@ def _tokens(body: dict[str, Any], key: str) -> int:
     value = body.get(key)
     if value is None:
         return 16
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 100_000:
-        _refuse(400, f"'{key}' must be an integer from 1 to 100000", param=key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 10_000_000:
+        _refuse(400, f"'{key}' must be an integer from 1 to 10000000", param=key)
     return value
 
 

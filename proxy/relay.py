@@ -281,6 +281,9 @@ class Relay:
                     response, outcome = await self._whole(
                         upstream, call, wants_ids, passthrough=body is None, raw=raw
                     )
+                    if isinstance(response, web.Response):
+                        response, taken = await sse.send_whole(request, response)
+                        outcome = outcome if taken else "client_disconnect"
                 return response
             except NothingRelayed as exc:
                 # Headers came, the body broke before any of it reached the

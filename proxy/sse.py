@@ -165,7 +165,9 @@ def data_of(event: bytes) -> bytes | None:
 
 
 # How long a write may wait for a client that reads nothing (`server.
-# client_send_timeout_s`, set on the app; 0 or unset: for ever).
+# client_send_timeout_s`, set on the app; 0 or unset: for ever). As nginx's
+# `send_timeout`, it bounds the time between two reads of the client, not a
+# whole write: a large write to a slow reader that keeps reading goes on.
 SEND_TIMEOUT = web.AppKey("client_send_timeout_s", float)
 # A write can wait for the client only once the socket's send buffer is past its
 # high-water mark (64 KiB on uvloop and asyncio); below a quarter of it, it cannot.
@@ -267,8 +269,7 @@ async def write(response: web.StreamResponse, data: bytes) -> None:
             and client.transport.get_write_buffer_size() + len(data) > _BACKLOG_BYTES
         ):
             # Checked first, so the timer costs nothing while the client keeps up.
-            async with asyncio.timeout(client.timeout_s):
-                await response.write(data)
+            await _write_watched(response, data, client.transport, client.timeout_s)
         else:
             await response.write(data)
     except ConnectionResetError as exc:
@@ -277,6 +278,58 @@ async def write(response: web.StreamResponse, data: bytes) -> None:
         assert client is not None
         _hang_up(client)
         raise ClientGone(f"the client read nothing for {client.timeout_s:g} s") from exc
+
+
+async def _write_watched(
+    response: web.StreamResponse, data: bytes, transport: asyncio.Transport, timeout_s: float
+) -> None:
+    """`response.write(data)`, which returns once the socket's buffer has drained;
+    TimeoutError once the client has read nothing of it for `timeout_s`. (A
+    timer on the whole write would cut a client reading steadily but slowly
+    behind a large write: 500 KB of logprobs to a phone.)"""
+    writing = asyncio.ensure_future(response.write(data))
+    try:
+        await asyncio.sleep(0)  # the write has put its bytes in the buffer
+        left = transport.get_write_buffer_size()
+        while True:
+            done, _ = await asyncio.wait((writing,), timeout=timeout_s)
+            if done:
+                return writing.result()
+            now = transport.get_write_buffer_size()
+            if now >= left:  # nothing read since the last look
+                raise TimeoutError
+            left = now
+    finally:
+        writing.cancel()  # (done already, unless this one failed or was cancelled)
+
+
+# A whole answer past this is written by Ferry, under the send timeout: aiohttp
+# writes an answer a handler returns with no timeout, so a client that reads
+# nothing would hold it (48 MB of embeddings, say) for as long as it keeps its
+# socket open. Smaller ones the sockets' buffers take whole.
+WHOLE_WATCHED_BYTES = 256 * 1024
+
+
+async def send_whole(
+    request: web.Request, answer: web.Response
+) -> tuple[web.StreamResponse, bool]:
+    """Send a large whole `answer` now, as `write` sends a stream's bytes; the
+    answer to return, and whether the client took it. A small one is left to
+    aiohttp, as is any where no send timeout is set."""
+    body = answer.body
+    timeout_s = request.app.get(SEND_TIMEOUT, 0.0)
+    if not timeout_s or not isinstance(body, bytes) or len(body) <= WHOLE_WATCHED_BYTES:
+        return answer, True
+    headers = CIMultiDict(answer.headers)
+    headers.popall("Content-Length", None)
+    response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
+    response.content_length = len(body)
+    response[_CLIENT] = _Client(request.transport, timeout_s)
+    try:
+        await response.prepare(request)
+    except ConnectionResetError:
+        return response, False
+    return response, await finish(response, body)
 
 
 async def finish(response: web.StreamResponse, data: bytes | None = None) -> bool:
@@ -289,11 +342,11 @@ async def finish(response: web.StreamResponse, data: bytes | None = None) -> boo
     if client is not None:
         client.ending = True
     try:
-        async with asyncio.timeout(timeout_s):
-            if data:
-                await response.write(data)
+        if data:
+            await write(response, data)
+        async with asyncio.timeout(timeout_s):  # the terminator, a few bytes
             await response.write_eof()
-    except ConnectionResetError:
+    except ConnectionResetError:  # ClientGone too: gone, or hung up on by `write`
         return not data
     except TimeoutError:
         assert client is not None

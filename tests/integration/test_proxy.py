@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -705,3 +706,35 @@ def test_a_whole_answer_compressed_against_the_ask_reaches_the_client_readable(
     proxy = ferry([site.url])
     out = client(proxy).completions.create(model="standin", prompt="x", max_tokens=3)
     assert out.choices[0].text == " tok" * 3
+
+
+def test_a_whole_answer_its_client_never_reads_is_hung_up_on(standins: Any, ferry: Any) -> None:
+    """aiohttp writes a handler's answer with no timeout: a client that asked for
+    a large answer and reads none of it held it, and its memory, for as long
+    as it kept its socket open. It is hung up on after `client_send_timeout_s`,
+    as a stream's client is, and counted a client gone, not a call that went well."""
+    import socket
+
+    [(_, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url], server={"client_send_timeout_s": 1})
+    body = json.dumps({"model": "standin", "prompt": "x", "max_tokens": 3_000_000}).encode()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: 12 MB won't fit
+    client.connect((host, int(port)))
+    try:
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        outcome = 'ferry_requests_total{instance="i0",outcome="client_disconnect"} 1.0'
+        wait_until(lambda: outcome in httpx.get(proxy.url + "/metrics").text, timeout=20)
+        client.settimeout(10)
+        received = 0
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := client.recv(1 << 20):
+                received += len(chunk)
+        assert received < len(" tok") * 3_000_000  # hung up on: the rest never came
+    finally:
+        client.close()

@@ -43,8 +43,15 @@ class Stalled(dict[Any, Any]):
 
 
 class Transport:
+    """A client socket with `buffered` bytes waiting for it; it reads none."""
+
+    buffered = 1 << 20
+
     def abort(self) -> None:
         Stalled.aborted = True
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
 
 
 def test_a_stream_end_the_client_never_takes_is_not_delivered() -> None:
@@ -69,3 +76,53 @@ def test_a_stream_end_the_client_takes_is_delivered() -> None:
             pass
 
     assert asyncio.run(sse.finish(Taken(), b"data: [DONE]\n\n")) is True
+
+
+class SlowReader(dict[Any, Any]):
+    """A client reading a large write steadily, slower than the send timeout
+    allows for the whole of it: 16 KiB every 30 ms, 1 MiB in ~2 s."""
+
+    def __init__(self, transport: Transport) -> None:
+        super().__init__()
+        self.transport = transport
+
+    async def write(self, data: bytes) -> None:
+        self.transport.buffered = len(data)
+        while self.transport.buffered > 16 * 1024:  # aiohttp's drain: down to the low mark
+            await asyncio.sleep(0.03)
+            self.transport.buffered -= 16 * 1024
+
+
+def test_a_client_that_reads_a_large_write_slowly_but_steadily_is_not_cut() -> None:
+    """nginx's `send_timeout`: the time between two reads, not for the whole write."""
+    transport = Transport()
+    reader: Any = SlowReader(transport)
+    reader[sse._CLIENT] = sse._Client(transport, 0.5)  # type: ignore[arg-type]
+    took = asyncio.run(_timed(sse.write(reader, b"x" * (1 << 20))))
+    assert took > 1.0  # longer than the timeout, and it went through
+
+
+def test_a_client_that_stops_reading_midway_is_cut_after_the_timeout() -> None:
+    transport = Transport()
+
+    class Stops(SlowReader):
+        async def write(self, data: bytes) -> None:
+            self.transport.buffered = len(data)
+            for _ in range(5):  # reads a little, then nothing
+                await asyncio.sleep(0.03)
+                self.transport.buffered -= 16 * 1024
+            await asyncio.sleep(3600)
+
+    stops: Any = Stops(transport)
+    stops[sse._CLIENT] = sse._Client(transport, 0.2)  # type: ignore[arg-type]
+    Stalled.aborted = False
+    with pytest.raises(sse.ClientGone, match="read nothing for 0.2 s"):
+        asyncio.run(sse.write(stops, b"x" * (1 << 20)))
+    assert Stalled.aborted
+
+
+async def _timed(write: Any) -> float:
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await write
+    return loop.time() - began
