@@ -329,9 +329,9 @@ class LiveStream:
         ends if it does ("done", "broken", "stopped": the source's shim stopped it)."""
         self.timing.read()
         whole = self._events.take(data)
+        keep_alive.saw(whole)  # (none: bytes of an event that has not ended, no progress)
         if not whole:
             return b"", None
-        keep_alive.saw(whole)
         splicer = self.splicer
         out: list[bytes] = []
         for event in whole.split(b"\n\n")[:-1]:

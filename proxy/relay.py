@@ -555,7 +555,8 @@ class Relay:
 
         def wrote(out: bytes) -> None:
             nonlocal whole
-            if not out:
+            if not out:  # a read that ended no event: bytes, but no progress
+                keep_alive.saw(out)
                 return
             whole = out.endswith(b"\n\n")
             if timing is not None:
@@ -578,7 +579,7 @@ class Relay:
                         transport = sse.client_transport(response)
                         tap.attach_to(content, response, transport, read, wrote)
                     await sse.write(response, out)
-                    wrote(out)
+                wrote(out)
                 data = await content.readany()
             if complete is not None and not complete():
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")

@@ -45,7 +45,8 @@ class KeptAliveOnly(asyncio.TimeoutError):
 
 class KeepAliveWatch:
     """Raises KeptAliveOnly once whole events have been nothing but comments
-    or blank lines (one event a read, as pings come) for `idle_s` (0: never)."""
+    or blank lines (one event a read, as pings come), or none at all (the bytes
+    of an event trickling in that never ends), for `idle_s` (0: never)."""
 
     def __init__(self, idle_s: float, clock: Callable[[], float]) -> None:
         self.idle_s, self.clock = idle_s, clock
@@ -57,7 +58,7 @@ class KeepAliveWatch:
         if events and not events.startswith(b":"):
             self.last_event = self.clock()
         elif self.idle_s and self.clock() - self.last_event > self.idle_s:
-            raise KeptAliveOnly(f"nothing but keep-alives for {self.idle_s:g}s")
+            raise KeptAliveOnly(f"no event but keep-alives for {self.idle_s:g}s")
 
 
 # A stream silent for STOPPED_GAPS of its usual token gaps, and at least
@@ -310,9 +311,7 @@ async def _write_watched(
 WHOLE_WATCHED_BYTES = 256 * 1024
 
 
-async def send_whole(
-    request: web.Request, answer: web.Response
-) -> tuple[web.StreamResponse, bool]:
+async def send_whole(request: web.Request, answer: web.Response) -> tuple[web.StreamResponse, bool]:
     """Send a large whole `answer` now, as `write` sends a stream's bytes; the
     answer to return, and whether the client took it. A small one is left to
     aiohttp, as is any where no send timeout is set."""

@@ -762,6 +762,37 @@ def test_bytes_that_are_no_http_mid_answer_end_the_call(
     wait_until(lambda: proxy.view("i0").inflight == 0)
 
 
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_an_event_that_trickles_in_and_never_ends_is_no_progress(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """Bytes every 50 ms, of an event that never ends: each read reset aiohttp's
+    idle timer, and the stream (and its place in the ledger) stayed for as long
+    as the upstream kept it up. It ends after `upstream_idle_timeout_s` without
+    a whole event, as a silent one does."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    trickle = [b"1\r\nx\r\n"] * 100  # 5 s of it
+    standin.raw_answer = [
+        head + b"%x\r\n%b\r\n" % (len(CHUNK), CHUNK) + b"6\r\ndata: \r\n",
+        *trickle,
+    ]
+    proxy = ferry(
+        [site.url], instances_migration=migration, server={"upstream_idle_timeout_s": 0.5}
+    )
+    body = {"model": "standin", "prompt": "x", "max_tokens": 3, "stream": True}
+    began = time.monotonic()
+    answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+    assert time.monotonic() - began < 3.0  # not the trickle's 5 s
+    assert answer.status_code == 200 and answer.text.count('"error"') == 1, answer.text
+    assert answer.text.startswith('data: {"id":"c"')
+    if migration == "off":  # (lite: "could not resume", with no one to go to)
+        assert "no event but keep-alives for 0.5s" in answer.text
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("status", [200, 429])
 def test_a_header_http_forbids_is_not_relayed(

@@ -62,10 +62,11 @@ def test_an_event_read_in_many_pieces_is_joined_once() -> None:
     assert whole == b"data: " + piece * 1000 + b"\n\n" and not events._parts
 
 
-@pytest.mark.parametrize("ping", [b": ping\n\n", b"\n\n", b"\r\n\r\n", b"\n"])
+@pytest.mark.parametrize("ping", [b": ping\n\n", b"\n\n", b"\r\n\r\n", b"\n", b""])
 def test_pings_or_blank_lines_alone_are_no_progress(ping: bytes) -> None:
-    """An upstream that sends nothing but comments or blank lines is as hung as
-    a silent one, once `idle_s` passes; one event with data is progress."""
+    """An upstream that sends nothing but comments or blank lines, or reads that
+    end no event (b""), is as hung as a silent one, once `idle_s` passes; one
+    event with data is progress."""
     now = [0.0]
     watch = KeepAliveWatch(2.0, lambda: now[0])
     now[0] = 1.0
