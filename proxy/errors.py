@@ -22,6 +22,7 @@ _TYPES = {
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "upstream_timeout",

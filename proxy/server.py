@@ -34,6 +34,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.helpers import parse_mimetype
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
 
 from proxy import access_log, admin, client_auth, openai_request, sse, tracing, ttft_stages
 from proxy.cluster import Cluster
@@ -75,6 +76,7 @@ ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
 # does not send a request on a connection the engine is closing.
 UPSTREAM_KEEPALIVE_S = 4.0
 MAX_HEADER_LINE_BYTES = 64 * 1024  # a client's request line or one header
+MAX_HEADER_BYTES = 64 * 1024  # all of a request's headers (Envoy's 60 KiB, about)
 SHUTDOWN_CUT_S = 1.0  # aiohttp's shutdown timeout, once Ferry's grace is over
 # Each stream holds two file descriptors (the client's connection and the
 # instance's): a shell's default soft limit of 1,024 runs out near 500 streams.
@@ -115,7 +117,13 @@ def build_app(
     in_flight = InFlight()
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[observe, openai_errors, keyed, in_flight.middleware],
+        middlewares=[
+            observe,
+            _request_limits(config.server.max_body_bytes),
+            openai_errors,
+            keyed,
+            in_flight.middleware,
+        ],
     )
     app[IN_FLIGHT] = in_flight
     app.on_response_prepare.append(access_log.echo_request_id)
@@ -270,6 +278,36 @@ class _ClientFaultsQuiet(logging.Filter):
             record.exc_info = record.exc_text = None
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
+
+
+def _request_limits(max_body_bytes: int) -> Any:
+    """Refuse, before reading a body, a request whose headers in all pass
+    MAX_HEADER_BYTES (aiohttp bounds each line and their count: 128 of 64 KiB
+    each, 8 MiB a request, held while its body comes and sent on upstream) or
+    that declares a body past `max_body_bytes` (aiohttp reads it up to the
+    limit first). Its connection closes: the body is not read."""
+
+    @web.middleware
+    async def limits(request: web.Request, handler: Handler) -> web.StreamResponse:
+        length = request.content_length
+        refused = None
+        if length is not None and length > max_body_bytes:
+            refused = error_response(
+                413, f"request body is {length} bytes; at most {max_body_bytes} are taken"
+            )
+        elif sum(len(k) + len(v) for k, v in request.raw_headers) > MAX_HEADER_BYTES:
+            refused = error_response(
+                431, f"request headers are over {MAX_HEADER_BYTES // 1024} KiB in all"
+            )
+        if refused is None:
+            return await handler(request)
+        # The connection ends with the answer, and aiohttp is told the body is
+        # over (else it reads on in it, for up to 10 s, before closing).
+        refused.force_close()
+        request.content.feed_eof()
+        return refused
+
+    return limits
 
 
 def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:

@@ -327,3 +327,40 @@ def test_a_body_that_takes_long_to_read_stalls_no_one(standins: Any, ferry: Any,
     assert answered == [413]
     print(f"read {read_s:.3f} s; /livez waited at most {max(waits):.3f} s")
     assert max(waits) < read_s / 2, (max(waits), read_s)
+
+
+def test_a_body_declared_too_large_is_refused_before_it_is_sent(standins: Any, ferry: Any) -> None:
+    """A declared Content-Length past `max_body_bytes` gets its 413 at once, its
+    body unread (it was read up to the limit first), and the connection ends."""
+    [(standin, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url], server={"max_body_bytes": MAX_BODY})
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as client:
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000000\r\n\r\n"  # and not a byte of it
+        )
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"Connection: close" in head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert standin.answers == []
+
+
+def test_headers_too_large_in_all_are_refused(standins: Any, ferry: Any) -> None:
+    """Each line may be 64 KiB (a long JWT), but not 8 MiB of them in all."""
+    [(standin, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url])
+    headers = {f"x-pad-{n}": "a" * 8000 for n in range(10)}
+    answer = httpx.post(
+        proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"}, headers=headers
+    )
+    assert answer.status_code == 431 and "in all" in answer.json()["error"]["message"]
+    assert standin.answers == []
+    fine = {"Authorization": "Bearer " + "a" * 60_000}  # one long header: as before
+    answer = httpx.post(
+        proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"}, headers=fine
+    )
+    assert answer.status_code == 200
