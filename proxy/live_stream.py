@@ -314,6 +314,10 @@ class LiveStream:
                 if result is not None:
                     return result
         except _PumpOver as over:
+            # The upstream's reader keeps the exception the tap raised; its
+            # frames, which hold this stream and the reader, would keep both
+            # alive until a cyclic collection.
+            over.__traceback__ = None
             return over.outcome
         except sse.STREAM_ERRORS as exc:
             log.info("stream %s on %s broke: %s", self.request.id, self.instance, _why(exc))
