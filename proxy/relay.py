@@ -282,6 +282,7 @@ class Relay:
                         upstream, call, wants_ids, passthrough=body is None, raw=raw
                     )
                     if isinstance(response, web.Response):
+                        call.close()  # the instance is done: its load leaves the ledger
                         response, taken = await sse.send_whole(request, response)
                         outcome = outcome if taken else "client_disconnect"
                 return response

@@ -301,10 +301,10 @@ def _request_limits(max_body_bytes: int) -> Any:
             )
         if refused is None:
             return await handler(request)
-        # The connection ends with the answer, and aiohttp is told the body is
-        # over (else it reads on in it, for up to 10 s, before closing).
+        # The connection ends with the answer. (aiohttp reads on in the body,
+        # for up to 10 s, and drops it: closed at once, a client still sending
+        # would get a reset instead of this answer.)
         refused.force_close()
-        request.content.feed_eof()
         return refused
 
     return limits
