@@ -124,6 +124,9 @@ class LiveStream:
         self._events = sse.Events(upstreams.max_answer_bytes)
         self._pump: asyncio.Task[str] | None = None
         self._reading = False  # the pump waits for upstream bytes (safe to interrupt)
+        # The pump waits for its client to take a write (it reads slowly, or not
+        # at all, for up to its send timeout): a move would wait as long.
+        self._writing = False
         self._ordered = asyncio.Event()
         self._source_stopped = False  # full mode: the source's shim stopped the request
         # run() returned: no one is left to carry out an order. A move that waited
@@ -136,9 +139,16 @@ class LiveStream:
 
     @property
     def movable(self) -> bool:
-        """Open to a new move: not finished, none submitted or under way, and
+        """Open to a new move: not finished, none submitted or under way, not
+        waiting on a slow client (a move takes effect between writes, and would
+        hold a move slot, and a drain's round, until that write is taken), and
         nothing in it that a continuation would get wrong."""
-        return not self.claimed and self.accepts_orders and self.splicer.unmovable is None
+        return (
+            not self.claimed
+            and not self._writing
+            and self.accepts_orders
+            and self.splicer.unmovable is None
+        )
 
     @property
     def accepts_orders(self) -> bool:
@@ -367,7 +377,11 @@ class LiveStream:
 
     async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         if data:
-            await sse.write(response, data)
+            self._writing = True
+            try:
+                await sse.write(response, data)
+            finally:
+                self._writing = False
             self.timing.written()
 
     async def _end(self, response: web.StreamResponse, data: bytes | None = None) -> None:

@@ -580,3 +580,52 @@ def test_an_instance_whose_models_cannot_be_read_says_why(standins: Any, ferry: 
     wait_until(lambda: rows(proxy.url)["i0"]["models_error"] is not None)
     assert "not a list" in rows(proxy.url)["i0"]["models_error"]
     assert rows(proxy.url)["i0"]["healthy"]
+
+
+def test_a_client_that_reads_nothing_holds_up_no_other_drain(standins: Any, ferry: Any) -> None:
+    """A move takes effect between a stream's writes, and a client that reads
+    nothing holds its stream's write for its send timeout (60 s). Its drain
+    waited for that move, and so did every other drain: another instance's
+    streams moved nowhere until they ended where they were."""
+    import socket
+
+    from proxy.server import IN_FLIGHT
+
+    (a, site_a), (b, site_b), (c, site_c) = standins(3, itl_s=0.0002)
+    proxy = lite_pair(ferry, site_a.url, site_b.url, site_c.url)
+    for name in ("i1", "i2"):
+        assert send(proxy.url + f"/admin/instances/{name}/drain", "POST")[0] == 200
+    # A stream on i0 whose client stops reading: Ferry's buffer for it fills.
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    slow.connect((host, int(port)))
+    body = json.dumps({"model": "standin", "prompt": "x", "max_tokens": 200_000, "stream": True})
+    slow.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    try:
+        in_flight = proxy.site.app[IN_FLIGHT]
+
+        def backlog() -> int:
+            requests = list(in_flight.tasks.values())
+            return max(
+                (r.transport.get_write_buffer_size() for r in requests if r.transport), default=0
+            )
+
+        wait_until(lambda: proxy.loop.call(backlog) > 64 * 1024, timeout=20)
+        assert send(proxy.url + "/admin/instances/i0?migrate=true", "DELETE")[0] == 202
+        # Four ordinary streams on i1 (4 s each), then i1 drained too, with room on i2.
+        send(proxy.url + "/admin/instances/i1/undrain", "POST")
+        b.itl_s = 0.02
+        threads, texts = streams(proxy.url, 4, 200)
+        wait_until(lambda: b.running == 4)
+        send(proxy.url + "/admin/instances/i2/undrain", "POST")
+        assert send(proxy.url + "/admin/instances/i1?migrate=true", "DELETE")[0] == 202
+        wait_until(lambda: "i1" not in rows(proxy.url), timeout=2)  # moved off, not ended
+        join(threads)
+        assert texts == [" tok" * 200] * 4
+        assert "i0" in rows(proxy.url)  # its stream is still there, its client still slow
+    finally:
+        slow.close()
