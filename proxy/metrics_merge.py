@@ -17,12 +17,15 @@ restarts starts its counters at 0 again: to Prometheus, a counter reset.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+log = logging.getLogger("ferry.sharing")
 
 SUMMED_GAUGES = frozenset({"ferry_inflight_requests"})
 OWN_PREFIXES = ("process_", "python_")
@@ -41,7 +44,15 @@ def merge(own: str, peers: Sequence[str]) -> bytes:
     """`own` exposition with `peers`' merged in (text format 0.0.4)."""
     families: dict[str, Metric] = {}
     for n, text in enumerate([own, *peers]):
-        for family in text_string_to_metric_families(text):
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except Exception:  # noqa: BLE001 - any parser fault, on a peer's page
+            if not n:
+                raise
+            # Another writer's data in a peer's key: left out, not the scrape's 500.
+            log.debug("a peer's metrics do not parse: left out")
+            continue
+        for family in parsed:
             known = families.get(family.name)
             if known is None:
                 if n and family.name.startswith(OWN_PREFIXES):

@@ -208,9 +208,11 @@ class PeerLoads:
                 del changes[name]
 
     def take_change(self, change: LoadChange) -> bool:
-        """Whether the change is newer than what is known (and so counts now)."""
+        """Whether the change is newer than what is known (and so counts now). A
+        change from a process with no live record is not taken: it may be dead
+        (its record expired), and nothing would ever age the change out."""
         record = self.records.get(change.process)
-        if record is not None and change.seq <= record.seq:
+        if record is None or change.seq <= record.seq:
             return False
         known = self._changes.setdefault(change.process, {})
         newer = False
@@ -262,7 +264,11 @@ def _request(raw: Any) -> RequestLoad:
     ident, tokens, priority, running, cached, silent_s, model, short = values
     if not (_count(ident) and _count(tokens) and isinstance(running, bool)):
         raise ValueError(f"a candidate's id and tokens must be counts ({raw!r})")
-    if not (isinstance(silent_s, int | float) and not isinstance(silent_s, bool) and silent_s >= 0):
+    if not (
+        isinstance(silent_s, int | float)
+        and not isinstance(silent_s, bool)
+        and 0 <= silent_s <= _MAX_COUNT  # (no NaN, no infinity, no 10**400)
+    ):
         raise ValueError(f"a candidate's silent_s must be seconds, 0 or more ({raw!r})")
     if not all(isinstance(k, str) and _count(v) for k, v in _dict(cached).items()):
         raise ValueError(f"a candidate's cached tokens must map names to counts ({raw!r})")
@@ -282,8 +288,13 @@ def _request(raw: Any) -> RequestLoad:
     )
 
 
+# Past any real count, and below where float arithmetic loses integers: one
+# peer's 10**400 would raise OverflowError in every view built with it.
+_MAX_COUNT = 2**53
+
+
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_COUNT
 
 
 def _list(value: Any) -> list[Any]:

@@ -317,12 +317,21 @@ class Sharing:
         )
         ttl_ms = int(self.settings.ttl_s * 1000)
         lease_ms = int(self.settings.lease_ttl_s * 1000)
+        exposition = None
+        if self.exposition is not None and self.clock() - self._metrics_at >= METRICS_EVERY_S:
+            # Rendered off the event loop: at a thousand instances it takes 0.1 s.
+            exposition = await asyncio.to_thread(self.exposition)
         if self._restore_due:
             await self._restore()
         if self._resync_due:
             await self._resync()
         await self._flush_announced()
         outbox, self._outbox = self._outbox, []
+        if not self.holds_lease():
+            # Planned while it held the lease; another may hold it now and plan
+            # anew (the owner would drop a move of a stream gone elsewhere, but
+            # not one merely out of date).
+            outbox = []
         gone, self._gone = self._gone, []
         known = [m for m in self._members if m != self.name]
         started = self.clock()
@@ -346,13 +355,12 @@ class Sharing:
             pipe.mget([self._load_prefix + m for m in known])
         # Once a second, this process's exposition, and the peers' read back: what
         # a scrape sums while Redis is down.
-        exposition = self.exposition if started - self._metrics_at >= METRICS_EVERY_S else None
         if exposition is not None and known:
             pipe.mget([self._metrics_key(m) for m in known])
         if exposition is not None:
             self._metrics_at = started
             ttl = int(METRICS_TTL_S * 1000)
-            pipe.set(self._metrics_key(self.name), exposition(), px=ttl)
+            pipe.set(self._metrics_key(self.name), exposition, px=ttl)
         for owner, request_id, destination, prewarm, reason, source in outbox:
             key = f"{self.settings.key_prefix}:moves:{owner}"
             pipe.rpush(key, json.dumps([request_id, destination, prewarm, reason, source]))
@@ -732,8 +740,9 @@ class Sharing:
             log.error("Redis unreachable, serving with this process's view alone: %s", exc)
             self._failing = True
         last = self._last_round
-        if last is not None and self.clock() - last > self.settings.ttl_s and self.peers.records:
-            # Their records would have expired by now: they may be dead.
+        if last is not None and self.clock() - last > self.settings.ttl_s:
+            # Their records would have expired by now: they may be dead. (Their
+            # announced changes too: a dead peer's may still be in flight.)
             self.peers = PeerLoads()
             self.cluster.set_peer_load({})
 

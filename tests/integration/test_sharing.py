@@ -763,3 +763,59 @@ def test_a_round_that_swallows_its_cancel_still_lets_the_process_stop(
     time.sleep(0.5)  # a few rounds
     proxy.loop.run(asyncio.wait_for(proxy.site.runner.cleanup(), 5))
     assert swallowed.is_set()
+
+
+def test_moves_planned_under_a_lease_since_lost_are_not_sent(
+    redis_server: str, redis_prefix: str
+) -> None:
+    """The lease holder plans a move of a peer's stream, then stalls past its
+    lease (a paused process) while another takes it. Its next round drops the
+    move: the new holder plans from what is true now."""
+    from types import SimpleNamespace
+
+    import redis.asyncio as aioredis
+
+    from proxy.config import SharingConfig
+    from proxy.peer_load import InstanceLoad
+    from proxy.sharing import Sharing
+
+    class Stub(SimpleNamespace):  # what a round reads of the rest of a process
+        def local_load(self, name: str) -> InstanceLoad:
+            return InstanceLoad()
+
+        def set_peer_load(self, load: Any) -> None:
+            pass
+
+        def local_candidates(self) -> dict[str, Any]:
+            return {}
+
+        def apply_op(self, op: Any) -> None:
+            pass
+
+    async def scenario() -> list[bytes]:
+        now = [1000.0]
+        settings = SharingConfig(key_prefix=redis_prefix)
+        cluster = Stub(instances={}, ledger=Stub(on_count=None), shared=False)
+        rest = (
+            Stub(announce=None, discovered=frozenset()),
+            Stub(streams={}),
+            Stub(coordinator=None),
+        )
+
+        def process(name: str) -> Sharing:
+            client = aioredis.Redis.from_url(redis_server)
+            return Sharing(client, settings, cluster, *rest, name=name, clock=lambda: now[0])  # type: ignore[arg-type]
+
+        a, b = process("a"), process("b")
+        for p in (a, a, b, b):
+            await p.round()
+        assert a.holds_lease() and not b.holds_lease()
+        a.send_move("b", 7, "e1", True, "rebalance", source="e0")
+        await asyncio.sleep(settings.lease_ttl_s + 0.2)  # Redis's clock: the lease expires
+        now[0] += settings.lease_ttl_s + 1  # a's too, paused meanwhile
+        await b.round()
+        assert b.holds_lease()
+        await a.round()
+        return await aioredis.Redis.from_url(redis_server).lrange(f"{redis_prefix}:moves:b", 0, -1)
+
+    assert asyncio.run(scenario()) == []

@@ -46,3 +46,10 @@ def test_counters_and_histograms_sum_gauges_are_the_answering_process_s() -> Non
 def test_alone_it_is_its_own_exposition() -> None:
     own = process(2, 1, 5.0, 7.0)
     assert samples(merge(own, [])) == samples(own.encode())
+
+
+def test_a_peer_page_that_does_not_parse_is_left_out() -> None:
+    """Another writer's data in a peer's key made every scrape a 500."""
+    own, peer = process(2, 1, 5.0, 7.0), process(3, 4, 6.0, 9.0)
+    merged = samples(merge(own, ["ferry_requests_total{instance=} not a number\n", peer]))
+    assert merged[("ferry_requests_total", (("instance", "i0"),))] == 5  # own and the good peer

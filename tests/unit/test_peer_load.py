@@ -99,6 +99,10 @@ def test_a_change_counts_until_a_record_covers_it_and_never_twice() -> None:
     peers.take_change(LoadChange("p1", 15, {"b": InstanceLoad(5, 1, 0, 0)}))
     peers.take_records({})
     assert peers.totals() == {}
+    # And a change of a process with no live record (dead, its record expired)
+    # is not taken: nothing would ever age it out.
+    assert not peers.take_change(LoadChange("p1", 16, {"a": InstanceLoad(6, 6, 0, 0)}))
+    assert peers.totals() == {}
 
 
 def test_a_change_reads_back_as_written() -> None:
@@ -121,6 +125,21 @@ def test_a_change_reads_back_as_written() -> None:
         (json.dumps({"v": 1, "process": "p", "instances": {"a": [True, 1, 0, 0]}}), "5 counts"),
         (json.dumps({"v": 1, "process": "p", "instances": []}), "must be an object"),
         (json.dumps({"v": 1, "process": "p", "seq": -1}), "seq: must be a count"),
+        # Past any count: 10**400 raised OverflowError in every view built with it.
+        (
+            '{"v": 1, "process": "p", "instances": {"a": [1%s, 1, 0, 0, 0]}}' % ("0" * 400),
+            "5 counts",
+        ),
+        (
+            json.dumps(
+                {"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, True, {}, 10**400]]}}
+            ),
+            "silent_s must be seconds",
+        ),
+        (
+            '{"v": 1, "process": "p", "candidates": {"a": [[1, 2, 1, true, {}, NaN]]}}',
+            "silent_s must be seconds",
+        ),
         (
             json.dumps({"v": 1, "process": "p", "candidates": {"a": [[1, 2, 9, True, {}]]}}),
             "is not a valid Priority",
