@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import os
@@ -307,11 +308,20 @@ def _admin(args: argparse.Namespace, path: str, method: str = "GET", body: Any =
         with urllib.request.urlopen(request, timeout=10) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as exc:
-        with exc:
-            detail = exc.read().decode(errors="replace")
+        try:
+            with exc:
+                detail = exc.read().decode(errors="replace")
+        except (http.client.HTTPException, OSError) as cut:  # the body cut short
+            detail = f"(the answer was cut short: {cut!r})"
         print(f"ferry {args.command}: HTTP {exc.code}: {detail}", file=sys.stderr)
     except (urllib.error.URLError, OSError) as exc:
         print(f"ferry {args.command}: cannot reach {args.url}: {exc}", file=sys.stderr)
+    except http.client.HTTPException as exc:  # not HTTP (a TLS port, say), or cut short
+        # repr: a BadStatusLine's text is the raw bytes it got.
+        print(
+            f"ferry {args.command}: cannot reach {args.url}: no complete HTTP answer ({exc!r})",
+            file=sys.stderr,
+        )
     except ValueError as exc:  # a token or URL no HTTP request can carry
         print(f"ferry {args.command}: {exc}", file=sys.stderr)
     raise SystemExit(1)
@@ -332,10 +342,7 @@ def _status(args: argparse.Namespace) -> int:
 def _drain(args: argparse.Namespace) -> int:
     row = _admin(args, f"{_instance_path(args.name)}/drain?migrate=true", "POST")
     print(f"draining {args.name}: {row['inflight']} in flight, {row.get('migrating', 0)} moving")
-    # Removed meanwhile (by a reload, or by hand): nothing left on it either.
-    return _wait_empty(
-        args, lambda rows: next((r["inflight"] for r in rows if r["name"] == args.name), 0)
-    )
+    return _wait_empty(args, "draining")
 
 
 def _remove(args: argparse.Namespace) -> int:
@@ -344,26 +351,38 @@ def _remove(args: argparse.Namespace) -> int:
     print(f"removing {args.name}: {row['inflight']} in flight, {row.get('migrating', 0)} moving")
     if args.no_wait:
         return 0
-    # Gone from the list once it is empty and removed.
-    return _wait_empty(
-        args, lambda rows: next((r["inflight"] or 1 for r in rows if r["name"] == args.name), 0)
-    )
+    return _wait_empty(args, "removing")
 
 
-def _wait_empty(args: argparse.Namespace, left: Any) -> int:
-    """Poll the instance list until `left(rows)` is 0 or the timeout passes."""
+def _wait_empty(args: argparse.Namespace, flag: str) -> int:
+    """Poll the instance list until the instance is empty (`flag` "draining") or
+    gone ("removing"), or the timeout passes. An undrain, or a reload that keeps
+    it, calls the change off: `flag` goes false, and waiting on is in vain."""
     import time
 
     deadline = time.monotonic() + args.timeout
+    seen = False  # `flag` once on: a peer process asked first may not have the change yet
     while True:
-        remaining = left(_admin(args, "/admin/instances"))
+        rows = _admin(args, "/admin/instances")
+        row = next((r for r in rows if r["name"] == args.name), None)
+        remaining = 0 if row is None else row["inflight"]
+        # Removed meanwhile (by a reload, or by hand): nothing left on it either.
+        done = row is None if flag == "removing" else remaining == 0
         # With a shared view, 0 counts every process's streams only while the one
         # asked can read the others' (Redis reachable): otherwise, wait on.
-        counted = remaining != 0 or _admin(args, "/admin/sharing").get("redis_ok", True)
-        if remaining == 0 and counted:
+        counted = not done or _admin(args, "/admin/sharing").get("redis_ok", True)
+        if done and counted:
             print(f"{args.name}: done")
             return 0
-        if time.monotonic() > deadline:
+        on = row is not None and row.get(flag, True)  # a ferry before `removing`: on
+        late = time.monotonic() > deadline
+        if not on and (seen or late):
+            what = "removal" if flag == "removing" else "drain"
+            print(f"{args.name}: the {what} was called off (an undrain, or a reload that"
+                  f" keeps it): it is still there, with {remaining} in flight")  # fmt: skip
+            return 1
+        seen = seen or on
+        if late:
             if not counted:
                 print(f"{args.name}: the other processes' streams cannot be counted"
                       f" (Redis unreachable) after {args.timeout}s")  # fmt: skip

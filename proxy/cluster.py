@@ -65,6 +65,12 @@ class InstanceState:
     # once a look there read as the full page does, else the full page.
     metrics_path: str | None = None
     ejection: Ejection = field(default_factory=Ejection)  # upstream call failures
+    # `config.server`, read once: a fleet's every change compares it with every
+    # instance's, and parsing a URL a thousand times a change was seconds.
+    server: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.server = self.config.server
 
     @property
     def name(self) -> str:
@@ -108,6 +114,8 @@ class Cluster:
         # and whether there are any (proxy/sharing.py sets it).
         self.peer_load: dict[str, InstanceLoad] = {}
         self.shared = False
+        self._index: dict[str, int] = {}  # name -> its place in `_views`
+        self._views: list[InstanceView] = []
         self._reindex()
 
     def view(self) -> ClusterView:
@@ -128,7 +136,13 @@ class Cluster:
     def retune(
         self, usage: UsageSettings, unhealthy_after_failures: int, ejection: EjectionSettings
     ) -> None:
-        """New scheduler settings (a reload): every view is rebuilt."""
+        """New scheduler settings (a reload): every view is rebuilt, if they changed."""
+        if (usage, unhealthy_after_failures, ejection) == (
+            self.usage,
+            self.unhealthy_after_failures,
+            self.ejection,
+        ):
+            return  # (each fleet change retunes: a thousand rebuilds each, for nothing)
         self.usage, self.unhealthy_after_failures = usage, unhealthy_after_failures
         self.ejection = ejection
         self._stale.update(self.instances)
@@ -181,7 +195,10 @@ class Cluster:
     def add(self, config: InstanceConfig) -> InstanceState:
         """A new instance; it takes no traffic until its first good scrape."""
         state = self.instances[config.name] = InstanceState(config)
-        self._reindex()
+        # The others' views stand: one more built, not all of them again.
+        self._index[config.name] = len(self._views)
+        self._views.append(self._build(state))
+        self._all = tuple(self._views)
         return state
 
     def remove(self, name: str) -> None:
@@ -190,7 +207,10 @@ class Cluster:
         self.ledger.forget(name)
         self.prefixes.forget(name)
         self._ejected.pop(name, None)
-        self._reindex()
+        del self._views[self._index.pop(name)]
+        self._index = {other: i for i, other in enumerate(self.instances)}
+        self._stale.discard(name)
+        self._all = tuple(self._views)
 
     def reconfigure(self, config: InstanceConfig) -> None:
         """Swap an instance's settings. A new URL or engine is a new server: it
@@ -203,7 +223,7 @@ class Cluster:
             state.ejection = Ejection()
             self._ejected.pop(config.name, None)
             self.prefixes.forget(config.name)  # a new server's cache starts empty
-        state.config = config
+        state.config, state.server = config, config.server
         self._invalidate(config.name)
 
     def _reindex(self) -> None:

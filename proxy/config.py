@@ -721,6 +721,7 @@ def _discovery(
 def _check_discovery(d: DiscoveryConfig, where: str) -> None:
     if not d.dns or "/" in d.dns or ":" in d.dns:
         raise ConfigError(f"{where}.dns: must be a DNS name (got {d.dns!r})")
+    _check_dns_name(d.dns, f"{where}.dns")
     if not 1 <= d.port <= 65535:
         raise ConfigError(f"{where}.port: must be between 1 and 65535 (got {d.port})")
     if d.scheme not in ("http", "https"):
@@ -734,6 +735,23 @@ def _check_discovery(d: DiscoveryConfig, where: str) -> None:
             f"{where}.name: the instances' names start with it and end with @[address]:port:"
             f" at most {MAX_DISCOVERY_PREFIX} characters (set `name:` to a shorter one)"
         )
+
+
+def _check_dns_name(name: str, where: str) -> None:
+    """A hostname the resolver takes: labels of 1 to 63 characters, 253 in all, a
+    trailing dot allowed. It refuses others before any lookup (a UnicodeError from
+    its IDNA encoding), which is no resolution failure: `ferry serve` ended at start."""
+    for label in name.removesuffix(".").split("."):
+        if not label:
+            raise ConfigError(f"{where}: {name!r} has an empty label (two dots, or a dot first)")
+        if len(label) > 63:
+            raise ConfigError(f"{where}: label {label!r} is {len(label)} characters (at most 63)")
+    try:
+        encoded = name.encode("idna").removesuffix(b".")  # a non-ASCII label: xn--...
+    except UnicodeError as exc:  # such a label over 63 characters encoded, say
+        raise ConfigError(f"{where}: {name!r} is no DNS name the resolver takes ({exc})") from None
+    if len(encoded) > 253:
+        raise ConfigError(f"{where}: {name!r} is {len(encoded)} characters (at most 253)")
 
 
 def _expand(value: str | None, where: str, env: dict[str, str]) -> str | None:

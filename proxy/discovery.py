@@ -91,7 +91,9 @@ class Discovery:
         source = self.sources[index]
         try:
             addresses = await self.resolver(source.dns, source.port)
-        except OSError as exc:  # socket.gaierror included
+        # ValueError: a name the resolver refuses before any lookup (UnicodeError,
+        # from its IDNA encoding); the config check should have caught it already.
+        except (OSError, ValueError) as exc:  # socket.gaierror included
             log.warning(
                 "discovery: %s did not resolve (%s); keeping %d instances",
                 source.dns,

@@ -172,8 +172,9 @@ class Fleet:
         renames one), which may name the same server meanwhile."""
         if instance.name in self.cluster.instances:
             raise FleetError(409, f"an instance named {instance.name!r} exists", "instance_exists")
+        server = instance.server
         for name, state in self.cluster.instances.items():
-            if state.config.same_server(instance) and not (state.leaving or name in replacing):
+            if state.server == server and not (state.leaving or name in replacing):
                 raise FleetError(409, f"instance {name!r} is that server", "instance_exists")
         self.cluster.add(instance)
         self.scraper.watch(instance.name)
@@ -211,8 +212,9 @@ class Fleet:
         raw = {"name": name, "url": old.url, "engine": old.engine, **changes}
         parsed = _parse(lambda: parse_instance(raw, "instance", runtime=True))
         new = dataclasses.replace(old, **{key: getattr(parsed, key) for key in changes})
+        server = new.server
         for other, state in self.cluster.instances.items():  # headers tell servers apart
-            if other != name and not state.leaving and state.config.same_server(new):
+            if other != name and not state.leaving and state.server == server:
                 raise FleetError(409, f"instance {other!r} is that server", "instance_exists")
         self.cluster.reconfigure(new)
         self._changed()
@@ -244,7 +246,7 @@ class Fleet:
         state = self._get(name)
         if state.leaving:
             for other, them in self.cluster.instances.items():
-                if other != name and not them.leaving and them.config.same_server(state.config):
+                if other != name and not them.leaving and them.server == state.server:
                     raise FleetError(
                         409, f"instance {other!r} is that server now", "instance_exists"
                     )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,6 +77,83 @@ def test_a_drain_is_not_done_while_the_other_processes_cannot_be_counted(
         assert code == 0 and "a: done" in out
     else:
         assert code == 1 and "cannot be counted (Redis unreachable)" in out
+
+
+@pytest.fixture
+def answering() -> Iterator[Any]:
+    """`answering(reply)`: the URL of a port that answers every request `reply`."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve(reply: bytes) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    def start(reply: bytes) -> str:
+        threading.Thread(target=serve, args=(reply,), daemon=True).start()
+        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    yield start
+    listener.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        # A TLS alert: what a TLS port answers a plain HTTP request.
+        (b"\x15\x03\x01\x00\x02\x02\x46", "no complete HTTP answer (BadStatusLine("),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n[{", "IncompleteRead(2 bytes read"),
+        (b"HTTP/1.1 503 Unavailable\r\nContent-Length: 500\r\n\r\n{", "HTTP 503: (the answer"),
+    ],
+    ids=["tls-port", "cut-200", "cut-error"],
+)
+def test_an_answer_that_is_not_http_or_cut_short_is_one_line(
+    reply: bytes, says: str, answering: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["status", "--url", answering(reply)])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert says in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("lists", "code", "says"),
+    [
+        # Taken back (a reload still lists it): waiting on would be in vain.
+        ([(1, True), (0, False)], 1, "a: the removal was called off (an undrain, or a reload"
+         " that keeps it): it is still there, with 0 in flight"),
+        # A peer process asked first has not heard of the removal yet: no call-off.
+        ([(1, False), (1, True), (0, True), None], 0, "a: done"),
+    ],
+)  # fmt: skip
+def test_a_removal_called_off_ends_the_wait(
+    lists: list[tuple[int, bool] | None],
+    code: int,
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It waited its whole --timeout, then said "a still has 1 in flight"."""
+    rows = iter(
+        [] if row is None else [{"name": "a", "inflight": row[0], "removing": row[1]}]
+        for row in lists
+    )
+    answers = {
+        "/admin/instances/a?migrate=true": lambda: {"inflight": 1, "migrating": 0},
+        "/admin/instances": lambda: next(rows),
+        "/admin/sharing": lambda: {"enabled": False},
+    }
+    monkeypatch.setattr("proxy.cli._admin", lambda args, path, *rest: answers[path]())
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    # One poll more than `lists` says raises StopIteration: the wait ended there.
+    assert main(["remove", "a", "--url", "http://127.0.0.1:1", "--timeout", "30"]) == code
+    assert says in capsys.readouterr().out
 
 
 def test_sim_refuses_a_request_no_instance_could_ever_hold(

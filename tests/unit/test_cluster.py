@@ -6,6 +6,8 @@ import dataclasses
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from adapters import EngineSnapshot
 from proxy.cluster import Cluster
@@ -274,3 +276,22 @@ def test_a_lora_adapter_s_context_is_its_base_model_s() -> None:
     assert cluster.context_length("i0", "orphan") is None
     assert cluster.context_length("i0", "bare") is None
     assert cluster.context_length("i0", "unknown") is None
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=40))
+def test_views_follow_instances_added_and_removed_one_by_one(ops: list[tuple[bool, int]]) -> None:
+    """Adding or removing one instance builds its view alone (the others' stand);
+    each name still finds its own view, in the fleet's order, state as its own."""
+    cluster = make_cluster("a")
+    for add, n in ops:
+        name = f"i{n}"
+        if add and name not in cluster.instances:
+            cluster.add(InstanceConfig(name, f"http://{name}"))
+            cluster.record_models(name, [{"id": "m"}])
+        elif not add and name in cluster.instances:
+            cluster.remove(name)
+        cluster.set_draining("a", n % 2 == 0)  # a change to a view that stands
+        names = [v.name for v in cluster.view().instances]
+        assert names == list(cluster.instances)
+        assert all(cluster.instance_view(name).name == name for name in names)
+        assert cluster.instance_view("a").draining == (n % 2 == 0)

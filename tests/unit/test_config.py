@@ -245,6 +245,22 @@ def test_client_keys_from_yaml_or_environment() -> None:
             r"^discovery\[0\]\.name: .*at most 64 characters",
         ),
         (
+            {"discovery": [{"dns": "pods..test", "port": 80}]},
+            r"^discovery\[0\]\.dns: 'pods\.\.test' has an empty label",
+        ),
+        (
+            {"discovery": [{"dns": f"pods.{'a' * 64}.svc", "port": 80}]},
+            r"^discovery\[0\]\.dns: label 'a+' is 64 characters \(at most 63\)",
+        ),
+        (
+            {"discovery": [{"dns": "pods." + "\u00fc" * 60 + ".svc", "port": 80}]},
+            r"^discovery\[0\]\.dns: 'pods\.\u00fc+\.svc' is no DNS name the resolver takes",
+        ),
+        (
+            {"discovery": [{"dns": ".".join(["a" * 63] * 4), "port": 80}]},
+            r"^discovery\[0\]\.dns: 'a+\.a+\.a+\.a+' is 255 characters \(at most 253\)",
+        ),
+        (
             {"instances": [{"name": "n" * 129, "url": "http://h:1"}]},
             r"^instances\[0\]\.name: .*at most 128 characters",
         ),
@@ -313,6 +329,12 @@ def test_client_keys_from_yaml_or_environment() -> None:
 def test_errors_name_the_yaml_path(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_config(raw, env={})
+
+
+def test_a_discovery_name_may_end_in_a_dot_and_have_long_labels() -> None:
+    for dns in ("vllm.ns.svc.", f"{'a' * 63}.svc", "pods.\u00fcber.test"):
+        (source,) = parse_config({"discovery": [{"dns": dns, "port": 80}]}, env={}).discovery
+        assert source.dns == dns
 
 
 def test_sharing_is_off_unless_a_redis_url_is_given() -> None:

@@ -3,13 +3,16 @@ and its configuration (the resolver itself: tests/integration/test_discovery.py)
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import cast
 
 import pytest
 import yaml
 
 from proxy.config import DISCOVERY_KEYS, ConfigError, parse_config
-from proxy.discovery import Change, diff
+from proxy.discovery import Change, Discovery, diff
+from proxy.fleet import Fleet
 
 
 def test_diff_adds_removes_and_takes_back() -> None:
@@ -62,6 +65,22 @@ def test_discovered_instances_take_the_template() -> None:
 def test_discovery_errors_name_the_yaml_path(entry: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_config({"discovery": [entry]}, env={})
+
+
+def test_a_name_the_resolver_refuses_is_a_failed_resolution(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """getaddrinfo raises UnicodeError, not OSError, for a name its IDNA encoding
+    refuses: at start, that ended `ferry serve` with a traceback."""
+
+    async def refuse(host: str, port: int) -> list[str]:
+        raise UnicodeError("encoding with 'idna' codec failed")
+
+    (source,) = parse_config({"discovery": [{"dns": "x", "port": 1}]}, env={}).discovery
+    # Nothing of the fleet is read when the name did not resolve.
+    discovery = Discovery(cast(Fleet, None), (source,), resolver=refuse)
+    assert asyncio.run(discovery.refresh(0)) is None
+    assert "x did not resolve (encoding with 'idna' codec failed)" in caplog.text
 
 
 def test_instances_may_be_empty_only_with_discovery() -> None:
