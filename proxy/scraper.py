@@ -26,6 +26,7 @@ import aiohttp
 from adapters import EngineSnapshot, MetricsParseError
 from migration_shim import wire
 from proxy.cluster import Cluster, InstanceState
+from proxy.config import InstanceConfig
 from proxy.metrics import FerryMetrics
 from proxy.upstream import OutOfFiles, ShortageLog, out_of_files, read_whole
 
@@ -107,6 +108,8 @@ class Scraper:
         path, parse = state.adapter.metrics_path, state.adapter.parse_metrics
         if path is None or parse is None:
             error = await self._models(name)
+            if not self._still(name, state.config):
+                return
             if error is not None:
                 self.metrics.scrape_errors.labels(name).inc()
                 self.cluster.record_scrape_failure(name, error)
@@ -114,6 +117,7 @@ class Scraper:
                 self.cluster.record_alive(name, self.clock())
             return
         reached_id = self._reached_id(name)
+        asked = state.config
         try:
             snapshot = await self._snapshot(state, path, parse)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -121,10 +125,22 @@ class Scraper:
             # value aiohttp refuses to send.
             if out_of_files(exc):
                 raise OutOfFiles(str(exc)) from exc
-            self.metrics.scrape_errors.labels(name).inc()
-            self.cluster.record_scrape_failure(name, _describe(exc))
+            if self._still(name, asked):
+                self.metrics.scrape_errors.labels(name).inc()
+                self.cluster.record_scrape_failure(name, _describe(exc))
             return
-        self.cluster.record_scrape(name, snapshot, self.clock(), reached_id)
+        if self._still(name, asked):
+            self.cluster.record_scrape(name, snapshot, self.clock(), reached_id)
+
+    def _still(self, name: str, asked: InstanceConfig) -> bool:
+        """Whether `name` is still the server a look asked (`asked`, its config
+        then): a reload that gave it another URL meanwhile made the look one of
+        the old server, which says nothing of the new one."""
+        state = self.cluster.instances.get(name)
+        return state is not None and (state.config.url, state.config.engine) == (
+            asked.url,
+            asked.engine,
+        )
 
     def _reached_id(self, name: str) -> int:
         """The ledger's last dispatch id as of the newest earlier look that
@@ -212,6 +228,7 @@ class Scraper:
     async def _models(self, name: str) -> str | None:
         """Read the instance's `/v1/models` into the cluster; None, or what failed."""
         state = self.cluster.instances[name]
+        asked = state.config
         try:
             async with self.session.get(
                 state.url + "/v1/models", headers=state.config.auth_headers(), timeout=self.timeout
@@ -227,7 +244,8 @@ class Scraper:
             if out_of_files(exc):
                 raise OutOfFiles(str(exc)) from exc
             return f"GET /v1/models: {_describe(exc)}"
-        self.cluster.record_models(name, cards)
+        if self._still(name, asked):
+            self.cluster.record_models(name, cards)
         return None
 
     async def refresh_shim(self, name: str) -> None:

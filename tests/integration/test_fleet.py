@@ -629,3 +629,39 @@ def test_a_client_that_reads_nothing_holds_up_no_other_drain(standins: Any, ferr
         assert "i0" in rows(proxy.url)  # its stream is still there, its client still slow
     finally:
         slow.close()
+
+
+def test_a_look_at_an_instances_old_url_says_nothing_of_its_new_one(
+    standins: Any, loop_thread: Any, tmp_path: Path
+) -> None:
+    """A reload gives an instance a new URL, where nothing listens, while a look
+    at its old server is under way (a busy engine's /metrics answers late). The
+    old server's answer is not recorded for the new one: it stays unhealthy
+    (it was shown healthy, and /readyz said 200, with nothing behind it)."""
+    [(busy, site)] = standins(1)
+    path = tmp_path / "ferry.yaml"
+
+    def write(url: str) -> None:
+        scheduler = {"scrape_interval_s": 0.05}
+        instances = [{"name": "a", "url": url}]
+        path.write_text(
+            json.dumps({"instances": instances, "scheduler": scheduler, "admin_token": TOKEN})
+        )
+
+    write(site.url)
+    proxy = Ferry(loop_thread, load_config(path), load=lambda: load_config(path))
+    try:
+        wait_until(lambda: proxy.view("a").healthy)
+        busy.metrics_delay_s = 0.5
+        time.sleep(0.7)  # the look begun before the delay is over; one is under way
+        write(f"http://127.0.0.1:{free_port()}")
+        code, summary = send(proxy.url + "/admin/reload", "POST")
+        assert code == 200 and summary["changed"] == ["a"], summary
+        healthy = []
+        ends = time.monotonic() + 1.5  # past the old look's answer, and more looks
+        while time.monotonic() < ends:
+            healthy.append(proxy.loop.call(lambda: proxy.cluster.instances["a"].healthy))
+            time.sleep(0.01)
+        assert not any(healthy)
+    finally:
+        proxy.close()
