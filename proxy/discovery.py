@@ -79,6 +79,9 @@ class Discovery:
         # while their address stays in DNS, or a bad pod could not be evicted.
         self._removing: list[set[str]] = [set() for _ in sources]
         self._evicted: list[set[str]] = [set() for _ in sources]
+        # Of those it is removing, the ones an operator had drained: -> whether
+        # their streams were moving off. Back in DNS, they stay drained so.
+        self._drained: dict[str, bool] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     async def refresh_all(self) -> None:
@@ -127,9 +130,15 @@ class Discovery:
         for name in change.restored:
             self.fleet.undrain(name)
             mine.discard(name)
+            if name in self._drained:  # the operator's drain stays, as a reload's does
+                self.fleet.drain(name, migrate=self._drained.pop(name))
         for name in change.removed:
+            if self.fleet.cluster.instances[name].draining:
+                self._drained[name] = name in self.fleet.migrator.evacuating
             self.fleet.remove(name, migrate=True)
             mine.add(name)
+        for name in [n for n in self._drained if n not in present]:  # gone for good
+            del self._drained[name]
         self.fleet.discovered = frozenset().union(*self._owned)
         if change.added or change.restored or change.removed:
             log.info(

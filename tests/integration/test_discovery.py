@@ -165,3 +165,40 @@ def test_an_evicted_instance_stays_out_while_dns_names_it(
     finally:
         for site in sites:
             loop_thread.run(site.runner.cleanup())
+
+
+def test_an_operators_drain_stays_when_its_address_comes_back(
+    hosts: Any, loop_thread: LoopThread, ferry: Any
+) -> None:
+    """An operator drains a discovered pod; its address leaves DNS for a moment
+    (its stream still running there) and comes back. The removal is called
+    off, the drain is not: it took new requests again, the operator's wish lost."""
+    a, b = StandIn(itl_s=0.01), StandIn(itl_s=0.05)
+    site_a = loop_thread.run(start_site(a.app(), handler_cancellation=True))
+    sites: list[Site] = [site_a]
+    try:
+        sites.append(
+            loop_thread.run(
+                start_site(b.app(), handler_cancellation=True, host="127.0.0.2", port=site_a.port)
+            )
+        )
+        port = site_a.port
+        name_b = f"pool@127.0.0.2:{port}"
+        hosts(["127.0.0.1", "127.0.0.2"])
+        source = {"dns": NAME, "port": port, "refresh_s": 0.1, "name": "pool"}
+        proxy: Ferry = ferry([], discovery=[source], scheduler={"policy": "round_robin"})
+        wait_until(lambda: all(s.healthy for s in proxy.cluster.instances.values()))
+        threads, texts = streams(proxy.url, 2, 100)  # one on each; 5 s on b
+        wait_until(lambda: b.running == 1)
+        fleet = proxy.site.app[FLEET]
+        proxy.loop.call(lambda: fleet.drain(name_b, migrate=False))
+        hosts(["127.0.0.1"])  # gone from DNS: removing, its stream still there
+        wait_until(lambda: proxy.cluster.instances[name_b].leaving, timeout=5)
+        hosts(["127.0.0.1", "127.0.0.2"])  # back before it was empty
+        wait_until(lambda: not proxy.cluster.instances[name_b].leaving, timeout=5)
+        assert proxy.cluster.instances[name_b].draining
+        join(threads)
+        assert texts == [" tok" * 100] * 2
+    finally:
+        for site in sites:
+            loop_thread.run(site.runner.cleanup())
