@@ -135,6 +135,8 @@ class Discovery:
         for name in change.removed:
             if self.fleet.cluster.instances[name].draining:
                 self._drained[name] = name in self.fleet.migrator.evacuating
+            else:  # (undrained since an earlier round noted it)
+                self._drained.pop(name, None)
             self.fleet.remove(name, migrate=True)
             mine.add(name)
         for name in [n for n in self._drained if n not in present]:  # gone for good

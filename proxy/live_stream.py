@@ -151,6 +151,12 @@ class LiveStream:
         )
 
     @property
+    def waits_on_client(self) -> bool:
+        """Its pump waits for its client to take a write: a move ordered now
+        takes effect only once the client has (up to its send timeout)."""
+        return self._writing
+
+    @property
     def accepts_orders(self) -> bool:
         return self._order is None and not self.splicer.ended and not self._over
 

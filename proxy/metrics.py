@@ -374,6 +374,11 @@ class FerryMetrics:
         return model if model in served else "other"
 
     def render(self, cluster: Cluster, now: float | None = None) -> bytes:
+        return self.prepare(cluster, now)()
+
+    def prepare(self, cluster: Cluster, now: float | None = None) -> Callable[[], bytes]:
+        """Set the gauges from `cluster` (on the event loop: it reads the loop's
+        state) and return what renders the text, which may run in a thread."""
         now = time.monotonic() if now is None else now
         for view in cluster.view().instances:
             state = cluster.instances[view.name]
@@ -403,4 +408,8 @@ class FerryMetrics:
         signal = scaling_signal(cluster.view(), self.scaling)
         self.desired_instances.set(signal.desired)
         self.average_freeness.set(math.nan if signal.freeness is None else signal.freeness)
+        return self.text
+
+    def text(self) -> bytes:
+        """The exposition as the metrics stand (prometheus_client locks each one)."""
         return generate_latest(self.registry)

@@ -21,7 +21,6 @@ import asyncio
 import heapq
 import itertools
 import logging
-import time
 from collections.abc import Container
 
 from proxy.cluster import Cluster
@@ -44,12 +43,6 @@ PREWARM_WAIT_S = 1.0
 
 # How often a drain asks again for room for the streams it could not move yet.
 DRAIN_RETRY_S = 0.1
-# A drain round waits for the last round's moves to land (until then the
-# ledger does not count them on their destinations: their room would be given
-# twice), but no longer than this: a move takes effect at its stream's next
-# write, which a client that reads nothing holds for its send timeout, and
-# one such stream must not hold every other drain.
-DRAIN_ROUND_HOLD_S = 2.0
 
 # Which waiting moves take a free slot first (lower first): rebalancing is
 # opportunistic, and a stream it waits behind may end before its turn.
@@ -117,8 +110,7 @@ class Migrator:
         # instance was slow to answer) moves off with the rest.
         self.evacuating: set[str] = set()
         self._evacuation: asyncio.Task[None] | None = None
-        # -> the request moved, and when the move was submitted
-        self._drain_moves: dict[asyncio.Task[bool], tuple[int, float]] = {}
+        self._drain_moves: dict[asyncio.Task[bool], int] = {}  # -> the request moved
         # Streams a drain move was refused for (a destination's shim out of blocks, a
         # move that broke): they finish where they are; asking again would repeat
         # the refusal every round.
@@ -234,11 +226,16 @@ class Migrator:
 
     def _drain_round(self) -> None:
         """Plan and submit the moves off the draining instances that fit now. A round
-        waits for the last one's moves to land (DRAIN_ROUND_HOLD_S at most)."""
-        now = time.monotonic()
-        if any(now - at < DRAIN_ROUND_HOLD_S for _, at in self._drain_moves.values()):
-            return
-        skip = self._drain_refused | {request_id for request_id, _ in self._drain_moves.values()}
+        waits for the last one's moves to land: until they do, the ledger does not
+        count them on their destinations, so their room would be given twice. Not
+        for a move whose stream waits on its client, though: it takes effect at
+        the stream's next write, which a client that reads nothing holds for its
+        send timeout, and one such client must not hold every other drain."""
+        for request_id in self._drain_moves.values():
+            stream = self.streams.get(request_id)
+            if stream is not None and not stream.waits_on_client:
+                return
+        skip = self._drain_refused | set(self._drain_moves.values())
         requests = {
             n: self.candidates(n, skip=skip) for n in self.evacuating if n in self.cluster.instances
         }
@@ -255,11 +252,11 @@ class Migrator:
             )
             stream = self.streams[move.request_id]
             task = self.submit(stream, move.destination, "drain", move.prewarm)
-            self._drain_moves[task] = (move.request_id, now)
+            self._drain_moves[task] = move.request_id
             task.add_done_callback(self._drain_moved)
 
     def _drain_moved(self, task: asyncio.Task[bool]) -> None:
-        request_id, _ = self._drain_moves.pop(task)
+        request_id = self._drain_moves.pop(task)
         refused = task.cancelled() or task.exception() is not None or not task.result()
         if refused and request_id in self.streams:
             self._drain_refused.add(request_id)

@@ -113,7 +113,9 @@ class Placement:
         if preferred and preferred in usable and preferred not in exclude:
             return preferred
         skip = frozenset(exclude | (set(self.cluster.instances) - usable))
-        request = DispatchRequest(model, tokens, priority, skip, cached_tokens=cached or {})
+        request = DispatchRequest(
+            model, tokens, priority, skip, cached_tokens=cached or {}, panic=rescue
+        )
         try:
             return self.choose(request)[0].name
         except NoCandidate:

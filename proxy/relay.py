@@ -136,7 +136,8 @@ class Relay:
         for attempt in range(self.retries + 1):
             try:
                 chosen, cached = self.placement.choose(
-                    DispatchRequest(model, prompt_estimate, priority, frozenset(tried)), key
+                    DispatchRequest(model, prompt_estimate, priority, frozenset(tried), panic=True),
+                    key,
                 )
             except NoCandidate as exc:
                 if failed is not None:

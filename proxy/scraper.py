@@ -105,10 +105,11 @@ class Scraper:
         """One look at the instance: its engine's metrics, parsed by its adapter;
         for an engine without metrics, `GET /v1/models` (success is health)."""
         state = self.cluster.instances[name]
+        asked = state.config  # (a reload replaces `state.config` during the awaits)
         path, parse = state.adapter.metrics_path, state.adapter.parse_metrics
         if path is None or parse is None:
             error = await self._models(name)
-            if not self._still(name, state.config):
+            if not self._still(name, asked):
                 return
             if error is not None:
                 self.metrics.scrape_errors.labels(name).inc()
@@ -117,7 +118,6 @@ class Scraper:
                 self.cluster.record_alive(name, self.clock())
             return
         reached_id = self._reached_id(name)
-        asked = state.config
         try:
             snapshot = await self._snapshot(state, path, parse)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -217,9 +217,10 @@ class Scraper:
         """Read the instance's models; a failure is shown (`models_error` in
         /admin/instances) and logged once per cause, since an instance whose
         load reads fine but whose models do not takes no traffic."""
+        asked = self.cluster.instances[name].config
         error = await self._models(name)
         state = self.cluster.instances.get(name)
-        if state is not None:
+        if state is not None and self._still(name, asked):
             if error is not None and error != state.models_error:
                 log.warning("cannot read the models of %s: %s", name, error)
             state.models_error = error

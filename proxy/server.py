@@ -351,7 +351,7 @@ async def _shared_view(
         config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
     )
     sharing = Sharing(client, config.sharing, app[CLUSTER], app[FLEET], migrator, rescheduler)
-    sharing.exposition = lambda: app[METRICS].render(app[CLUSTER])
+    sharing.exposition = lambda: app[METRICS].prepare(app[CLUSTER])
     sharing.metrics_group = f"{socket.gethostname()}:{config.server.port}"
     try:
         await sharing.start(alone_ok=os.environ.get(RESTARTED_WORKER) == "1")

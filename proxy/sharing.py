@@ -164,8 +164,9 @@ class Sharing:
         self._changes_key = f"{prefix}:changes"
         self._metrics_prefix = f"{prefix}:metrics:"
         # This process's exposition, published for the processes serving the same
-        # host and port (both set by the server).
-        self.exposition: Callable[[], bytes] | None = None
+        # host and port (both set by the server): called on the loop, it sets the
+        # gauges and returns what renders the text (run in a thread).
+        self.exposition: Callable[[], Callable[[], bytes]] | None = None
         self.metrics_group = socket.gethostname()
         self._metrics_at = -math.inf  # clock() of the last publish
         self._peer_metrics: list[str] = []  # the peers' expositions, as last read
@@ -319,8 +320,9 @@ class Sharing:
         lease_ms = int(self.settings.lease_ttl_s * 1000)
         exposition = None
         if self.exposition is not None and self.clock() - self._metrics_at >= METRICS_EVERY_S:
-            # Rendered off the event loop: at a thousand instances it takes 0.1 s.
-            exposition = await asyncio.to_thread(self.exposition)
+            # Its text rendered off the event loop: at a thousand instances it
+            # takes 0.1 s. (Its gauges are set here: they read the loop's state.)
+            exposition = await asyncio.to_thread(self.exposition())
         if self._restore_due:
             await self._restore()
         if self._resync_due:

@@ -301,7 +301,8 @@ async def _write_watched(
                 raise TimeoutError
             left = now
     finally:
-        writing.cancel()  # (done already, unless this one failed or was cancelled)
+        if not writing.cancel() and not writing.cancelled():
+            writing.exception()  # done: its error, if any, is this write's, seen
 
 
 # A whole answer past this is written by Ferry, under the send timeout: aiohttp

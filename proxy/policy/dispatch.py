@@ -3,9 +3,9 @@
 The runner filters candidates (healthy, not draining, serving the model, not
 already tried), raises `NoCandidate` with the reason when none is left, and
 hands the rest to the policy. Where only ejected instances are left, they are
-the candidates: Envoy's panic threshold, applied when routing, as the fleet
-may have lost every other instance since the ejection (which lasts up to
-minutes). The registry maps config names to factories.
+the candidates of a request that may `panic` (Envoy's panic threshold, applied
+when routing: the fleet may have lost every other instance since the
+ejection, which lasts up to minutes). The registry maps config names to factories.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def dispatch(
             for v in view.instances
             if v.dispatchable and (model is None or model in v.models) and v.name not in exclude
         ]
-    if not candidates:
+    if not candidates and request.panic:
         candidates = [
             v
             for v in view.instances

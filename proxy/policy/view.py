@@ -43,6 +43,9 @@ class DispatchRequest:
     exclude: frozenset[str] = frozenset()  # instances already tried for this request
     cached_tokens: Mapping[str, int] = field(default_factory=lambda: _NOTHING_CACHED)
     affinity: str | None = None
+    # Where no other instance can take it, an ejected one may (Envoy's panic):
+    # a new request, a broken stream's failover; not a move made by choice.
+    panic: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,14 +121,17 @@ def test_unhealthy_and_draining_instances_get_nothing() -> None:
 def test_an_ejected_instance_is_chosen_only_when_no_other_can_be() -> None:
     ejected = inst("ejected", healthy=False, ejected=True, freeness=99.0)
     for policy in POLICIES:
-        assert pick(policy, ejected, inst("ok", freeness=1.0)) == "ok", policy
-        assert pick(policy, ejected, inst("sick", healthy=False)) == "ejected", policy
-        assert pick(policy, ejected, inst("ok"), exclude=frozenset({"ok"})) == "ejected", policy
-    # Never one that is draining or was tried already.
+        assert pick(policy, ejected, inst("ok", freeness=1.0), panic=True) == "ok", policy
+        assert pick(policy, ejected, inst("sick", healthy=False), panic=True) == "ejected"
+        out = frozenset({"ok"})
+        assert pick(policy, ejected, inst("ok"), exclude=out, panic=True) == "ejected"
+    # Never one that is draining or was tried already, nor for a move by choice.
     with pytest.raises(NoCandidate):
-        pick("llumnix", inst("e", healthy=False, ejected=True, draining=True))
+        pick("llumnix", inst("e", healthy=False, ejected=True, draining=True), panic=True)
     with pytest.raises(NoCandidate):
-        pick("llumnix", ejected, exclude=frozenset({"ejected"}))
+        pick("llumnix", ejected, exclude=frozenset({"ejected"}), panic=True)
+    with pytest.raises(NoCandidate):
+        pick("llumnix", ejected, inst("sick", healthy=False))
 
 
 def test_no_candidate_says_why() -> None:
