@@ -5,6 +5,7 @@ their streams finished) when one goes, and stay when the name stops resolving.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -134,19 +135,11 @@ def test_an_evicted_instance_stays_out_while_dns_names_it(
     back while its address stays in DNS, and is once the address left and came
     back. An address a configured instance already serves is not added twice."""
     a, b = StandIn(itl_s=0.01), StandIn(itl_s=0.01)
-    site_a = loop_thread.run(start_site(a.app(), handler_cancellation=True))
-    sites: list[Site] = [site_a]
-    try:
-        sites.append(
-            loop_thread.run(
-                start_site(b.app(), handler_cancellation=True, host="127.0.0.2", port=site_a.port)
-            )
-        )
-        port = site_a.port
+    with two_pods(loop_thread, a, b) as port:
         name_a, name_b = f"pool@127.0.0.1:{port}", f"pool@127.0.0.2:{port}"
         hosts(["127.0.0.1", "127.0.0.2"])
         source = {"dns": NAME, "port": port, "refresh_s": 0.1, "name": "pool"}
-        proxy: Ferry = ferry([site_a.url], discovery=[source], admin_token="t")
+        proxy: Ferry = ferry([f"http://127.0.0.1:{port}"], discovery=[source], admin_token="t")
         assert set(proxy.cluster.instances) == {"i0", name_b}  # not name_a: i0 is that engine
 
         code, _ = call_json(
@@ -162,9 +155,6 @@ def test_an_evicted_instance_stays_out_while_dns_names_it(
         hosts(["127.0.0.1", "127.0.0.2"])
         wait_until(lambda: name_b in proxy.cluster.instances)
         assert name_a not in proxy.cluster.instances
-    finally:
-        for site in sites:
-            loop_thread.run(site.runner.cleanup())
 
 
 def test_an_operators_drain_stays_when_its_address_comes_back(
@@ -174,15 +164,7 @@ def test_an_operators_drain_stays_when_its_address_comes_back(
     (its stream still running there) and comes back. The removal is called
     off, the drain is not: it took new requests again, the operator's wish lost."""
     a, b = StandIn(itl_s=0.01), StandIn(itl_s=0.05)
-    site_a = loop_thread.run(start_site(a.app(), handler_cancellation=True))
-    sites: list[Site] = [site_a]
-    try:
-        sites.append(
-            loop_thread.run(
-                start_site(b.app(), handler_cancellation=True, host="127.0.0.2", port=site_a.port)
-            )
-        )
-        port = site_a.port
+    with two_pods(loop_thread, a, b) as port:
         name_b = f"pool@127.0.0.2:{port}"
         hosts(["127.0.0.1", "127.0.0.2"])
         source = {"dns": NAME, "port": port, "refresh_s": 0.1, "name": "pool"}
@@ -199,6 +181,21 @@ def test_an_operators_drain_stays_when_its_address_comes_back(
         assert proxy.cluster.instances[name_b].draining
         join(threads)
         assert texts == [" tok" * 100] * 2
+
+
+@contextlib.contextmanager
+def two_pods(loop_thread: LoopThread, a: StandIn, b: StandIn) -> Iterator[int]:
+    """`a` on 127.0.0.1 and `b` on 127.0.0.2, on one port (two pods behind one
+    Service): the port."""
+    site_a = loop_thread.run(start_site(a.app(), handler_cancellation=True))
+    sites: list[Site] = [site_a]
+    try:
+        sites.append(
+            loop_thread.run(
+                start_site(b.app(), handler_cancellation=True, host="127.0.0.2", port=site_a.port)
+            )
+        )
+        yield site_a.port
     finally:
         for site in sites:
             loop_thread.run(site.runner.cleanup())
