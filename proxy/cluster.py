@@ -216,7 +216,7 @@ class Cluster:
         """Swap an instance's settings. A new URL or engine is a new server: it
         takes no traffic until that server answers a scrape."""
         state = self.instances[config.name]
-        if (config.url, config.engine) != (state.config.url, state.config.engine):
+        if config.engine_at != state.config.engine_at:
             state.snapshot = state.snapshot_at = state.shim = None
             state.healthy, state.failures = False, 0
             state.models, state.model_cards = frozenset(), ()

@@ -67,6 +67,12 @@ class InstanceConfig:
         return self.server == other.server
 
     @property
+    def engine_at(self) -> tuple[str, str]:
+        """Its URL and engine: another of either is another server to Ferry,
+        known by nothing of the one before (`Cluster.reconfigure`)."""
+        return self.url, self.engine
+
+    @property
     def server(self) -> tuple[Any, ...]:
         """The server it names, as `same_server` compares them (a dict's key)."""
         return (*_server_of(self.url), tuple(sorted(self.headers.items())))

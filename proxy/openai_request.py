@@ -170,7 +170,7 @@ def invocation_kind(raw: bytes) -> str | None:
     """What SageMaker's `/invocations` body is, as vLLM tells: "chat" (it has
     `messages`), "completions" (`prompt`), or None (anything else: it passes
     through, and the pass-through says what is wrong with a bad body)."""
-    if raw.count(b"[") + raw.count(b"{") > MAX_BRACKETS:
+    if _brackets(raw) > MAX_BRACKETS:
         return None
     try:
         body = orjson.loads(raw)
@@ -246,7 +246,7 @@ def read_object(raw: bytes) -> dict[str, Any]:
     and `MAX_BRACKETS` brackets."""
     if raw.startswith(codecs.BOM_UTF8):
         raw = raw[len(codecs.BOM_UTF8) :]
-    brackets = raw.count(b"[") + raw.count(b"{")
+    brackets = _brackets(raw)
     if brackets > MAX_BRACKETS:
         raise BadRequest(
             f"request body has {brackets:,} brackets; at most {MAX_BRACKETS:,} are read"
@@ -270,6 +270,11 @@ def read_object(raw: bytes) -> dict[str, Any]:
     if brackets > MAX_DEPTH and _deeper_than(MAX_DEPTH, body):
         raise BadRequest(f"request body is nested more than {MAX_DEPTH} levels deep")
     return body
+
+
+def _brackets(raw: bytes) -> int:
+    """How many arrays and objects `raw` may open (its strings' brackets too), at C speed."""
+    return raw.count(b"[") + raw.count(b"{")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -137,10 +137,7 @@ class Scraper:
         then): a reload that gave it another URL meanwhile made the look one of
         the old server, which says nothing of the new one."""
         state = self.cluster.instances.get(name)
-        return state is not None and (state.config.url, state.config.engine) == (
-            asked.url,
-            asked.engine,
-        )
+        return state is not None and state.config.engine_at == asked.engine_at
 
     def _reached_id(self, name: str) -> int:
         """The ledger's last dispatch id as of the newest earlier look that
