@@ -168,11 +168,11 @@ class Cluster:
         card = next((c for c in cards if c.get("id") == model), None)
         # (vLLM lists an adapter's `max_model_len` as null.)
         mine = None if card is None else card.get("max_model_len")
-        parent = None if card is None or isinstance(mine, int) else card.get("parent")
+        parent = None if card is None or type(mine) is int else card.get("parent")
         if isinstance(parent, str):
             card = next((c for c in cards if c.get("id") == parent), None)
         length = None if card is None else card.get("max_model_len")
-        return length if isinstance(length, int) else None
+        return length if type(length) is int else None  # (not a JSON `true`)
 
     def _has_spare(self, name: str) -> bool:
         """Whether each model of the instance has another instance to go to. The

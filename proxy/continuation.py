@@ -75,7 +75,8 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
     """Why the request cannot move exactly, or None if it can."""
     if not body.get("stream"):
         return "not streamed (the proxy holds no generated ids until it ends)"
-    if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
+    best_of = body.get("best_of")  # (a count, or what the engine ignores)
+    if (body.get("n") or 1) > 1 or (type(best_of) is int and best_of > 1):
         return "n > 1"
     if body.get("use_beam_search"):
         return "beam search"

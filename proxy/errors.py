@@ -68,15 +68,16 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason, headers=_keep_headers(exc))
+        response = error_response(exc.status, exc.reason, headers=_keep_headers(exc))
+        if exc.status == 413 and compressed(request):
+            end_unread(request, response)
+        return response
     except web.RequestPayloadError as exc:
         why = getattr(exc.__cause__, "message", None) or str(exc)
         response = error_response(400, f"request body could not be read: {why}")
-        # The rest of the body cannot be read either: the connection ends with
-        # this answer, and aiohttp is told the body is over (else it reads on
+        # The rest of the body cannot be read either (else aiohttp reads on
         # after the answer, meets the same error and logs it as unhandled).
-        response.force_close()
-        request.content.feed_eof()
+        end_unread(request, response)
         return response
     except ConnectionResetError:
         raise  # the client is gone: nothing to answer
@@ -88,6 +89,23 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
             raise
         log.exception("%s %s failed", request.method, request.path)
         return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+def compressed(request: web.Request) -> bool:
+    """Whether the request's body is compressed. One refused is not read on in
+    to drop it, as aiohttp does for up to 10 s: that would inflate it on the
+    event loop (a 1 MB gzip of spaces is 1 GB: every stream stalls)."""
+    return request.headers.get("Content-Encoding", "identity").lower() != "identity"
+
+
+def end_unread(request: web.Request, response: web.StreamResponse) -> None:
+    """End the connection with `response`, the rest of the request's body
+    unread: no more is taken from the socket, and aiohttp is told the body is
+    over, so it does not read on in it after the answer."""
+    response.force_close()
+    if request.transport is not None:
+        request.transport.pause_reading()
+    request.content.feed_eof()
 
 
 def _keep_headers(exc: web.HTTPException) -> dict[str, str]:

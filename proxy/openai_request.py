@@ -49,6 +49,9 @@ _FIELD_KINDS: dict[str, tuple[type, str]] = {
 # Counts Ferry reads itself. vLLM reads them as pydantic does (2, 2.0 and "2"
 # are all 2): Ferry takes the same, made an int in place.
 _COUNTS = ("n", "best_of")
+# vLLM 0.32 dropped `best_of`: it ignores one it cannot read, so Ferry reads it
+# only where it is a count, and refuses nothing for it.
+_IGNORED_COUNTS = frozenset({"best_of"})
 
 
 # Flags Ferry reads itself. vLLM reads a flag as pydantic does (`"true"`, `1`,
@@ -123,9 +126,10 @@ def parse(
     for key in _COUNTS:
         if body.get(key) is not None:
             count = _count(body[key])
-            if count is None:
+            if count is not None:
+                body[key] = count
+            elif key not in _IGNORED_COUNTS:
                 raise BadRequest(f"'{key}' must be an integer", param=key)
-            body[key] = count
     return OpenAIRequest(body, model or None, priority, max(1, estimate))
 
 

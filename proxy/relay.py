@@ -4,7 +4,9 @@ The request is billed in the ledger before the upstream call starts (a `Call`)
 and released when the call closes, whatever happens: finish, upstream error, or
 client disconnect (aiohttp cancels the handler; closing the upstream connection
 makes vLLM abort the request). Before anything reaches the client, a connect
-failure, an upstream 5xx or a 429 with Retry-After is retried on another
+failure, an upstream 5xx (or a stream that opens with a server error event),
+any other answer that is not one (a redirect, a 2xx other than 200, a 401/403
+to the credentials Ferry sent) or a 429 with Retry-After is retried on another
 instance, up to `retries` times; a connect failure also marks the instance
 unreachable until a scrape succeeds, and failed calls in a row eject it for a
 while (proxy/ejection.py). A stream on a migration-enabled instance is handed to a
@@ -34,7 +36,7 @@ from proxy.openai_request import PRIORITY_HEADER
 from proxy.placement import Placement
 from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
-from proxy.splicer import Splicer
+from proxy.splicer import Splicer, only_ids, server_fault
 from proxy.ttft_stages import TTFTStages
 from proxy.upstream import Call, InstanceStopped, OutOfFiles, Upstreams, answer_headers, writable
 
@@ -224,7 +226,10 @@ class Relay:
             live: LiveStream | None = None
             try:
                 if upstream.status != 200:
-                    response, outcome = await self._whole(upstream, call, wants_ids, body is None)
+                    ours = _credentials_ours(headers, self.cluster.instances[name].config)
+                    response, outcome = await self._whole(
+                        upstream, call, wants_ids, body is None, ours=ours
+                    )
                     shorter = self._no_longer_context(name, model, upstream.status, response)
                     unserved = (
                         upstream.status == 404 and body is not None and _model_unknown(response)
@@ -232,7 +237,9 @@ class Relay:
                     state = self.cluster.instances.get(name)
                     if unserved and state is not None:  # a route it has: it lacks the model
                         state.models_stale = True
-                    if (_retryable(upstream) or shorter or unserved) and attempt < self.retries:
+                    if (_retryable(upstream, outcome) or shorter or unserved) and (
+                        attempt < self.retries
+                    ):
                         again = (name, str(upstream.status))
                         failed = response
                         tried.add(name)
@@ -287,6 +294,20 @@ class Relay:
                         response, taken = await sse.send_whole(request, response)
                         outcome = outcome if taken else "client_disconnect"
                 return response
+            except ErrorFirst as exc:
+                # A stream that opened with a server error event (vLLM's when its
+                # engine has died) is a 5xx answer sent as a stream: tried
+                # elsewhere, and judged as one (a request that fails every
+                # instance it tries is held against none of them).
+                outcome, error = "upstream_5xx", str(exc)
+                failed = error_response(
+                    502, f"instance {name} answered with an error: {exc}", code="upstream_error"
+                )
+                if attempt == self.retries:
+                    return failed
+                again = (name, "error_event")
+                tried.add(name)
+                continue
             except NothingRelayed as exc:
                 # Headers came, the body broke before any of it reached the
                 # client: another instance can answer, as when the call breaks
@@ -453,8 +474,14 @@ class Relay:
         wants_ids: bool,
         passthrough: bool,
         raw: bytes | None = None,
+        *,
+        ours: bool = True,
     ) -> tuple[web.StreamResponse, str]:
-        """The instance's whole answer (`raw`, if read already) for the client."""
+        """The instance's whole answer (`raw`, if read already) for the client.
+        An answer that is not one (a redirect, an interim status, a 2xx other
+        than 200 to a request Ferry read, a 401/403 to the credentials Ferry
+        sent: `ours`) is the instance's failure, a 502; a 4xx that is not JSON
+        (a gateway's page) is put in the OpenAI error shape."""
         if raw is None:
             try:
                 raw = await self.upstreams.read_whole(call)
@@ -471,6 +498,26 @@ class Relay:
         if status < 200:  # an interim status (101 Switching Protocols) is no answer
             message = f"instance {call.instance} answered HTTP {status}, not a final status"
             return error_response(502, message, code="upstream_error"), "upstream_error"
+        if status != 200 and status < 300 and not passthrough:  # a 204 to a completion
+            message = f"instance {call.instance} answered HTTP {status}, not an answer"
+            return error_response(502, message, code="upstream_error"), "upstream_error"
+        if status in (401, 403) and ours:
+            # The credentials were Ferry's (the instance's `api_key`, or none
+            # where the client sent none): the instance's configuration is
+            # wrong, not the client's key.
+            message = (
+                f"instance {call.instance} refused Ferry's credentials (HTTP {status}): "
+                f"{_message_of(raw)}; check its api_key"
+            )
+            return error_response(502, message, code="upstream_error"), "upstream_error"
+        if status >= 400 and not _json_object(raw):
+            message = f"instance {call.instance} answered HTTP {status}: {_message_of(raw)}"
+            outcome = "upstream_429" if status == 429 else "upstream_4xx"
+            answer = error_response(status, message, code="upstream_error")
+            for header in ("Retry-After", "WWW-Authenticate"):
+                if header in upstream.headers:
+                    answer.headers[header] = upstream.headers[header]
+            return answer, outcome
         outcome = "ok" if status < 400 else "upstream_429" if status == 429 else "upstream_4xx"
         if status == 200 and not passthrough:
             raw = self._account_whole(raw, call, wants_ids)
@@ -512,6 +559,7 @@ class Relay:
     ) -> tuple[web.StreamResponse, str]:
         """A stream that cannot move: relay its events as they come."""
         events = sse.Events(self.upstreams.max_answer_bytes)
+        keep_alive = self._keep_alive()
 
         def relay(data: bytes) -> bytes:
             """The whole events received so far, accounted for, as the client gets them.
@@ -525,9 +573,24 @@ class Relay:
                 seen = self._account_event(event, call, timing) or seen
             if not ending.done:
                 ending.read(whole)
-            return token_ids.hide(whole) if seen and not wants_ids else whole
+            if not seen or wants_ids:
+                return whole
+            if _EMPTY_DELTA in whole:
+                whole = _without_id_only_chunks(whole)
+                if not whole:  # tokens, though none the client sees: progress
+                    keep_alive.progressed()
+            return token_ids.hide(whole)
 
-        return await self._pipe(request, upstream, call, relay, timing, lambda: ending.done)
+        return await self._pipe(
+            request,
+            upstream,
+            call,
+            relay,
+            timing,
+            lambda: ending.done,
+            lambda: ending.fault,
+            keep_alive,
+        )
 
     async def _pipe(
         self,
@@ -537,6 +600,8 @@ class Relay:
         relay: Callable[[bytes], bytes],
         timing: sse.TokenTiming | None = None,
         complete: Callable[[], bool] | None = None,
+        fault: Callable[[], str | None] | None = None,
+        keep_alive: sse.KeepAliveWatch | None = None,
     ) -> tuple[web.StreamResponse, str]:
         """Write what `relay` makes of the upstream's bytes to the client as they
         come. A body that ends before `complete()` says it may (an instance that
@@ -544,11 +609,15 @@ class Relay:
         headers wait for the first bytes it is sent: until then the stream has
         sent nothing, so a failure (`NothingRelayed`) can go to another instance
         as a whole answer's can, and a first read on an instance that stops
-        answering is given up (proxy/upstream.py's `Waits`)."""
+        answering is given up (proxy/upstream.py's `Waits`). Where `fault()`
+        names a server error in what was read (an error event, an abort), the
+        call failed: before any byte went out it is tried elsewhere
+        (`ErrorFirst`); after, its bytes go on as they came and its outcome is
+        `stream_broken`."""
         response: web.StreamResponse | None = None
         whole = True  # what the client has ends with a whole event
         content = upstream.content
-        keep_alive = sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
+        keep_alive = keep_alive or self._keep_alive()
 
         def read(data: bytes) -> bytes:
             if timing is not None:
@@ -573,6 +642,9 @@ class Relay:
                 out = read(data)
                 if out:
                     if response is None:
+                        failed = fault() if fault is not None else None
+                        if failed is not None:
+                            raise ErrorFirst(failed)
                         events = relay is not _as_is  # a pass-through's bytes are as they come
                         passed = answer_headers(upstream)
                         response = await sse.open_response(request, call.instance, events, passed)
@@ -602,7 +674,11 @@ class Relay:
             response = await sse.open_response(
                 request, call.instance, True, answer_headers(upstream)
             )
-        return response, await _ended(response)
+        outcome = await _ended(response)
+        return response, "stream_broken" if fault is not None and fault() else outcome
+
+    def _keep_alive(self) -> sse.KeepAliveWatch:
+        return sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
 
     def _account_event(self, event: bytes, call: Call, timing: sse.TokenTiming) -> bool:
         """Credit one event's tokens to the ledger and the timing; whether it
@@ -628,6 +704,19 @@ class NothingRelayed(Exception):
     """An answer that failed before any of it reached the client."""
 
 
+class ErrorFirst(Exception):
+    """A stream whose first events say the server failed it (its message)."""
+
+
+def _credentials_ours(headers: dict[str, str], instance: Any) -> bool:
+    """Whether a call's credentials were Ferry's: the instance's own, or none
+    where the client sent none. Only a client's Authorization that went on as
+    it came makes a 401 the client's."""
+    if any(k.lower() == "authorization" for k in instance.auth_headers()):
+        return True
+    return not any(k.lower() == "authorization" for k in headers)
+
+
 def forwarded_headers(request: web.Request) -> dict[str, str]:
     """The client's headers an instance is sent (`_NOT_FORWARDED`)."""
     dropped = _NOT_FORWARDED
@@ -646,12 +735,15 @@ class StreamEnd:
     choices) that follows them. Some OpenAI-compatible servers send no [DONE].
     Substring searches on the bytes: half a regex's cost per chunk."""
 
-    __slots__ = ("choices", "done", "finishes", "wants_usage")
+    __slots__ = ("choices", "done", "fault", "finishes", "wants_usage")
 
     def __init__(self, choices: int, wants_usage: bool) -> None:
         self.choices, self.wants_usage = choices, wants_usage
         self.finishes = 0
         self.done = False
+        # A server error the stream reported (an error event, an abort): the
+        # instance failed it, whatever came after.
+        self.fault: str | None = None
 
     @classmethod
     def of(cls, body: dict[str, Any], endpoint: str) -> StreamEnd:
@@ -665,15 +757,43 @@ class StreamEnd:
 
     def read(self, events: bytes) -> None:
         """Take in whole events (each one's blank line included)."""
+        # A fault first: vLLM's [DONE] follows an error event or an abort, often
+        # in the same read.
+        if self.fault is None and b'"error"' in events:
+            self.fault = _error_in(events)
+        finishes = events.count(b'"finish_reason":"') + events.count(b'"finish_reason": "')
+        if finishes and self.fault is None and _ABORT in events.replace(b": ", b":"):
+            self.fault = 'the engine gave the request up (finish_reason "abort")'
         if _done_in(events):
             self.done = True
             return
-        self.finishes += events.count(b'"finish_reason":"') + events.count(b'"finish_reason": "')
+        self.finishes += finishes
         if self.finishes >= self.choices:
             # (With `continuous_usage_stats` every chunk has a usage: the last one has no choices.)
             if self.wants_usage and not (b'"choices":[]' in events or b'"choices": []' in events):
                 return
             self.done = True
+
+
+_ABORT = b'"finish_reason":"abort"'
+
+
+def _error_in(events: bytes) -> str | None:
+    """The message of a server error event among these, if there is one (an
+    error the request caused, a 4xx code, is the client's answer)."""
+    for event in events.split(b"\n\n"):
+        data = sse.data_of(event)
+        if data is None or b'"error"' not in data:
+            continue
+        try:
+            chunk = sse.loads(data)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(chunk, dict) and "error" in chunk and server_fault(chunk["error"]):
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            return str(message)[:500]
+    return None
 
 
 def _prompts(value: Any) -> int:
@@ -683,6 +803,28 @@ def _prompts(value: Any) -> int:
     return (
         len(value) if isinstance(value, list) and value and isinstance(value[0], str | list) else 1
     )
+
+
+_EMPTY_DELTA = b'"delta":{}'
+
+
+def _without_id_only_chunks(events: bytes) -> bytes:
+    """These events less the chat chunks there only for the token ids Ferry
+    asked for (`splicer.only_ids`): the client did not ask, and vLLM sends
+    it none."""
+    kept = []
+    for event in events.split(b"\n\n")[:-1]:
+        data = sse.data_of(event)
+        if data is not None and _EMPTY_DELTA in data:
+            try:
+                chunk = sse.loads(data)
+            except (ValueError, RecursionError):
+                chunk = None
+            if isinstance(chunk, dict) and isinstance(chunk.get("choices"), list):
+                if only_ids(chunk["choices"]):
+                    continue
+        kept.append(event + b"\n\n")
+    return b"".join(kept)
 
 
 def _done_in(events: bytes) -> bool:
@@ -723,11 +865,13 @@ async def _ended(response: web.StreamResponse) -> str:
     return "ok" if await sse.finish(response) else "client_disconnect"
 
 
-def _retryable(upstream: aiohttp.ClientResponse) -> bool:
-    """An answer worth trying elsewhere: the instance failed (5xx) or is busy
-    and says when to come back (429 with Retry-After)."""
-    status = upstream.status
-    return status >= 500 or (status == 429 and "Retry-After" in upstream.headers)
+def _retryable(upstream: aiohttp.ClientResponse, outcome: str) -> bool:
+    """An answer worth trying elsewhere: the instance failed (a 5xx, or no
+    answer: `_whole`'s outcome says) or is busy and says when to come back
+    (429 with Retry-After)."""
+    if outcome in _INSTANCE_FAILURES:
+        return True
+    return upstream.status == 429 and "Retry-After" in upstream.headers
 
 
 def _model_unknown(response: web.StreamResponse) -> bool:
@@ -771,11 +915,25 @@ def _upstream_failed(instance: str, exc: BaseException) -> web.Response:
     )
 
 
+# A whole answer up to this size is parsed to tell whether it is JSON (orjson:
+# a few microseconds for a chat answer); a larger one (embeddings, tens of MB)
+# only by its ends, because a parse holds the GIL, and so the event loop, for
+# as long as it takes (tenths of a second at 48 MB).
+PARSED_ANSWER_BYTES = 1 << 20
+
+
 def _json_object(raw: bytes) -> bool:
-    """Whether `raw` looks like a JSON object: the ends only (an answer is read
-    whole and is at most `max_answer_bytes`; a parse would cost as much again)."""
-    raw = raw.strip()
-    return raw.startswith(b"{") and raw.endswith(b"}")
+    """Whether `raw` is a JSON object (past `PARSED_ANSWER_BYTES`, only whether
+    it looks like one, by its ends)."""
+    stripped = raw.strip()
+    if not (stripped.startswith(b"{") and stripped.endswith(b"}")):
+        return False
+    if len(raw) > PARSED_ANSWER_BYTES:
+        return True
+    try:
+        return isinstance(sse.loads(raw), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _message_of(raw: bytes) -> str:

@@ -40,7 +40,7 @@ from proxy import access_log, admin, client_auth, openai_request, sse, tracing, 
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig, ServerConfig
 from proxy.discovery import Discovery
-from proxy.errors import error_response, openai_errors
+from proxy.errors import compressed, end_unread, error_response, openai_errors
 from proxy.fleet import Fleet, FleetError
 from proxy.kv_events import KVEvents
 from proxy.kv_migration import FullModeSettings, KVMigrator
@@ -245,8 +245,8 @@ def build_app(
     # The same with a trailing slash: sent on as it came, vLLM would answer
     # with a redirect to itself, past the proxy.
     for slash in ("", "/"):
-        app.router.add_post("/v1/completions" + slash, _openai_handler("completions"))
-        app.router.add_post("/v1/chat/completions" + slash, _openai_handler("chat"))
+        for path, read in _READ_ROUTES.items():
+            app.router.add_post(path + slash, read)
         app.router.add_get("/v1/models" + slash, _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
@@ -303,8 +303,12 @@ def _request_limits(max_body_bytes: int) -> Any:
             return await handler(request)
         # The connection ends with the answer. (aiohttp reads on in the body,
         # for up to 10 s, and drops it: closed at once, a client still sending
-        # would get a reset instead of this answer.)
-        refused.force_close()
+        # would get a reset instead of this answer. A compressed one it would
+        # inflate to drop it: that one is left unread.)
+        if compressed(request):
+            end_unread(request, refused)
+        else:
+            refused.force_close()
         return refused
 
     return limits
@@ -462,6 +466,11 @@ def _openai_handler(endpoint: str) -> Any:
 
 
 _CHAT, _COMPLETIONS = _openai_handler("chat"), _openai_handler("completions")
+# The routes Ferry reads, by their path unescaped. The engine unescapes a path
+# before it routes it, so `/v1/chat%2Fcompletions` (or `/v1/%63ompletions`) is
+# its chat route too; aiohttp's router matches the path as it came, and would
+# pass such a call through unseen by the ledger and the priorities.
+_READ_ROUTES = {"/v1/completions": _COMPLETIONS, "/v1/chat/completions": _CHAT}
 
 
 async def _invocations(request: web.Request) -> web.StreamResponse:
@@ -483,6 +492,9 @@ async def _invocations(request: web.Request) -> web.StreamResponse:
 
 async def _passthrough(request: web.Request) -> web.StreamResponse:
     """Any other call goes to an instance serving its `model`, if it names one."""
+    read = _READ_ROUTES.get(request.path.rstrip("/")) if request.method == "POST" else None
+    if read is not None:
+        return await read(request)
     arrived = time.monotonic()
     if any(urllib.parse.unquote(s) in (".", "..") for s in request.path.split("/")):
         # The URL sent on would resolve them: `/v1/../sleep` (or `/v1/%2e%2e/sleep`)

@@ -107,7 +107,7 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
     return []
 
 
-def _server_fault(error: Any) -> bool:
+def server_fault(error: Any) -> bool:
     """Whether a streamed error event is the server's fault (a 5xx code, or no
     code at all), not the request's."""
     code = error.get("code") if isinstance(error, dict) else None
@@ -117,6 +117,17 @@ def _server_fault(error: Any) -> bool:
 
 
 _USAGE_COUNTS = frozenset({"prompt_tokens", "completion_tokens", "total_tokens"})
+
+
+def only_ids(choices: list[dict[str, Any]]) -> bool:
+    """Whether a chat chunk is there only for the token ids Ferry asked for:
+    vLLM's chat sends a token that makes no text (a special token, part of a
+    character, text held back for a stop string) only where ids or logprobs
+    were asked for, as `"delta": {}`. Without them the client would get none."""
+    return bool(choices) and all(
+        c.get("delta") == {} and c.get("finish_reason") is None and c.get("logprobs") is None
+        for c in choices
+    )
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -148,6 +159,7 @@ class Splicer:
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
         self.sent = ""  # all generated text the client has
+        self._counted = False  # the client has a usage count of generated tokens
         # (len(generated), len(sent)) after recent one-token chunks with text: vLLM's
         # detokenizer flushed at that token, so its text there was whole, `hold`
         # characters longer than what it had sent.
@@ -189,7 +201,7 @@ class Splicer:
         if not isinstance(chunk, dict):
             return Fed(event + b"\n\n")
         if "error" in chunk:
-            if _server_fault(chunk["error"]):
+            if server_fault(chunk["error"]):
                 return Fed(broken=True)
             self.finished = True
             return Fed(event + b"\n\n" + sse.DONE, finished=True)
@@ -243,6 +255,10 @@ class Splicer:
             if isinstance(delta, dict) and any(delta.get(k) for k in _REASONING):
                 self.unmovable = "reasoning"
         self._credit(new, texts)
+        if not self.wants_ids and self.endpoint == "chat" and only_ids(choices):
+            return Fed(b"", len(new), reported)
+        if new and isinstance(chunk.get("usage"), dict):
+            self._counted = True  # the client has a count of the tokens generated
         if self._started_over:  # the request sent again (`restart`): the client's identity
             origin = self.origin
             chunk.update(id=origin.id, created=origin.created, model=origin.model)
@@ -271,8 +287,11 @@ class Splicer:
             new.extend(ids)
             texts += text
         self._credit(new, texts)
-        if not new and not any(c["text"] or c.get("finish_reason") for c in choices):
-            return Fed()  # only regenerated tokens: nothing the client lacks
+        if not any(c["text"] or c.get("finish_reason") for c in choices):
+            if not new:
+                return Fed()  # only regenerated tokens: nothing the client lacks
+            if self.endpoint == "chat" and not self.wants_ids:
+                return Fed(b"", len(new))  # a token with no text: vLLM's chat sends none
         return Fed(sse.event(self._client_chunk(choices)), len(new))
 
     def _valid_ids(self, value: Any) -> list[int]:
@@ -307,13 +326,13 @@ class Splicer:
         all of it. A chat whose first tokens made no text (a reasoning model's
         `<think>`, before its thoughts show it reasons) is then made as a chat
         again, not continued as a completion that would show the thoughts."""
-        shown = self.sent or (self.generated and (self.wants_ids or self.continuous_usage))
+        shown = self.sent or (self.generated and (self.wants_ids or self._counted))
         return self.prompt_ids is None or (self.segment == 0 and not shown)
 
     def restart(self) -> None:
         """The original request starts over elsewhere (`starts_over`)."""
         self.expect_source_stop = False
-        self.generated, self.sent = [], ""
+        self.generated, self.sent, self._counted = [], "", False
         self.flushes.clear()
         self._started_over = self.origin is not None
 

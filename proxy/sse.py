@@ -52,6 +52,10 @@ class KeepAliveWatch:
         self.idle_s, self.clock = idle_s, clock
         self.last_event = clock()  # the last event that was more than a comment
 
+    def progressed(self) -> None:
+        """An event came that the client will not see (it is left out)."""
+        self.last_event = self.clock()
+
     def saw(self, events: bytes) -> None:
         if events[:1] in _BLANK:
             events = events.lstrip(b"\r\n")

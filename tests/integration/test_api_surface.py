@@ -377,10 +377,17 @@ def test_a_clients_headers_go_on_but_hop_by_hop_and_ferrys_own(standins: Any, fe
     assert seen["accept-encoding"] == "identity" and seen["content-type"] == "application/json"
 
 
-@pytest.mark.parametrize("path", ["/v1/completions/", "/v1/chat/completions/"])
-def test_a_trailing_slash_is_the_same_endpoint(standins: Any, ferry: Any, path: str) -> None:
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/completions/", "/v1/chat/completions/", "/v1/chat%2Fcompletions"],
+)
+def test_a_trailing_slash_or_an_escape_is_the_same_endpoint(
+    standins: Any, ferry: Any, path: str
+) -> None:
     """`/v1/completions/` went on as it came, to an engine that redirects it to
-    itself (followed past the proxy, unparsed and unbilled): it is the endpoint."""
+    itself (followed past the proxy, unparsed and unbilled): it is the endpoint.
+    So is `/v1/chat%2Fcompletions`, which the engine unescapes and serves as a
+    chat: it was passed through unseen by the ledger and the priorities."""
     [(standin, site)] = standins(1, itl_s=0.001)
     proxy = ferry([site.url])
     body: dict[str, Any] = {"model": "standin", "max_tokens": 3, "stream": True}
@@ -854,3 +861,34 @@ def test_a_client_cannot_speak_for_ferry_to_the_shim(standins: Any, ferry: Any) 
         )
         assert answer.status_code == 200, answer.text
         assert standin.seen_bodies[-1]["kv_transfer_params"] == {"mine": 1}
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_chunks_there_only_for_ids_ferry_asked_for_are_left_out(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """vLLM's chat sends a token that makes no text as `"delta": {}` only where
+    token ids are asked for, and Ferry asks for them on every request: a
+    client that did not got a chunk per such token (899 empty chunks of 902 on a
+    tiny model's chat). They are left out, still counted, and a stream of them
+    longer than the idle timeout is not idle."""
+    [(standin, site)] = standins(1, itl_s=0.02)
+    standin.silent_tokens = 40  # 0.8 s of tokens with no text
+    proxy = ferry(
+        [site.url], instances_migration=migration, server={"upstream_idle_timeout_s": 0.5}
+    )
+    body = {"model": "standin", "max_tokens": 43, "stream": True}
+    body["messages"] = [{"role": "user", "content": "x"}]
+    answer = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=10)
+    assert answer.status_code == 200 and '"error"' not in answer.text, answer.text
+    events = [e for e in answer.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == 4, events  # 3 tokens with text
+    assert "".join(json.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-1]) == (
+        " tok" * 3
+    )
+    page = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_generation_tokens_total{instance="i0",model="standin"} 43.0' in page
+    asked = httpx.post(
+        proxy.url + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=10
+    )
+    assert asked.text.count('"delta":{}') == 40

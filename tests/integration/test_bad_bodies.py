@@ -367,3 +367,52 @@ def test_headers_too_large_in_all_are_refused(standins: Any, ferry: Any) -> None
         proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"}, headers=fine
     )
     assert answer.status_code == 200
+
+
+@pytest.mark.parametrize("limit", [MAX_BODY, 1 << 20], ids=["declared", "inflated"])
+def test_a_compressed_body_past_the_limit_is_not_inflated_on(
+    standins: Any, ferry: Any, limit: int
+) -> None:
+    """A gzip body of 1 MB that inflates to 1 GB of spaces got its 413 (at once
+    where its declared length is past the limit, else once it inflates past
+    it), then aiohttp read on in it to drop it, inflating the rest on the event
+    loop: every stream (and `/livez`) waited most of a second. The connection
+    now ends with the answer, the rest of the body unread."""
+    import zlib
+    from threading import Thread
+
+    [(_, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url], server={"max_body_bytes": limit})
+    packer = zlib.compressobj(6, zlib.DEFLATED, 31)  # (31: the gzip format)
+    spaces = b" " * (1 << 20)
+    bomb = packer.compress(b'{"model": "standin", "prompt": "x"')
+    bomb += b"".join(packer.compress(spaces) for _ in range(1024)) + packer.compress(b"}")
+    bomb += packer.flush()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    answers: list[bytes] = []
+
+    def send() -> None:
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            raw.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(bomb)
+            )
+            try:
+                raw.sendall(bomb)
+            except OSError:
+                pass  # the connection ended with the answer: the rest is not taken
+            answers.append(raw.recv(100))
+
+    sender = Thread(target=send)
+    with httpx.Client() as client:
+        client.get(proxy.url + "/livez")  # connected before the bomb goes off
+        sender.start()
+        waits = []
+        while sender.is_alive() or len(waits) < 20:
+            sent = time.monotonic()
+            assert client.get(proxy.url + "/livez").status_code == 200
+            waits.append(time.monotonic() - sent)
+            time.sleep(0.01)
+        sender.join()
+    assert answers and answers[0].startswith(b"HTTP/1.1 413"), answers
+    assert max(waits) < 0.25, max(waits)

@@ -268,8 +268,10 @@ def test_a_lora_adapter_s_context_is_its_base_model_s() -> None:
             {"id": "orphan", "parent": "gone"},
             {"id": "bare"},
             {"id": ["not", "a", "name"], "parent": None},
+            {"id": "flag", "max_model_len": True},  # JSON's true is no length
         ],
     )
+    assert cluster.context_length("i0", "flag") is None
     assert cluster.context_length("i0", "base") == 4096
     assert cluster.context_length("i0", "adapter") == 4096
     assert cluster.context_length("i0", "keyless") == 4096
