@@ -109,6 +109,15 @@ class LiveStream:
         # drain would otherwise bounce it onto a hung destination again and again).
         self.failed_on: set[str] = set()
         self._broke = "stream broken"  # why the current upstream broke, for `blame`
+        # The current upstream gave the request up (a server error event, an
+        # abort), rather than break. vLLM does so to every stream of an engine
+        # that died, and to a request that makes its engine fail: the instances
+        # it gave the stream up on (`_suspects`) are held to it once another
+        # serves the stream, and none is where each one it tried gave it up
+        # (`poison`: the request's doing; one client must not eject the fleet).
+        self._gave_up = False
+        self._suspects: list[tuple[str, str]] = []
+        self.poison = False
         # Each cut-over that took, for the access log: from, to, reason, tokens
         # generated before it, and the downtime once the first token after it came.
         self.moves: list[dict[str, Any]] = []
@@ -209,6 +218,16 @@ class LiveStream:
 
     # -- driving ------------------------------------------------------------------
     async def run(self, request: web.Request) -> tuple[web.StreamResponse, str]:
+        response, outcome = await self._run(request)
+        suspects, self._suspects = self._suspects, []
+        if suspects and outcome == "stream_broken" and self._gave_up:
+            self.poison = True
+        else:
+            for name, why in suspects:
+                self.blame(name, why)
+        return response, outcome
+
+    async def _run(self, request: web.Request) -> tuple[web.StreamResponse, str]:
         upstream = self.call.response
         passed = None if upstream is None else answer_headers(upstream)
         response = await sse.open_response(request, self.instance, True, passed)
@@ -243,7 +262,7 @@ class LiveStream:
                 # A copy under way is of no use now; one started later is a new copy.
                 moot, self.copy_moot = self.copy_moot, asyncio.Event()
                 moot.set()
-                source, broke = self.instance, self._broke
+                source, broke, gave_up = self.instance, self._broke, self._gave_up
                 self._order = failover = MoveOrder(preferred, "failover")
                 moved = await self._cut_over(failover, response)
                 self._order = None
@@ -255,7 +274,10 @@ class LiveStream:
                     return response, "stream_broken"  # the relay holds it against source
                 if not (self._source_stopped or order is not None and order.source_stopped):
                     self.failed_on.add(source)
-                    self.blame(source, broke)
+                    if gave_up:
+                        self._suspects.append((source, broke))
+                    else:
+                        self.blame(source, broke)
         except ConnectionResetError:
             return response, "client_disconnect"
         finally:
@@ -267,7 +289,7 @@ class LiveStream:
     async def _relay(self, response: web.StreamResponse) -> str:
         """Relay until the stream ends ("done"), breaks or stalls ("broken"), or a
         move is ordered ("move"; unread bytes stay buffered for the source)."""
-        self._source_stopped = False
+        self._source_stopped = self._gave_up = False
         self._pump = asyncio.ensure_future(self._pump_events(response))
         try:
             result = await self._pump
@@ -362,6 +384,7 @@ class LiveStream:
                 if fed.broken:
                     log.info("stream %s: %s gave it up", self.request.id, self.instance)
                     self._broke = "the stream ended with a server error"
+                    self._gave_up = True
                     return b"".join(out), "broken"
                 return b"".join(out), "stopped"
             out.append(fed.data)

@@ -327,7 +327,7 @@ class Relay:
                 if outcome == "upstream_5xx" and name in tried:  # the next attempt judges it
                     retried.append(name)
                 else:
-                    poison = self._judge(retried, outcome)
+                    poison = self._judge(retried, outcome) or (live is not None and live.poison)
                     self._count(name, outcome, error or outcome, blame=not poison)
                 _note_end(record, outcome, timing, call, live)
         assert failed is not None  # every attempt that does not return sets it

@@ -4,7 +4,8 @@ key Ferry sent, a 200 whose JSON is broken, a redirect. Each is tried on
 another instance (nothing has reached the client yet) and held against the
 instance; where none is left, the client gets a 502 in the OpenAI shape.
 Stand-in servers (loadtest/standin_server.py), not vLLM; migration off, so
-that the streams take the path of a stream that cannot move."""
+that the streams take the path of a stream that cannot move, unless a test
+turns it on."""
 
 from __future__ import annotations
 
@@ -160,3 +161,27 @@ def test_a_4xx_that_is_not_json_comes_in_the_openai_shape(standins: Any, ferry: 
     answer = httpx.post(proxy.url + "/v1/completions", json=BODY)
     assert_openai_error(answer, 413, "upstream_error")
     assert "<h1>413 too big</h1>" in answer.json()["error"]["message"]
+
+
+def test_a_request_every_instance_gives_up_ejects_none(standins: Any, ferry: Any) -> None:
+    """With migration on, a stream an engine gives up (a server error event)
+    fails over, and the instance it left was held to it at once: a request
+    that makes every engine fail (vLLM sends a 500 error event for some bodies)
+    charged each instance it went through, so a client repeating it ejected
+    instances. It is held against none where every instance gave it up, and
+    against the one that gave it up where another served it."""
+    (first, a), (second, b) = standins(2, itl_s=0.001)
+    first.error_after = second.error_after = 0
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    for _ in range(6):  # past eject_after_failures (5)
+        answer = httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": True})
+        assert answer.status_code == 200 and '"error"' in answer.text
+    assert 'ferry_ejections_total{instance="i0"} 0.0' in metrics(proxy)
+    assert not proxy.view("i0").ejected and not proxy.view("i1").ejected
+    second.error_after = None  # now i0 is a dead engine beside a live one
+    api = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=10)
+    for _ in range(10):
+        chunks = api.completions.create(**BODY, stream=True)  # type: ignore[call-overload]
+        assert "".join(c.choices[0].text for c in chunks) == " tok" * 3
+    wait_until(lambda: proxy.view("i0").ejected)
+    assert not proxy.view("i1").ejected
