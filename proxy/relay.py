@@ -226,7 +226,7 @@ class Relay:
             live: LiveStream | None = None
             try:
                 if upstream.status != 200:
-                    ours = _credentials_ours(headers, self.cluster.instances[name].config)
+                    ours = _sends_credentials(self.cluster.instances[name].config)
                     response, outcome = await self._whole(
                         upstream, call, wants_ids, body is None, ours=ours
                     )
@@ -475,13 +475,14 @@ class Relay:
         passthrough: bool,
         raw: bytes | None = None,
         *,
-        ours: bool = True,
+        ours: bool = False,
     ) -> tuple[web.StreamResponse, str]:
         """The instance's whole answer (`raw`, if read already) for the client.
         An answer that is not one (a redirect, an interim status, a 2xx other
         than 200 to a request Ferry read, a 401/403 to the credentials Ferry
         sent: `ours`) is the instance's failure, a 502; a 4xx that is not JSON
-        (a gateway's page) is put in the OpenAI error shape."""
+        (a gateway's page; not one compressed, passed on as it is) is put in
+        the OpenAI error shape."""
         if raw is None:
             try:
                 raw = await self.upstreams.read_whole(call)
@@ -502,15 +503,14 @@ class Relay:
             message = f"instance {call.instance} answered HTTP {status}, not an answer"
             return error_response(502, message, code="upstream_error"), "upstream_error"
         if status in (401, 403) and ours:
-            # The credentials were Ferry's (the instance's `api_key`, or none
-            # where the client sent none): the instance's configuration is
-            # wrong, not the client's key.
+            # The credentials were Ferry's (the instance's `api_key`): the
+            # instance's configuration is wrong, not the client's key.
             message = (
                 f"instance {call.instance} refused Ferry's credentials (HTTP {status}): "
                 f"{_message_of(raw)}; check its api_key"
             )
             return error_response(502, message, code="upstream_error"), "upstream_error"
-        if status >= 400 and not _json_object(raw):
+        if status >= 400 and "Content-Encoding" not in upstream.headers and not _json_object(raw):
             message = f"instance {call.instance} answered HTTP {status}: {_message_of(raw)}"
             outcome = "upstream_429" if status == 429 else "upstream_4xx"
             answer = error_response(status, message, code="upstream_error")
@@ -560,6 +560,7 @@ class Relay:
         """A stream that cannot move: relay its events as they come."""
         events = sse.Events(self.upstreams.max_answer_bytes)
         keep_alive = self._keep_alive()
+        chat = ending.chat
 
         def relay(data: bytes) -> bytes:
             """The whole events received so far, accounted for, as the client gets them.
@@ -570,12 +571,15 @@ class Relay:
                 return b""
             seen = False
             for event in whole.split(b"\n\n")[:-1]:
-                seen = self._account_event(event, call, timing) or seen
+                if self._account_event(event, call, timing):
+                    seen = True
+                elif ending.fault is None:  # no ids: an error event is one such
+                    ending.fault = _error_in(event)
             if not ending.done:
                 ending.read(whole)
             if not seen or wants_ids:
                 return whole
-            if _EMPTY_DELTA in whole:
+            if chat and _EMPTY_DELTA in whole:
                 whole = _without_id_only_chunks(whole)
                 if not whole:  # tokens, though none the client sees: progress
                     keep_alive.progressed()
@@ -708,13 +712,12 @@ class ErrorFirst(Exception):
     """A stream whose first events say the server failed it (its message)."""
 
 
-def _credentials_ours(headers: dict[str, str], instance: Any) -> bool:
-    """Whether a call's credentials were Ferry's: the instance's own, or none
-    where the client sent none. Only a client's Authorization that went on as
-    it came makes a 401 the client's."""
-    if any(k.lower() == "authorization" for k in instance.auth_headers()):
-        return True
-    return not any(k.lower() == "authorization" for k in headers)
+def _sends_credentials(instance: Any) -> bool:
+    """Whether Ferry sends the instance credentials of its own (its `api_key`,
+    or an Authorization in its `headers`): a 401 is then the configuration's
+    doing. Otherwise it is the client's, whose own Authorization (or none)
+    went on as it came: a client must not get instances ejected by sending no key."""
+    return any(k.lower() == "authorization" for k in instance.auth_headers())
 
 
 def forwarded_headers(request: web.Request) -> dict[str, str]:
@@ -735,14 +738,15 @@ class StreamEnd:
     choices) that follows them. Some OpenAI-compatible servers send no [DONE].
     Substring searches on the bytes: half a regex's cost per chunk."""
 
-    __slots__ = ("choices", "done", "fault", "finishes", "wants_usage")
+    __slots__ = ("chat", "choices", "done", "fault", "finishes", "wants_usage")
 
-    def __init__(self, choices: int, wants_usage: bool) -> None:
-        self.choices, self.wants_usage = choices, wants_usage
+    def __init__(self, choices: int, wants_usage: bool, chat: bool = False) -> None:
+        self.choices, self.wants_usage, self.chat = choices, wants_usage, chat
         self.finishes = 0
         self.done = False
-        # A server error the stream reported (an error event, an abort): the
-        # instance failed it, whatever came after.
+        # A server error the stream reported (an error event, which the relay
+        # looks for among events without ids, or an abort): the instance
+        # failed it, whatever came after.
         self.fault: str | None = None
 
     @classmethod
@@ -753,14 +757,11 @@ class StreamEnd:
             choices *= max(_prompts(body.get("prompt")) + _prompts(body.get("prompt_embeds")), 1)
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-        return cls(choices, wants_usage)
+        return cls(choices, wants_usage, chat=endpoint == "chat")
 
     def read(self, events: bytes) -> None:
         """Take in whole events (each one's blank line included)."""
-        # A fault first: vLLM's [DONE] follows an error event or an abort, often
-        # in the same read.
-        if self.fault is None and b'"error"' in events:
-            self.fault = _error_in(events)
+        # An abort first: vLLM's [DONE] follows it, often in the same read.
         finishes = events.count(b'"finish_reason":"') + events.count(b'"finish_reason": "')
         if finishes and self.fault is None and _ABORT in events.replace(b": ", b":"):
             self.fault = 'the engine gave the request up (finish_reason "abort")'

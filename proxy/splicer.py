@@ -119,13 +119,16 @@ def server_fault(error: Any) -> bool:
 _USAGE_COUNTS = frozenset({"prompt_tokens", "completion_tokens", "total_tokens"})
 
 
-def only_ids(choices: list[dict[str, Any]]) -> bool:
+def only_ids(choices: list[Any]) -> bool:
     """Whether a chat chunk is there only for the token ids Ferry asked for:
     vLLM's chat sends a token that makes no text (a special token, part of a
     character, text held back for a stop string) only where ids or logprobs
     were asked for, as `"delta": {}`. Without them the client would get none."""
     return bool(choices) and all(
-        c.get("delta") == {} and c.get("finish_reason") is None and c.get("logprobs") is None
+        isinstance(c, dict)
+        and c.get("delta") == {}
+        and c.get("finish_reason") is None
+        and c.get("logprobs") is None
         for c in choices
     )
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.splicer import MAX_BACKOFF, Join, Splicer, plan_join
+from proxy.splicer import MAX_BACKOFF, Join, Splicer, only_ids, plan_join
 
 REPLACEMENT = "\ufffd"
 
@@ -410,6 +410,7 @@ def test_a_chat_chunk_there_only_for_ids_is_left_out() -> None:
     assert b'"token_ids": [9]' in asked.feed(b"data: " + json.dumps(event).encode()).data
     with_logprobs = {**event, "choices": [{**empty, "logprobs": {"content": []}}]}
     assert splicer.feed(b"data: " + json.dumps(with_logprobs).encode()).data
+    assert not only_ids([empty, None])  # (what an engine should not send is no chunk of ids)
 
 
 def test_a_full_mode_stop_is_not_relayed() -> None:
