@@ -668,7 +668,7 @@ class Relay:
                 return response, await _ended(response)
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
-            await sse.finish(response, cut + sse.error_event(502, message))
+            await sse.finish(response, cut + sse.error_event(502, message, "upstream_error"))
             return response, "stream_broken"
         except ConnectionResetError:  # sse.ClientGone: the client left
             return response or web.Response(status=499), "client_disconnect"

@@ -95,8 +95,9 @@ def event(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-def error_event(status: int, message: str) -> bytes:
-    return event(error_body(status, message))
+def error_event(status: int, message: str, code: str) -> bytes:
+    """The event that ends a stream Ferry cannot finish (vLLM's own carry a code too)."""
+    return event(error_body(status, message, code=code))
 
 
 class AnswerTooLarge(aiohttp.ClientPayloadError):
@@ -247,7 +248,7 @@ def end_cut(request: web.Request, message: str) -> None:
     transport = client.transport
     if transport is None or transport.is_closing():
         return  # its client is gone
-    body = error_event(503, message) + DONE
+    body = error_event(503, message, "shutting_down") + DONE
     if tap.chunked(response):  # framed as aiohttp framed the rest, then the last chunk
         body = tap.http_chunk(body) + b"0\r\n\r\n"
     transport.write(body)

@@ -174,6 +174,7 @@ def test_a_stream_its_instance_ends_early_ends_with_an_error_event(
     assert len(events) == 3 and all(e.startswith("data: {") for e in events)
     error = json.loads(events[-1].removeprefix("data: "))["error"]
     assert "ended before its [DONE]" in error["message"] and error["type"] == "upstream_error"
+    assert error["code"] == "upstream_error"  # (it was null; vLLM's own carry one)
     metrics = httpx.get(proxy.url + "/metrics").text
     assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in metrics
     wait_until(lambda: proxy.view("i0").inflight == 0)
