@@ -121,9 +121,10 @@ _USAGE_COUNTS = frozenset({"prompt_tokens", "completion_tokens", "total_tokens"}
 
 def only_ids(choices: list[Any]) -> bool:
     """Whether a chat chunk is there only for the token ids Ferry asked for:
-    vLLM's chat sends a token that makes no text (a special token, part of a
-    character, text held back for a stop string) only where ids or logprobs
-    were asked for, as `"delta": {}`. Without them the client would get none."""
+    where a tool or reasoning parser holds a token's text back (or it makes
+    none), vLLM's chat sends the token only where ids or logprobs were asked
+    for, as `"delta": {}`. Without them the client would get none. (Without a
+    parser, it sends a token that makes no text as `"content": ""` either way.)"""
     return bool(choices) and all(
         isinstance(c, dict)
         and c.get("delta") == {}
@@ -290,11 +291,10 @@ class Splicer:
             new.extend(ids)
             texts += text
         self._credit(new, texts)
-        if not any(c["text"] or c.get("finish_reason") for c in choices):
-            if not new:
-                return Fed()  # only regenerated tokens: nothing the client lacks
-            if self.endpoint == "chat" and not self.wants_ids:
-                return Fed(b"", len(new))  # a token with no text: vLLM's chat sends none
+        if not new and not any(c["text"] or c.get("finish_reason") for c in choices):
+            return Fed()  # only regenerated tokens: nothing the client lacks
+        # (A token with no text goes on as `"content": ""`, as vLLM's chat
+        # sends one where no tool or reasoning parser holds it back.)
         return Fed(sse.event(self._client_chunk(choices)), len(new))
 
     def _valid_ids(self, value: Any) -> list[int]:

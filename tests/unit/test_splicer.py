@@ -287,6 +287,21 @@ def test_continuation_chunks_take_the_clients_identity_and_shape() -> None:
     assert total == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
 
 
+def test_a_continued_chats_token_without_text_is_a_chunk_as_vllm_sends_it() -> None:
+    """vLLM's chat (no tool or reasoning parser) sends a token that makes no
+    text, half of a character, as `"content": ""`, asked for ids or not: a
+    moved stream does too (leaving them out lost the per-token chunks, and
+    their usage steps, after every move)."""
+    splicer = Splicer({}, "chat", wants_ids=False)
+    role = {"id": "chatcmpl-1", "created": 1, "model": "m", "prompt_token_ids": [1, 2]}
+    role["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
+    splicer.feed(b"data: " + json.dumps(role).encode())
+    splicer.join(Join(keep=0, skip=0))
+    half = {"id": "c", "choices": [{"index": 0, "text": "", "token_ids": [230]}]}
+    fed = splicer.feed(b"data: " + json.dumps(half).encode())
+    assert fed.tokens == 1 and json.loads(fed.data[6:])["choices"][0]["delta"] == {"content": ""}
+
+
 @pytest.mark.parametrize("text", [5, None, ["x"], {"t": 1}])
 def test_a_continuations_text_that_is_no_string_is_no_text(text: Any) -> None:
     splicer = Splicer({}, "completions", wants_ids=False)
