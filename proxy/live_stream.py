@@ -708,7 +708,8 @@ class LiveStream:
 
     async def _fail(self, response: web.StreamResponse, why: str) -> None:
         message = f"stream from {self.instance} broke and could not resume: {why}"
-        await sse.finish(response, sse.error_event(502, message, "upstream_error"))
+        # Then [DONE], as vLLM ends a stream it fails.
+        await sse.finish(response, sse.error_event(502, message, "upstream_error") + sse.DONE)
 
 
 def _settle(order: MoveOrder, moved: bool) -> None:

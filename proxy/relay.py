@@ -668,7 +668,9 @@ class Relay:
                 return response, await _ended(response)
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
-            await sse.finish(response, cut + sse.error_event(502, message, "upstream_error"))
+            end = cut + sse.error_event(502, message, "upstream_error")
+            # Then [DONE], as vLLM ends a stream it fails (a Responses stream has none).
+            await sse.finish(response, end + sse.DONE if complete is not None else end)
             return response, "stream_broken"
         except ConnectionResetError:  # sse.ClientGone: the client left
             return response or web.Response(status=499), "client_disconnect"

@@ -147,7 +147,7 @@ def test_a_passed_through_stream_that_breaks_ends_with_an_error_event(
         "event: response.output_text.delta",
         "event: response.output_text.delta",
     ]
-    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    error = json.loads(events[-1].removeprefix("data: "))["error"]  # no [DONE] in Responses
     assert "broke the stream" in error["message"] and error["type"] == "upstream_error"
     wait_until(lambda: proxy.view("i0").inflight == 0)
 
@@ -171,8 +171,9 @@ def test_a_stream_its_instance_ends_early_ends_with_an_error_event(
     with httpx.stream("POST", proxy.url + path, json=body) as answer:
         assert answer.status_code == 200
         events = [e for e in answer.read().decode().split("\n\n") if e]
-    assert len(events) == 3 and all(e.startswith("data: {") for e in events)
-    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert len(events) == 4 and all(e.startswith("data: {") for e in events[:-1])
+    assert events[-1] == "data: [DONE]"  # after the error event, as vLLM ends one
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert "ended before its [DONE]" in error["message"] and error["type"] == "upstream_error"
     assert error["code"] == "upstream_error"  # (it was null; vLLM's own carry one)
     metrics = httpx.get(proxy.url + "/metrics").text
@@ -322,9 +323,10 @@ def test_a_stream_cut_after_some_of_its_ends_ends_with_an_error_event(
         standin.break_after = 4  # every token sent, then dead before the usage chunk
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body) as answer:
         events = [e for e in answer.read().decode().split("\n\n") if e]
-    finishes = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert events[-1] == "data: [DONE]"
+    finishes = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-2]]
     assert finishes.count("length") == 1  # choice 1's, or the only choice's
-    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert "broke the stream" in error["message"] and error["type"] == "upstream_error"
     metrics = httpx.get(proxy.url + "/metrics").text
     assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in metrics
@@ -602,8 +604,9 @@ def test_answers_past_max_answer_bytes_are_given_up(
     standin.endless_after = 2
     with httpx.stream("POST", proxy.url + "/v1/completions", json={**body, "stream": True}) as s:
         events = [e for e in s.read().split(b"\n\n") if e]
-    assert len(events) == 3  # two tokens, then the error the endless event became
-    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert len(events) == 4  # two tokens, the error the endless event became, [DONE]
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
     assert "broke" in error["message"] and error["type"] == "upstream_error"
     standin.endless_after = None
     labels = 'engine="0",model_name="standin"'
@@ -763,6 +766,7 @@ def test_bytes_that_are_no_http_mid_answer_end_the_call(
     answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
     if stream:  # the first event went on; then the stream ends with an error event
         assert answer.status_code == 200 and answer.text.count('"error"') == 1, answer.text
+        assert answer.text.endswith('"}}\n\ndata: [DONE]\n\n')  # then [DONE], as vLLM's
     else:
         assert_openai_error(answer, 502, "upstream_error")
     if not stream or migration == "off":  # (lite: "could not resume", with no one to go to)
@@ -795,7 +799,7 @@ def test_an_event_that_trickles_in_and_never_ends_is_no_progress(
     answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
     assert time.monotonic() - began < 3.0  # not the trickle's 5 s
     assert answer.status_code == 200 and answer.text.count('"error"') == 1, answer.text
-    assert answer.text.startswith('data: {"id":"c"')
+    assert answer.text.startswith('data: {"id":"c"') and answer.text.endswith("data: [DONE]\n\n")
     if migration == "off":  # (lite: "could not resume", with no one to go to)
         assert "no event but keep-alives for 0.5s" in answer.text
     wait_until(lambda: proxy.view("i0").inflight == 0)
