@@ -22,7 +22,7 @@ from proxy.policy import (
     make_policy,
     virtual_usage,
 )
-from proxy.policy.policies import CROWD_FACTOR, CROWD_GRACE
+from proxy.policy.policies import CROWD_FACTOR, CROWD_GRACE, prefill_cost
 from proxy.policy.virtual_usage import freeness_after, prefill_ahead
 
 M = "m"
@@ -324,11 +324,18 @@ def test_prefix_goes_where_the_least_prefill_is_ahead() -> None:
     assert credit_pick(a, b, **options) == "b"  # type: ignore[arg-type]  # credit off: plain
     # 160 tokens to prefill on a against 800 on b: a, though b is freer.
     assert credit_pick(a, b, prefix_credit=True, **options) == "a"  # type: ignore[arg-type]
-    # A queue of 700 tokens on a puts 860 ahead of the first token there: b.
-    queued = inst(
-        "a", freeness=20.0, batch=4, block_size=16, capacity_blocks=200, queued_tokens=700
-    )
-    assert credit_pick(queued, b, prefix_credit=True, **options) == "b"  # type: ignore[arg-type]
+    # A queue on a weighs against b's cold prefill, counted twice (COLD_PREFILL_WEIGHT):
+    # 1,200 + 2 x 160 against 2 x 800 keeps a; 1,400 + 2 x 160 goes to b.
+    for queued_tokens, where in ((1200, "a"), (1400, "b")):
+        queued = inst(
+            "a",
+            freeness=20.0,
+            batch=4,
+            block_size=16,
+            capacity_blocks=200,
+            queued_tokens=queued_tokens,
+        )
+        assert credit_pick(queued, b, prefix_credit=True, **options) == where  # type: ignore[arg-type]
 
 
 def test_prefix_never_crowds_memory() -> None:
@@ -436,8 +443,10 @@ def test_prefix_choice_is_free_enough_and_soonest(
         blocks = -(-max(0, prompt - cached.get(v.name, 0)) // 16)
         return freeness_after(v.freeness, v, blocks)
 
-    def ahead(v: InstanceView) -> int:
-        return prefill_ahead(prompt, cached.get(v.name, 0), v)
+    def ahead(v: InstanceView) -> int:  # its own uncached tokens weighed twice
+        return prefill_ahead(prompt, cached.get(v.name, 0), v) + max(
+            0, prompt - cached.get(v.name, 0)
+        )
 
     crowded = CROWD_FACTOR * min(v.batch for v in views) + CROWD_GRACE
     uncrowded = [v for v in views if v.batch <= crowded]
@@ -451,6 +460,27 @@ def test_prefix_choice_is_free_enough_and_soonest(
     else:
         assert chosen in safe
         assert ahead(chosen) == min(ahead(v) for v in safe)
+
+
+@pytest.mark.parametrize(("queued", "stays"), [(1000, True), (1600, False)])
+def test_a_cold_prefill_weighs_twice_against_the_queue_it_skips(queued: int, stays: bool) -> None:
+    """A prompt that leaves its cache for a shorter queue is prefilled cold, and
+    the next request queued there waits for that too: the holder keeps a
+    request while its queue is longer by less than twice the tokens the cache
+    saves (768 here: up to 1,536), not once (768)."""
+    holder = inst(
+        "holder", freeness=150.0, batch=2, queued_tokens=queued, block_size=16, capacity_blocks=400
+    )
+    other = inst(
+        "other", freeness=150.0, batch=2, queued_tokens=0, block_size=16, capacity_blocks=400
+    )
+    cached = {"holder": 768}
+    assert prefill_cost(1024, 768, holder) == queued + 2 * 256
+    assert prefill_cost(1024, 0, other) == 2 * 1024
+    chosen = credit_pick(
+        holder, other, prefix_credit=True, prompt_tokens=1024, cached_tokens=cached
+    )
+    assert (chosen == "holder") is stays
 
 
 @given(
