@@ -129,7 +129,8 @@ class SchedulerConfig:
     prefill_aware: bool = True
     # Prefix locality (proxy/prefix_index.py, proxy/policy/policies.py): with
     # more of a prompt cached on some instances than on others, llumnix sends it
-    # where the least prefill is ahead of its first token, among the instances
+    # where the least prefill is ahead of it (its own uncached tokens counted
+    # twice: policies.COLD_PREFILL_WEIGHT), among the instances
     # that stay at or above prefix_safe_freeness (blocks per request) after
     # taking it and not crowded (at most prefix_crowd_factor x the fewest
     # requests in flight on any candidate, plus prefix_crowd_grace; see

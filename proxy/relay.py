@@ -669,7 +669,8 @@ class Relay:
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
             end = cut + sse.error_event(502, message, "upstream_error")
-            # Then [DONE], as vLLM ends a stream it fails (a Responses stream has none).
+            # Then [DONE], as vLLM ends a stream it fails (a passed-through stream,
+            # such as a Responses one, is not OpenAI's chunks: none there).
             await sse.finish(response, end + sse.DONE if complete is not None else end)
             return response, "stream_broken"
         except ConnectionResetError:  # sse.ClientGone: the client left

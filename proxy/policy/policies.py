@@ -99,7 +99,7 @@ class Llumnix:
     counted as demand there: virtual_usage.freeness_after) and not crowded
     (at most `crowd_factor` x the fewest requests any candidate has, plus
     `crowd_grace`), the one with the least prefill ahead of it, the prefill queued
-    there plus its own uncached tokens (virtual_usage.prefill_ahead), these
+    there plus its own uncached tokens (virtual_usage.prefill_ahead), its own
     counted `COLD_PREFILL_WEIGHT` times (`prefill_cost`); ties go to the freer.
     Time, not blocks: a cached prefix saves its prefill,
     which is what a user waits for, while the memory it saves is a few blocks
@@ -187,8 +187,9 @@ class Llumnix:
         scores: list[float],
         rng: random.Random,
     ) -> InstanceView | None:
-        """Among the instances free enough, the one with the least prefill ahead
-        of the request's first token; None when the cache tells no candidate
+        """Among the instances free enough, the one where the request's prefill
+        costs least (`prefill_cost`: the queue there, then its own uncached
+        tokens counted twice); None when the cache tells no candidate
         apart: nothing cached anywhere, or the same length cached on every one
         (a chat template's first block, a prompt every instance has seen), where
         locality is no reason to leave plain F."""

@@ -316,7 +316,7 @@ def credit_pick(*instances: InstanceView, seed: int = 0, **options: object) -> s
     return dispatch(policy, request, ClusterView(tuple(instances)), random.Random(seed)).name
 
 
-def test_prefix_goes_where_the_least_prefill_is_ahead() -> None:
+def test_prefix_goes_where_its_prefill_costs_least() -> None:
     a = inst("a", freeness=20.0, batch=4, block_size=16, capacity_blocks=200)
     b = inst("b", freeness=30.0, batch=4, block_size=16, capacity_blocks=200)
     cached = {"a": 640}
@@ -418,7 +418,7 @@ def test_a_hot_prefix_does_not_pile_onto_its_holder() -> None:
     st.integers(1, 3000),
     st.integers(0, 2**31),
 )
-def test_prefix_choice_is_free_enough_and_soonest(
+def test_prefix_choice_is_free_enough_and_cheapest(
     shapes: list[tuple[float, int, int, int]], prompt: int, seed: int
 ) -> None:
     views, cached = [], {}
@@ -444,9 +444,10 @@ def test_prefix_choice_is_free_enough_and_soonest(
         return freeness_after(v.freeness, v, blocks)
 
     def ahead(v: InstanceView) -> int:  # its own uncached tokens weighed twice
-        return prefill_ahead(prompt, cached.get(v.name, 0), v) + max(
-            0, prompt - cached.get(v.name, 0)
-        )
+        uncached = max(0, prompt - cached.get(v.name, 0))
+        cost = prefill_ahead(prompt, cached.get(v.name, 0), v) + uncached
+        assert cost == prefill_cost(prompt, cached.get(v.name, 0), v)
+        return cost
 
     crowded = CROWD_FACTOR * min(v.batch for v in views) + CROWD_GRACE
     uncrowded = [v for v in views if v.batch <= crowded]
