@@ -766,7 +766,7 @@ class StreamEnd:
         """Take in whole events (each one's blank line included)."""
         # An abort first: vLLM's [DONE] follows it, often in the same read.
         finishes = events.count(b'"finish_reason":"') + events.count(b'"finish_reason": "')
-        if finishes and self.fault is None and _ABORT in events.replace(b": ", b":"):
+        if finishes and self.fault is None and any(a in events for a in _ABORTS):
             self.fault = 'the engine gave the request up (finish_reason "abort")'
         if _done_in(events):
             self.done = True
@@ -779,7 +779,7 @@ class StreamEnd:
             self.done = True
 
 
-_ABORT = b'"finish_reason":"abort"'
+_ABORTS = (b'"finish_reason":"abort"', b'"finish_reason": "abort"')  # as finishes are counted
 
 
 def _error_in(events: bytes) -> str | None:
