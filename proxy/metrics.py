@@ -6,7 +6,8 @@ the whole request (`ferry_request_duration_seconds`). They carry `model` and
 `instance` labels: TTFT and ITL the instance that produced the token, the duration
 and the token counters the instance that finished the request. Cardinality stays
 bounded: `model` is a model one of the instances serves, else "other" (or "none"
-for a request that names none), and `instance` is a configured instance.
+for a request that names none), and `instance` is a configured instance
+(a removed one's series go with it: `forget`).
 Per-instance gauges are refreshed from the cluster view at each `/metrics` read,
 and so is the scaling signal (`ferry_desired_instances`, proxy/policy/scaling.py).
 Freeness is always finite: a draining instance (freeness -inf to the scheduler)
@@ -100,6 +101,12 @@ class LoopHistogram:
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}")
             series = self._series[values] = _Series(self.bounds)
         return series
+
+    def forget(self, label: str, value: str) -> None:
+        """Drop the series whose `label` is `value`."""
+        at = self.labelnames.index(label)
+        for values in [v for v in self._series if v[at] == value]:
+            del self._series[values]
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -329,25 +336,28 @@ class FerryMetrics:
         )
 
     def forget(self, instance: str) -> None:
-        """Drop a removed instance's gauges (its counters stay: they are history)."""
-        gauges = (
+        """Drop a removed instance's series, its counters and histograms too.
+        Under discovery pods come and go (a rolling deploy renames every one),
+        and each name kept some sixty series for the process's life; what they
+        counted is Prometheus's to keep (a series that ends is no reset)."""
+        labelled = (
             self.inflight,
             self.freeness,
             self.healthy,
             self.draining,
             self.ejected,
             self.scrape_age,
+            self.kv_usage,
+            self.requests,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.scrape_errors,
+            self.ejections,
         )
-        for gauge in gauges:
-            try:
-                gauge.remove(instance)
-            except KeyError:  # never rendered
-                pass
-        for source in ("engine", "ledger"):
-            try:
-                self.kv_usage.remove(instance, source)
-            except KeyError:
-                pass
+        for metric in labelled:
+            metric.remove_by_labels({"instance": instance})
+        for histogram in (self.ttft, self.itl, self.duration):
+            histogram.forget("instance", instance)
 
     def share(self, state: Callable[[], tuple[bool, bool, int]]) -> None:
         """With a shared view (proxy/sharing.py): `state()` says, at each scrape,
