@@ -264,9 +264,10 @@ class Migrator:
     def leave_hung(self, instance: str) -> int:
         """`instance` answers nothing (proxy/scraper.py `on_down`: a frozen
         process): fail over its streams quiet for HUNG_AFTER_S (a first token not
-        come counts from the arrival), and give up the calls waiting that long on
-        its answer: the relay tries them elsewhere, as nothing reached their
-        clients. Returns how many."""
+        come counts from the arrival), and give up the relay's calls waiting that
+        long on it (an answer, a stream's next bytes): each is tried elsewhere
+        where nothing reached its client, and ends with an error event where
+        something did. Returns how many."""
         hung = [
             s
             for s in self.streams_on(instance)

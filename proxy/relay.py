@@ -612,8 +612,10 @@ class Relay:
         closed a stream it had not finished) ends with an error event. The client's
         headers wait for the first bytes it is sent: until then the stream has
         sent nothing, so a failure (`NothingRelayed`) can go to another instance
-        as a whole answer's can, and a first read on an instance that stops
-        answering is given up (proxy/upstream.py's `Waits`). Where `fault()`
+        as a whole answer's can. On an instance that stops answering, a stream
+        quiet since its last bytes is given up (proxy/upstream.py's `Waits`):
+        before its first it goes elsewhere, after it ends with the error event,
+        not `upstream_idle_timeout_s` later. Where `fault()`
         names a server error in what was read (an error event, an abort), the
         call failed: before any byte went out it is tried elsewhere
         (`ErrorFirst`); after, its bytes go on as they came and its outcome is
@@ -623,7 +625,10 @@ class Relay:
         content = upstream.content
         keep_alive = keep_alive or self._keep_alive()
 
+        waiting = self.upstreams.waits(call.instance)
+
         def read(data: bytes) -> bytes:
+            waiting.heard()
             if timing is not None:
                 timing.read()
             return relay(data)
@@ -639,26 +644,28 @@ class Relay:
             keep_alive.saw(out)
 
         try:
-            async with self.upstreams.waits(call.instance):
+            async with waiting:
                 data = await content.readany()
-            # readany() itself, not iter_any(): one coroutine layer less per chunk.
-            while data:
-                out = read(data)
-                if out:
-                    if response is None:
-                        failed = fault() if fault is not None else None
-                        if failed is not None:
-                            raise ErrorFirst(failed)
-                        events = relay is not _as_is  # a pass-through's bytes are as they come
-                        passed = answer_headers(upstream)
-                        response = await sse.open_response(request, call.instance, events, passed)
-                        # From here chunks go out from the connection's callback
-                        # while the client keeps up (proxy/tap.py), and come here otherwise.
-                        transport = sse.client_transport(response)
-                        tap.attach_to(content, response, transport, read, wrote)
-                    await sse.write(response, out)
-                wrote(out)
-                data = await content.readany()
+                # readany() itself, not iter_any(): one coroutine layer less per chunk.
+                while data:
+                    out = read(data)
+                    if out:
+                        if response is None:
+                            failed = fault() if fault is not None else None
+                            if failed is not None:
+                                raise ErrorFirst(failed)
+                            events = relay is not _as_is  # a pass-through's are as they come
+                            passed = answer_headers(upstream)
+                            response = await sse.open_response(
+                                request, call.instance, events, passed
+                            )
+                            # From here chunks go out from the connection's callback
+                            # while the client keeps up (proxy/tap.py), and come here otherwise.
+                            transport = sse.client_transport(response)
+                            tap.attach_to(content, response, transport, read, wrote)
+                        await sse.write(response, out)
+                    wrote(out)
+                    data = await content.readany()
             if complete is not None and not complete():
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except sse.STREAM_ERRORS as exc:

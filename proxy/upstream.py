@@ -8,12 +8,14 @@ releases ledger entries. A connect failure marks the instance unreachable until
 a scrape succeeds. Control calls (detokenize, pre-warm, the shim's routes) go
 through `post_json`.
 
-A call waiting for its answer (the headers; a whole answer's body) is `Waiting`
-on its instance until it has it. When the instance answers nothing, its scrapes
-and `/health` included (a frozen process), `give_up` ends those waits at once with
-`InstanceStopped`: nothing reached the client yet, so the relay tries another
-instance, rather than wait out `upstream_read_timeout_s` (600 s) for an answer
-that is not coming.
+A call waiting for its answer (the headers; a whole answer's body; a stream's
+next bytes) is `Waiting` on its instance until it has it. When the instance
+answers nothing, its scrapes and `/health` included (a frozen process, or one
+shutting down that left a stream open and silent), `give_up` ends those waits
+at once with `InstanceStopped`, rather than wait out `upstream_read_timeout_s`
+(600 s) for an answer, or `upstream_idle_timeout_s` (60 s) for a stream's
+bytes, that are not coming. Where nothing reached the client yet, the relay
+tries another instance; a stream under way ends with an error event.
 """
 
 from __future__ import annotations
@@ -178,7 +180,8 @@ class InstanceStopped(aiohttp.ServerTimeoutError):
 
 class Waiting:
     """`async with` around a call's wait for its answer: registered under the
-    instance while it lasts, ended by `Waits.give_up` with `InstanceStopped`."""
+    instance while it lasts, ended by `Waits.give_up` with `InstanceStopped`.
+    A stream's wait spans its reads, and counts from the last bytes `heard`."""
 
     __slots__ = ("_deadline", "_waits", "instance", "since")
 
@@ -189,6 +192,9 @@ class Waiting:
 
     def give_up(self) -> None:
         self._deadline.reschedule(asyncio.get_running_loop().time())
+
+    def heard(self) -> None:
+        self.since = self._waits.clock()
 
     async def __aenter__(self) -> None:
         await self._deadline.__aenter__()

@@ -270,6 +270,40 @@ def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
     wait_until(lambda: proxy.view("i0").healthy, timeout=30)  # thawed, as the next tests need it
 
 
+def test_without_migration_a_frozen_server_s_streams_end_at_once(
+    ferry: Any, vllm_pair: list[VLLMServer]
+) -> None:
+    """Without migration a stream under way cannot go on elsewhere; on a server
+    that freezes (or shuts down leaving it open and silent) it ends with an
+    error event once the freeze shows, not `upstream_idle_timeout_s` (60 s)
+    later, so its client can retry. The other server's streams are untouched."""
+    frozen = vllm_pair[0]
+    proxy = ferry(
+        [s.url for s in vllm_pair],
+        scheduler={
+            "policy": "round_robin",
+            "scrape_interval_s": 0.1,
+            "scrape_timeout_s": 0.5,
+            "unhealthy_after_failures": 2,
+        },
+    )
+    results: list[tuple[int, str]] = []
+    errors: list[BaseException] = []
+    threads = start_streams(proxy.url, 4, results, errors)  # two on each
+    began = time.monotonic()
+    frozen.freeze()
+    try:
+        for t in threads:
+            t.join(120)
+        took = time.monotonic() - began
+    finally:
+        frozen.thaw()
+    assert results == [(200, "length")] * 2
+    assert len(errors) == 2 and all("stopped answering" in str(e) for e in errors), errors
+    assert took < 30
+    wait_until(lambda: proxy.view("i0").healthy, timeout=30)  # thawed, as the next tests need it
+
+
 def preemptions(server: VLLMServer) -> int:
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
         from adapters.vllm import parse_metrics

@@ -491,6 +491,31 @@ def test_a_stream_still_waiting_for_its_first_token_on_a_frozen_instance_goes_el
         assert 'ferry_retries_total{reason="upstream_error"} 1.0' in metrics(proxy.url)
 
 
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_a_stream_under_way_that_cannot_move_ends_soon_after_its_instance_freezes(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """A stream that cannot go on elsewhere (no migration; output penalties
+    with lite) whose instance freezes mid-way, or shuts down leaving it open and
+    silent as vLLM can on SIGTERM, ends with an error event once the freeze
+    shows, not `upstream_idle_timeout_s` (60 s) later: its client can retry."""
+    frozen, _, proxy = _frozen_pair(standins, ferry, migration)
+    frozen.stall_after, frozen.stall_s = 3, 10.0
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=10, stream=True, frequency_penalty=0.5
+    )
+    texts: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(openai.APIError, match="stopped answering"):
+        for chunk in stream:
+            texts.append(chunk.choices[0].text)
+            if len(texts) == 3:
+                freeze(frozen, 10.0)
+    assert texts == [" tok"] * 3
+    assert time.monotonic() - started < 5
+    assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in metrics(proxy.url)
+
+
 def test_a_stream_that_breaks_before_its_first_event_is_sent_elsewhere(
     standins: Any, ferry: Any
 ) -> None:
