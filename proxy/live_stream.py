@@ -8,7 +8,8 @@ the prompt ids P and the generated ids G. It goes on elsewhere from P + G when
 A move starts the continuation first and closes the source only once the
 destination has taken over, so a destination that fails costs nothing: the
 source goes on. The stream holds exactly one `Call` at a time (its ledger entry
-and upstream), and closes the last one when it ends.
+and upstream), and closes the last one when it ends. The client's stream opens
+with the first bytes it is sent, as a relayed one does (proxy/relay.py `_pipe`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from aiohttp import web
 from migration_shim import wire
 from proxy import continuation, sse, tap
 from proxy.cancellation import cancelling
+from proxy.errors import error_response
 from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
 from proxy.policy import Priority
@@ -136,6 +138,9 @@ class LiveStream:
         # The pump waits for its client to take a write (it reads slowly, or not
         # at all, for up to its send timeout): a move would wait as long.
         self._writing = False
+        # The client's request (`run`), and its stream once its first bytes go.
+        self._client: web.Request | None = None
+        self._response: web.StreamResponse | None = None
         self._ordered = asyncio.Event()
         self._source_stopped = False  # full mode: the source's shim stopped the request
         # run() returned: no one is left to carry out an order. A move that waited
@@ -218,7 +223,13 @@ class LiveStream:
 
     # -- driving ------------------------------------------------------------------
     async def run(self, request: web.Request) -> tuple[web.StreamResponse, str]:
-        response, outcome = await self._run(request)
+        """Serve the client's `request`. Its stream opens with the first bytes
+        the client is sent: until then a stream that cannot go on anywhere is
+        answered with an error status, which clients retry, not with an error
+        event after a 200."""
+        self._client = request
+        outcome = await self._run()
+        response = self._response or web.Response(status=499)  # (the client left first)
         suspects, self._suspects = self._suspects, []
         if suspects and outcome == "stream_broken" and self._gave_up:
             self.poison = True
@@ -227,16 +238,13 @@ class LiveStream:
                 self.blame(name, why)
         return response, outcome
 
-    async def _run(self, request: web.Request) -> tuple[web.StreamResponse, str]:
-        upstream = self.call.response
-        passed = None if upstream is None else answer_headers(upstream)
-        response = await sse.open_response(request, self.instance, True, passed)
+    async def _run(self) -> str:
         try:
             while True:
-                result = await self._relay(response)
+                result = await self._relay()
                 if result == "done":
-                    await self._end(response)
-                    return response, "ok"
+                    await self._end()
+                    return "ok"
                 # The order stays the stream's own while its cut-over runs: no
                 # other is taken meanwhile, and a client gone mid-way resolves it
                 # (finally, below) for the move waiting on it.
@@ -244,11 +252,11 @@ class LiveStream:
                 self._ordered.clear()
                 if result == "move":
                     assert order is not None
-                    moved = await self._cut_over(order, response)
+                    moved = await self._cut_over(order)
                     self._order = None
                     _settle(order, moved == "moved")
                     if moved == "done":
-                        return response, "ok"
+                        return "ok"
                     if moved == "moved" or not (self._source_stopped or order.source_stopped):
                         continue
                     # The source's shim stopped it already: resume like a broken stream.
@@ -256,22 +264,22 @@ class LiveStream:
                     self._order = None
                     self._forgo(order)  # broken first: failover takes it over
                 if self.resumes >= self.max_resumes:
-                    await self._fail(response, "too many resumes")
-                    return response, "stream_broken"
+                    await self._fail("too many resumes")
+                    return "stream_broken"
                 preferred = order.destination if order is not None else None
                 # A copy under way is of no use now; one started later is a new copy.
                 moot, self.copy_moot = self.copy_moot, asyncio.Event()
                 moot.set()
                 source, broke, gave_up = self.instance, self._broke, self._gave_up
                 self._order = failover = MoveOrder(preferred, "failover")
-                moved = await self._cut_over(failover, response)
+                moved = await self._cut_over(failover)
                 self._order = None
                 if moved == "done":
-                    return response, "ok"
+                    return "ok"
                 if moved != "moved":
                     why = self.splicer.unmovable or "no instance could continue"
-                    await self._fail(response, f"failover: {why}")
-                    return response, "stream_broken"  # the relay holds it against source
+                    await self._fail(f"failover: {why}")
+                    return "stream_broken"  # the relay holds it against source
                 if not (self._source_stopped or order is not None and order.source_stopped):
                     self.failed_on.add(source)
                     if gave_up:
@@ -279,18 +287,18 @@ class LiveStream:
                     else:
                         self.blame(source, broke)
         except ConnectionResetError:
-            return response, "client_disconnect"
+            return "client_disconnect"
         finally:
             self._over = True
             if self._order is not None:
                 self._forgo(self._order)
             self.call.close()
 
-    async def _relay(self, response: web.StreamResponse) -> str:
+    async def _relay(self) -> str:
         """Relay until the stream ends ("done"), breaks or stalls ("broken"), or a
         move is ordered ("move"; unread bytes stay buffered for the source)."""
         self._source_stopped = self._gave_up = False
-        self._pump = asyncio.ensure_future(self._pump_events(response))
+        self._pump = asyncio.ensure_future(self._pump_events())
         try:
             result = await self._pump
         except asyncio.CancelledError:
@@ -308,7 +316,7 @@ class LiveStream:
             result = "move" if self._order is not None else "broken"
         return result
 
-    async def _pump_events(self, response: web.StreamResponse) -> str:
+    async def _pump_events(self) -> str:
         """Relay the current upstream's events: by a tap (proxy/tap.py) where it
         can be, in the connection's callback, else here. Either way a chunk is
         taken whole, by `_take`, and the pump returns what it says."""
@@ -335,7 +343,11 @@ class LiveStream:
             if self._order is not None and not splicer.ended and pump is not None:
                 pump.cancel()  # the move waited for this token (`order_move`): cut now
 
-        tap.attach_to(content, response, sse.client_transport(response), relay, wrote)
+        def attach(response: web.StreamResponse) -> None:
+            tap.attach_to(content, response, sse.client_transport(response), relay, wrote)
+
+        if self._response is not None:  # (else once it opens)
+            attach(self._response)
         try:
             while True:
                 if self._order is not None and not splicer.ended:
@@ -348,7 +360,10 @@ class LiveStream:
                 if not data:
                     break
                 out, result = self._take(data, keep_alive)
-                await self._write(response, out)
+                opening = out and self._response is None
+                await self._write(out)
+                if opening and self._response is not None:
+                    attach(self._response)
                 if result is not None:
                     return result
         except _PumpOver as over:
@@ -404,22 +419,31 @@ class LiveStream:
             if downtime is not None and self.moves:
                 self.moves[-1]["downtime_s"] = round(downtime, 6)
 
-    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
+    async def _opened(self) -> web.StreamResponse:
+        """The client's stream, opened now if it is not yet."""
+        if self._response is None:
+            upstream = self.call.response
+            passed = None if upstream is None else answer_headers(upstream)
+            assert self._client is not None  # (`run` is what writes)
+            self._response = await sse.open_response(self._client, self.instance, True, passed)
+        return self._response
+
+    async def _write(self, data: bytes) -> None:
         if data:
             self._writing = True
             try:
-                await sse.write(response, data)
+                await sse.write(await self._opened(), data)
             finally:
                 self._writing = False
             self.timing.written()
 
-    async def _end(self, response: web.StreamResponse, data: bytes | None = None) -> None:
+    async def _end(self, data: bytes | None = None) -> None:
         """End the stream whole; a client that misses its end raises `ClientGone`."""
-        if not await sse.finish(response, data):
+        if not await sse.finish(await self._opened(), data):
             raise sse.ClientGone("the client missed the stream's end")
 
     # -- the cut-over ---------------------------------------------------------------
-    async def _cut_over(self, order: MoveOrder, response: web.StreamResponse) -> str:
+    async def _cut_over(self, order: MoveOrder) -> str:
         """Start the continuation and switch to it: "moved", "failed" (the stream
         stays where it is), or "done" (nothing was left to generate)."""
         order.cut = True
@@ -428,7 +452,7 @@ class LiveStream:
         if order.reason != "failover":
             tried |= self.failed_on
         try:
-            result = await self._continue(order, response, tried)
+            result = await self._continue(order, tried)
         finally:
             self._release_unused(order, tried)
         if result == "moved":  # the source's call is over (the relay counts the last)
@@ -438,9 +462,7 @@ class LiveStream:
             self.metrics.requests.labels(source, outcome).inc()
         return result
 
-    async def _continue(
-        self, order: MoveOrder, response: web.StreamResponse, tried: set[str]
-    ) -> str:
+    async def _continue(self, order: MoveOrder, tried: set[str]) -> str:
         splicer = self.splicer
         source = self.instance
         if splicer.prompt_ids is None and self.timing.first_token_seen:
@@ -449,7 +471,7 @@ class LiveStream:
         limit = self._limit()
         if splicer.ended or (limit is not None and limit - len(splicer.generated) <= 0):
             splicer.finished = True  # the source had sent its last token
-            await self._end(response, splicer.closing())
+            await self._end(splicer.closing())
             return "done"
         if splicer.unmovable is not None:
             self.metrics.migrations.labels(order.reason, "not_migratable").inc()
@@ -706,10 +728,14 @@ class LiveStream:
             mig_id = kv_params[wire.LOAD]["mig_id"]
             await self.upstreams.post_json(dest, wire.RELEASE, {"mig_id": mig_id}, timeout_s)
 
-    async def _fail(self, response: web.StreamResponse, why: str) -> None:
+    async def _fail(self, why: str) -> None:
         message = f"stream from {self.instance} broke and could not resume: {why}"
+        if self._response is None:  # the client was sent nothing: a status says it
+            self._response = error_response(502, message, code="upstream_error")
+            return
         # Then [DONE], as vLLM ends a stream it fails.
-        await sse.finish(response, sse.error_event(502, message, "upstream_error") + sse.DONE)
+        error = sse.error_event(502, message, "upstream_error") + sse.DONE
+        await sse.finish(self._response, error)
 
 
 def _settle(order: MoveOrder, moved: bool) -> None:

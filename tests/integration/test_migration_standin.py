@@ -516,6 +516,31 @@ def test_a_stream_under_way_that_cannot_move_ends_soon_after_its_instance_freeze
     assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in metrics(proxy.url)
 
 
+def test_a_movable_stream_no_instance_can_start_is_answered_with_an_error_status(
+    standins: Any, ferry: Any
+) -> None:
+    """With migration too, a stream's headers wait for its first bytes: one that
+    every instance breaks before its first token was sent nothing, and is
+    answered 502 in the OpenAI error shape, which clients retry, rather than
+    200 and an error event, which they do not."""
+    (a, site_a), (b, site_b) = standins(2, itl_s=0.001)
+    a.break_after = b.break_after = 0  # headers, then the connection drops
+    proxy = ferry(
+        [site_a.url, site_b.url], instances_migration="lite", scheduler={"policy": "round_robin"}
+    )
+    with pytest.raises(openai.InternalServerError, match="could not resume") as caught:
+        api(proxy.url).completions.create(model="standin", prompt="hi", max_tokens=5, stream=True)
+    assert caught.value.status_code == 502
+    assert caught.value.body["code"] == "upstream_error"  # type: ignore[index]
+    assert a.served + b.served >= 2
+    # One that starts on its second instance is whole, its client none the wiser.
+    a.break_after = None
+    chunks = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=5, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == " tok" * 5
+
+
 def test_a_stream_that_breaks_before_its_first_event_is_sent_elsewhere(
     standins: Any, ferry: Any
 ) -> None:
