@@ -50,13 +50,21 @@ from proxy.engine_blocks import EngineBlocks, LazyChain, token_block_hashes
 
 CHARS_PER_TOKEN = 4
 DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
+# A prompt's chunks hashed at most (128k tokens at 16 a block): longer ones are
+# keyed by their start. Hashing and recording run on the event loop at dispatch;
+# a 32 MB prompt's 500,000 chunks held it for a second.
+MAX_PROMPT_CHUNKS = 8192
 _SEED = 0x5EED
 
 
-def text_chunk_hashes(text: str, chunk_chars: int, seed: int = _SEED) -> list[int]:
-    """Chained hashes of the full `chunk_chars`-character chunks of `text`."""
+def text_chunk_hashes(
+    text: str, chunk_chars: int, seed: int = _SEED, limit: int = MAX_PROMPT_CHUNKS
+) -> list[int]:
+    """Chained hashes of the full `chunk_chars`-character chunks of `text`, the
+    first `limit` of them."""
     hashes, prev = [], seed
-    for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
+    end = min(len(text), limit * chunk_chars) - chunk_chars + 1
+    for start in range(0, end, chunk_chars):
         prev = hash((prev, text[start : start + chunk_chars]))
         hashes.append(prev)
     return hashes
@@ -72,33 +80,39 @@ def _namespace(body: Mapping[str, Any] | None) -> int:
     return hash((_SEED, str(body.get("model")), str(body.get("cache_salt"))))
 
 
-def prompt_ids(body: Mapping[str, Any] | None) -> tuple[int, ...] | None:
+def prompt_ids(body: Mapping[str, Any] | None, limit: int | None = None) -> tuple[int, ...] | None:
     """A completion's prompt when the client sent token ids (then dispatch can
-    look it up precisely); None otherwise."""
+    look it up precisely), its first `limit`; None otherwise."""
     prompt = body.get("prompt") if body is not None else None
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return tuple(prompt)
+    if isinstance(prompt, list) and prompt:
+        ids = prompt[:limit]
+        if all(type(t) is int for t in ids):
+            return tuple(ids)
     return None
 
 
-def prompt_text(body: Mapping[str, Any] | None) -> str:
-    """The text a request's prompt starts with: a completion's prompt, or the chat
-    messages rendered `role NUL content SOH`; "" when there is none to key on."""
+def prompt_text(body: Mapping[str, Any] | None, limit: int | None = None) -> str:
+    """The text a request's prompt starts with, its first `limit` characters or
+    more: a completion's prompt, or the chat messages rendered `role NUL content
+    SOH`; "" when there is none to key on."""
     if body is None:
         return ""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return "".join(
-            f"{m.get('role', '')}\0{_content_text(m.get('content'))}\1"
-            for m in messages
-            if isinstance(m, dict)
-        )
+        parts, size = [], 0
+        for m in messages:
+            if isinstance(m, dict):
+                parts.append(f"{m.get('role', '')}\0{_content_text(m.get('content'))[:limit]}\1")
+                size += len(parts[-1])
+                if limit is not None and size >= limit:
+                    break
+        return "".join(parts)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return ",".join(map(str, prompt))  # ids as text: the same chunking applies
-    return ""
+    # Ids as text, the same chunking applies; as many ids as `limit` is tokens.
+    ids = prompt_ids(body, None if limit is None else limit // CHARS_PER_TOKEN)
+    return ",".join(map(str, ids)) if ids is not None else ""
 
 
 def _content_text(content: Any) -> str:
@@ -239,8 +253,11 @@ class PrefixIndex:
     def key(
         self, body: Mapping[str, Any] | None, prompt_tokens: int, session: str | None = None
     ) -> PrefixKey:
-        chunks = text_chunk_hashes(prompt_text(body), self.chunk_chars, _namespace(body))
-        return PrefixKey(tuple(chunks), prompt_tokens, session, prompt_ids(body))
+        limit = MAX_PROMPT_CHUNKS * self.chunk_chars
+        text = prompt_text(body, limit)
+        chunks = text_chunk_hashes(text, self.chunk_chars, _namespace(body))
+        ids = prompt_ids(body, MAX_PROMPT_CHUNKS * self.block_size)
+        return PrefixKey(tuple(chunks), prompt_tokens, session, ids)
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int]:
         """Cached prompt tokens of `key` on each instance that has any (absent: 0):
@@ -295,14 +312,17 @@ class PrefixIndex:
         if not self.enabled:
             return
         entry = self._entry(name, capacity_blocks)
+        # No more than the cache holds: a match runs from the first chunk, so of
+        # a prompt longer than the cache only its start can ever be found.
+        chunks = key.chunks[: entry.text.capacity]
         holders = self.holders
-        for h in key.chunks:
+        for h in chunks:
             held = holders.get(h)
             if held is None:
                 holders[h] = {name}
             else:
                 held.add(name)
-        self._drop(name, entry.text.insert(key.chunks))
+        self._drop(name, entry.text.insert(chunks))
         if key.session:
             self.sessions[key.session] = name
             self.sessions.move_to_end(key.session)

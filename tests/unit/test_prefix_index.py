@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from adapters.kv_events import BlocksStored
 from adapters.vllm_kv_events import DEFAULT_SEED, FORMAT
 from proxy.prefix_index import (
+    MAX_PROMPT_CHUNKS,
     BlockLRU,
     PrefixIndex,
     prompt_text,
@@ -143,8 +144,33 @@ def test_capacity_comes_from_the_engine_cache() -> None:
     index.record("a", key, capacity_blocks=10)
     assert index.describe("a")["text_blocks"] == 10
     assert index.describe("a")["mode"] == "approximate"
-    # The last (most recent) chunks survive, so the prefix itself is gone: no match.
-    assert index.cached_tokens(key) == {}
+    # Its first chunks are what is kept: a match runs from the first (the last
+    # ten, kept before, could never be found, and took every other prefix out).
+    assert index.cached_tokens(key) == {"a": 10}
+
+
+def test_a_huge_prompt_is_keyed_by_its_start() -> None:
+    """Keying and recording run on the event loop at dispatch: a 32 MB prompt's
+    500,000 chunks held it for a second. Past MAX_PROMPT_CHUNKS a prompt is
+    keyed by its start, whatever its shape, and two that share it match."""
+    index = PrefixIndex(block_size=4)  # 16-character chunks
+    chars = MAX_PROMPT_CHUNKS * 16
+    text = "".join(f"{n:015d}-" for n in range(MAX_PROMPT_CHUNKS + 100))
+    ids = list(range(MAX_PROMPT_CHUNKS * 4 + 400))
+    bodies = [
+        {"prompt": text},
+        {"messages": [{"role": "user", "content": text}, {"role": "user", "content": "x"}]},
+        {"prompt": ids},
+    ]
+    for body in bodies:
+        key = index.key(body, 10**6)
+        assert len(key.chunks) == MAX_PROMPT_CHUNKS
+    for body in bodies[1:]:  # (a prompt's text is used as it is, not copied)
+        assert chars <= len(prompt_text(body, chars)) < len(prompt_text(body))
+    assert index.key(bodies[2], 10**6).token_ids == tuple(ids[: MAX_PROMPT_CHUNKS * 4])
+    index.record("a", index.key(bodies[0], 10**6), capacity_blocks=10**6)
+    longer = {"prompt": text + "and more"}
+    assert index.cached_tokens(index.key(longer, 10**6)) == {"a": MAX_PROMPT_CHUNKS * 4}
 
 
 def test_off_records_nothing() -> None:
