@@ -126,6 +126,9 @@ class Fleet:
         """`retune(config)` applies scheduler settings to the running parts;
         `load()` reads the configuration file again (None: there is none)."""
         self.config = config
+        # What was read at start: the settings read only then (the server's,
+        # discovery, sharing) run as they were, whatever a reload read since.
+        self.started = config
         self.cluster = cluster
         self.scraper = scraper
         self.migrator = migrator
@@ -277,7 +280,17 @@ class Fleet:
 
     def apply(self, new: FerryConfig) -> dict[str, Any]:
         """Make the running fleet match `new`; returns what changed."""
-        old = self.config
+        old, started = self.config, self.started
+        if new.discovery != started.discovery:
+            # The file's instances are the fleet with the discovery it names: one
+            # without the other would leave a fleet neither describes (with none
+            # listed, no instance at all).
+            raise FleetError(
+                409,
+                "discovery changed: it is read at start, so restart ferry to apply"
+                " this file (nothing was applied)",
+                "restart_required",
+            )
         current = {
             n: s.config for n, s in self.cluster.instances.items() if n not in self.discovered
         }
@@ -331,19 +344,17 @@ class Fleet:
             draining = name in wanted and state is not None and state.draining
             self.announce({"op": "file", "name": name, "listed": name in wanted,
                            "draining": draining})  # fmt: skip
+        # Read once, at the start: a reload that changes them changes nothing yet.
         restart = [
             f"server.{f.name}"
             for f in dataclasses.fields(new.server)
-            if getattr(new.server, f.name) != getattr(old.server, f.name)
+            if getattr(new.server, f.name) != getattr(started.server, f.name)
         ]
-        # Read once, at the start: a reload that changes them changes nothing yet.
-        restart += [
-            key for key in ("discovery", "redis_url") if getattr(new, key) != getattr(old, key)
-        ]
+        restart += ["redis_url"] if new.redis_url != started.redis_url else []
         restart += [
             f"sharing.{f.name}"
             for f in dataclasses.fields(new.sharing)
-            if getattr(new.sharing, f.name) != getattr(old.sharing, f.name)
+            if getattr(new.sharing, f.name) != getattr(started.sharing, f.name)
         ]
         summary = {
             "added": added,

@@ -226,6 +226,18 @@ def test_reload_applies_the_file_and_refuses_a_bad_one(
         )
         code, summary = send(proxy.url + "/admin/reload", "POST")
         assert code == 200 and summary["restart_required"] == ["redis_url"]
+        # Against what runs, not the file read last: still needed, then not.
+        assert send(proxy.url + "/admin/reload", "POST")[1]["restart_required"] == ["redis_url"]
+        write([{"name": "b", "url": site_b.url, "labels": {"new": "no"}}], policy="round_robin")
+        assert send(proxy.url + "/admin/reload", "POST")[1]["restart_required"] == []
+        # Discovery with no instance listed: applied without it, the fleet would
+        # be none. Refused whole.
+        listed = json.loads(path.read_text())
+        found = [{"dns": "localhost", "port": 1, "engine": "openai"}]
+        path.write_text(json.dumps({**listed, "instances": [], "discovery": found}))
+        code, err = send(proxy.url + "/admin/reload", "POST")
+        assert code == 409 and err["error"]["code"] == "restart_required"
+        assert set(rows(proxy.url)) == {"b"}
 
         # Renamed: the new name is added while the old one is still there.
         write([{"name": "b2", "url": site_b.url}], policy="round_robin")
@@ -242,6 +254,47 @@ def test_reload_without_a_file_is_refused(standins: Any, ferry: Any) -> None:
     code, err = send(proxy.url + "/admin/reload", "POST")
     assert code == 409 and err["error"]["code"] == "no_config_file"
     assert post(proxy.url + "/admin/reload", b"")[0] == 401  # no token
+
+
+def test_a_sighup_while_ferry_starts_is_a_reload_once_it_runs(
+    standins: Any, tmp_path: Path
+) -> None:
+    """SIGHUP's default is to end the process: one that came while Ferry
+    started (its first scrapes take a while) ended it, silently. Now it is
+    taken once Ferry runs, as the reload it was sent for."""
+    (a, site_a), (_, site_b) = standins(2)
+    a.metrics_delay_s = 4.0  # the first round waits on it
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    path = tmp_path / "ferry.yaml"
+
+    def write(names: dict[str, str]) -> None:
+        config = {
+            "instances": [{"name": n, "url": u} for n, u in names.items()],
+            "scheduler": {"scrape_timeout_s": 5.0},
+            "server": {"port": port, "shutdown_delay_s": 0},
+            "admin_token": TOKEN,
+        }
+        path.write_text(json.dumps(config))
+
+    write({"a": site_a.url})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        time.sleep(1.5)  # started, and waiting on the first round
+        assert status(url + "/readyz") == 0
+        write({"a": site_a.url, "b": site_b.url})
+        proc.send_signal(signal.SIGHUP)
+        a.metrics_delay_s = 0.0
+        wait_until(lambda: proc.poll() is not None or status(url + "/readyz") == 200, timeout=30)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        wait_until(lambda: set(rows(url)) == {"a", "b"})
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_sighup_and_the_cli_change_a_running_ferry(standins: Any, tmp_path: Path) -> None:
