@@ -164,8 +164,13 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import signal
+
     from proxy.config import ConfigError
 
+    # A reload's signal must not end the process (SIGHUP's default) while it
+    # starts; serve() takes it from there. Workers inherit it as they spawn.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _log_setup(args, worker=bool(args.workers and args.workers > 1))
     try:
         config = _serve_config(args)

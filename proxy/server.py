@@ -670,7 +670,11 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
     """Run until SIGINT/SIGTERM (or cancellation), then shut down gracefully:
     not ready at once, still serving for `shutdown_delay_s`, then no new
     connections while in-flight requests get `shutdown_grace_s` to finish.
-    SIGHUP reloads the configuration file (`load()`)."""
+    SIGHUP reloads the configuration file (`load()`); one that comes while it
+    starts is reloaded once it runs."""
+    loop = asyncio.get_running_loop()
+    held_reload = asyncio.Event()
+    _on_signal(loop, signal.SIGHUP, held_reload.set)
     open_files = raise_open_files_limit()
     app = build_app(config, load)
     if config.server.access_log:
@@ -707,12 +711,8 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
             " this port uses them (set api_keys or FERRY_API_KEYS)"
         )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+        _on_signal(loop, sig, stop.set)
 
     async def reload() -> None:
         try:
@@ -729,10 +729,9 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
-    try:
-        loop.add_signal_handler(signal.SIGHUP, on_sighup)
-    except (NotImplementedError, RuntimeError):
-        pass
+    _on_signal(loop, signal.SIGHUP, on_sighup)
+    if held_reload.is_set():
+        on_sighup()
     orphan_watch = (
         asyncio.create_task(_stop_when_orphaned(stop, os.getppid()))
         if config.server.workers > 1
@@ -757,6 +756,13 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
             runner.server.pre_shutdown()  # nor requests: keep-alive ends with each one
         await app[IN_FLIGHT].finish(config.server.shutdown_grace_s)
         await runner.cleanup()
+
+
+def _on_signal(loop: asyncio.AbstractEventLoop, sig: int, handler: Callable[[], object]) -> None:
+    try:
+        loop.add_signal_handler(sig, handler)
+    except (NotImplementedError, RuntimeError):  # not the main thread (the tests' Ferry)
+        pass
 
 
 async def _stop_when_orphaned(stop: asyncio.Event, parent: int) -> None:

@@ -73,9 +73,13 @@ def supervise(
         process = context.Process(target=target, args=args, name=f"ferry-worker-{index}")
         if index in started_at:  # a spawned child takes the environment as it is now
             os.environ[RESTARTED_WORKER] = "1"
+        # And it ignores SIGHUP, as set now, until it can reload: one forwarded
+        # while it starts would end it (the signal's default).
+        reloads = signal.signal(signal.SIGHUP, signal.SIG_IGN)
         try:
             process.start()
         finally:
+            signal.signal(signal.SIGHUP, reloads)
             os.environ.pop(RESTARTED_WORKER, None)
         workers[index], started_at[index] = process, time.monotonic()
         log.info("worker %d started (pid %s)", index, process.pid)
