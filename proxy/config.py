@@ -28,6 +28,9 @@ from proxy.policy.scaling import ScalingSettings
 
 ENGINES = tuple(ADAPTERS)  # the `engine:` names: one per adapter in `adapters/`
 MIGRATION_MODES = ("off", "lite", "full")
+MAX_WAIT_S = 1e6  # a shutdown's delay or grace (11 days): past any generation
+MAX_SHARED_TTL_S = 86400.0
+MAX_FLEET_LOG_LENGTH = 10**7
 
 log = logging.getLogger("ferry.config")
 
@@ -864,8 +867,11 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.client_keepalive_s, client_body_timeout_s: must be positive")
     if s.max_answer_bytes < 1024 * 1024:
         raise ConfigError("server.max_answer_bytes: must be at least 1 MiB")
-    if s.shutdown_delay_s < 0 or s.shutdown_grace_s < 0:
-        raise ConfigError("server.shutdown_delay_s, shutdown_grace_s: must not be negative")
+    if not (0 <= s.shutdown_delay_s <= MAX_WAIT_S and 0 <= s.shutdown_grace_s <= MAX_WAIT_S):
+        # (--workers' parent waits on them in one go: past ~9e9 s Python cannot.)
+        raise ConfigError(
+            f"server.shutdown_delay_s, shutdown_grace_s: must be between 0 and {MAX_WAIT_S:g}"
+        )
     if s.retry_after_s < 0:
         raise ConfigError(f"server.retry_after_s: must not be negative (got {s.retry_after_s})")
 
@@ -884,15 +890,16 @@ def _check_sharing(s: SharingConfig) -> None:
     for key in ("ttl_s", "lease_ttl_s"):
         value = getattr(s, key)
         # Three publishes may be missed (a slow tick, a GC pause) before a live
-        # process's totals or lease lapse.
-        if not (math.isfinite(value) and value >= 3 * s.publish_interval_s):
+        # process's totals or lease lapse; a dead one's should not outlast a day.
+        if not (3 * s.publish_interval_s <= value <= MAX_SHARED_TTL_S):
             raise ConfigError(
-                f"sharing.{key}: must be at least 3 x sharing.publish_interval_s"
-                f" ({3 * s.publish_interval_s:g} s; got {value:g})"
+                f"sharing.{key}: must be between 3 x sharing.publish_interval_s"
+                f" ({3 * s.publish_interval_s:g} s) and {MAX_SHARED_TTL_S:g} s (got {value:g})"
             )
-    if s.fleet_log_length < 1:
+    if not 1 <= s.fleet_log_length <= MAX_FLEET_LOG_LENGTH:  # (Redis takes 64-bit counts)
         raise ConfigError(
-            f"sharing.fleet_log_length: must be at least 1 (got {s.fleet_log_length})"
+            f"sharing.fleet_log_length: must be between 1 and {MAX_FLEET_LOG_LENGTH}"
+            f" (got {s.fleet_log_length})"
         )
     if not re.fullmatch(r"[A-Za-z0-9_.:-]+", s.key_prefix):
         raise ConfigError(
