@@ -696,10 +696,11 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
     except OSError:  # the address taken, say: the app's parts stop as they started
         await runner.cleanup()
         raise
+    bound = runner.addresses[0][1] if runner.addresses else config.server.port  # (port 0)
     log.info(
         "ferry listening on http://%s:%d (%d instances, policy %s, %s, %d open files)",
         config.server.host,
-        config.server.port,
+        bound,
         len(config.instances),
         config.scheduler.policy,
         client_auth.describe(config),

@@ -297,6 +297,26 @@ def test_a_sighup_while_ferry_starts_is_a_reload_once_it_runs(
         proc.wait(30)
 
 
+def test_port_0_says_the_port_it_took(standins: Any) -> None:
+    """`--port 0` lets the system pick: the start line named port 0."""
+    [(_, site)] = standins(1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--backend", site.url, "--port", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = next(x for x in proc.stderr if "ferry listening on" in x)
+        found = re.search(r"http://127\.0\.0\.1:(\d+) ", line)
+        assert found and int(found[1]) > 0, line
+        assert status(f"http://127.0.0.1:{found[1]}/livez") == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_sighup_and_the_cli_change_a_running_ferry(standins: Any, tmp_path: Path) -> None:
     (a, site_a), (b, site_b), (c, site_c) = standins(3, itl_s=0.02)
     port = free_port()
