@@ -193,15 +193,17 @@ def _serve(args: argparse.Namespace) -> int:
         return supervise(
             server.workers,
             _serve_one,
-            (args,),
+            (args, config),
             stop_timeout_s=server.shutdown_delay_s + server.shutdown_grace_s + 10,
         )
     return _serve_one(args)
 
 
-def _serve_one(args: argparse.Namespace) -> int:
+def _serve_one(args: argparse.Namespace, started: Any = None) -> int:
     """One serving process: the only one, or a worker (then logging is set up
-    again: a spawned worker starts with nothing of its parent)."""
+    again: a spawned worker starts with nothing of its parent) that runs with
+    what only a restart applies as the parent read it at the start (`started`):
+    one started again after the file changed serves as its siblings do."""
     import uvloop
 
     from proxy.config import ConfigError
@@ -212,6 +214,8 @@ def _serve_one(args: argparse.Namespace) -> int:
         _log_setup(args, worker=True)
     try:
         config = _serve_config(args)
+        if started is not None:
+            config = _as_started(config, started)
     except ConfigError as exc:  # a worker restarted after the file was edited badly
         print(f"ferry: configuration error: {exc}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
@@ -249,6 +253,20 @@ def _log_setup(args: argparse.Namespace, *, worker: bool) -> None:
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s",
+    )
+
+
+def _as_started(config: Any, started: Any) -> Any:
+    """`config` with the parts read only at the start (proxy/fleet.py's
+    `restart_required`) as `started` had them."""
+    import dataclasses
+
+    return dataclasses.replace(
+        config,
+        server=started.server,
+        redis_url=started.redis_url,
+        sharing=started.sharing,
+        discovery=started.discovery,
     )
 
 
