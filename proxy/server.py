@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import aiohttp
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.helpers import parse_mimetype
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
@@ -244,21 +244,22 @@ def build_app(
     app.cleanup_ctx.append(lifecycle)
     # The same with a trailing slash: sent on as it came, vLLM would answer
     # with a redirect to itself, past the proxy.
+    expect = _expect_continue(config.server.max_body_bytes)
     for slash in ("", "/"):
         for path, read in _READ_ROUTES.items():
-            app.router.add_post(path + slash, read)
+            app.router.add_post(path + slash, read, expect_handler=expect)
         app.router.add_get("/v1/models" + slash, _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
-    app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
+    app.router.add_route("*", "/v1/{tail:.*}", _passthrough, expect_handler=expect)
     for path in ENGINE_ROUTES:
-        app.router.add_post(path, _passthrough)
+        app.router.add_post(path, _passthrough, expect_handler=expect)
     app.router.add_get("/version", _passthrough)  # the engine's version, as vLLM answers it
     app.router.add_get("/health", _health)
     # vLLM's SageMaker-style health check, GET or POST: Ferry's readiness here;
     # and SageMaker's one inference route.
     app.router.add_get("/ping", _readyz)
     app.router.add_post("/ping", _readyz)
-    app.router.add_post("/invocations", _invocations)
+    app.router.add_post("/invocations", _invocations, expect_handler=expect)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
@@ -289,16 +290,7 @@ def _request_limits(max_body_bytes: int) -> Any:
 
     @web.middleware
     async def limits(request: web.Request, handler: Handler) -> web.StreamResponse:
-        length = request.content_length
-        refused = None
-        if length is not None and length > max_body_bytes:
-            refused = error_response(
-                413, f"request body is {length} bytes; at most {max_body_bytes} are taken"
-            )
-        elif sum(len(k) + len(v) for k, v in request.raw_headers) > MAX_HEADER_BYTES:
-            refused = error_response(
-                431, f"request headers are over {MAX_HEADER_BYTES // 1024} KiB in all"
-            )
+        refused = _over_limits(request, max_body_bytes)
         if refused is None:
             return await handler(request)
         # The connection ends with the answer. (aiohttp reads on in the body,
@@ -312,6 +304,36 @@ def _request_limits(max_body_bytes: int) -> Any:
         return refused
 
     return limits
+
+
+def _over_limits(request: web.Request, max_body_bytes: int) -> web.Response | None:
+    """The answer to a request `_request_limits` refuses; None where it passes."""
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        message = f"request body is {length} bytes; at most {max_body_bytes} are taken"
+        return error_response(413, message)
+    if sum(len(k) + len(v) for k, v in request.raw_headers) > MAX_HEADER_BYTES:
+        message = f"request headers are over {MAX_HEADER_BYTES // 1024} KiB in all"
+        return error_response(431, message)
+    return None
+
+
+def _expect_continue(max_body_bytes: int) -> Any:
+    """An `Expect: 100-continue` handler that says continue only to a request
+    `_request_limits` passes: a client told to continue sends the body that
+    the 413 then refuses. (aiohttp's says it to all, before any middleware.)"""
+
+    async def expect(request: web.Request) -> web.Response | None:
+        if request.version != HttpVersion11 or _over_limits(request, max_body_bytes):
+            return None  # the middleware answers, the body unread
+        expected = request.headers.get(hdrs.EXPECT, "")
+        if expected.lower() != "100-continue":
+            return error_response(417, f"unknown Expect: {expected!r}")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (as aiohttp's: the answer has not begun)
+        return None
+
+    return expect
 
 
 def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:

@@ -352,6 +352,42 @@ def test_a_body_declared_too_large_is_refused_before_it_is_sent(standins: Any, f
     assert standin.answers == []
 
 
+def test_expect_continue_is_said_only_to_a_body_that_will_be_taken(
+    standins: Any, ferry: Any
+) -> None:
+    """aiohttp said `100 Continue` to every `Expect`, before Ferry's limits ran:
+    a client was told to send the body the 413 then refused."""
+    [(standin, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url], server={"max_body_bytes": MAX_BODY})
+    host, port = proxy.url.removeprefix("http://").split(":")
+
+    def ask(length: int, expect: str = "100-continue") -> socket.socket:
+        client = socket.create_connection((host, int(port)), timeout=5)
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: %s\r\nContent-Length: %d\r\n\r\n" % (expect.encode(), length)
+        )
+        return client
+
+    def head_of(client: socket.socket) -> bytes:
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += client.recv(65536)  # (times out where no answer comes)
+        return answer
+
+    with ask(MAX_BODY + 1) as client:
+        assert head_of(client).startswith(b"HTTP/1.1 413")  # and no 100 before it
+    with ask(10, "teapot") as client:
+        answer = head_of(client)
+        assert answer.startswith(b"HTTP/1.1 417") and b"application/json" in answer
+    body = json.dumps({"model": "standin", "prompt": "x", "max_tokens": 1}).encode()
+    with ask(len(body)) as client:
+        assert head_of(client) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        client.sendall(body)
+        assert head_of(client).startswith(b"HTTP/1.1 200")
+    assert len(standin.answers) == 1
+
+
 def test_headers_too_large_in_all_are_refused(standins: Any, ferry: Any) -> None:
     """Each line may be 64 KiB (a long JWT), but not 8 MiB of them in all."""
     [(standin, site)] = standins(1, itl_s=0)
