@@ -79,24 +79,33 @@ class TraceSpec:
     sessions_at_once: int = 32  # sessions interleaved turn by turn
 
 
+MAX_MEAN_TOKENS = 1e9  # past it a length's draw overflows
+MAX_SESSIONS_AT_ONCE = 10**6
+
+
 def generate(spec: TraceSpec) -> list[TraceRequest]:
     if spec.arrival not in ARRIVALS:
         raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)} (got {spec.arrival!r})")
     finite = (spec.rate, spec.cv, spec.input_mean, spec.output_mean, spec.sigma, spec.day_s)
     if not all(math.isfinite(x) for x in finite):
         raise ValueError("rate, cv, input_mean, output_mean, sigma and day_s must be finite")
-    if spec.rate <= 0 or spec.requests < 0 or spec.cv <= 0:
-        raise ValueError("rate and cv must be positive, requests not negative")
-    if spec.input_mean <= 0 or spec.output_mean <= 0 or spec.sigma < 0 or spec.max_len < 1:
-        raise ValueError("input_mean and output_mean must be positive, max_len at least 1")
+    if spec.rate <= 0 or spec.requests < 0 or not 0.01 <= spec.cv <= 100:
+        # (A gamma's shape is 1 / cv^2: past these it is 0 or infinite.)
+        raise ValueError("rate must be positive, requests not negative, cv in [0.01, 100]")
+    means = (spec.input_mean, spec.output_mean)
+    if not all(0 < m <= MAX_MEAN_TOKENS for m in means) or spec.sigma < 0 or spec.max_len < 1:
+        raise ValueError(
+            f"input_mean and output_mean must be in (0, {MAX_MEAN_TOKENS:g}],"
+            " sigma not negative, max_len at least 1"
+        )
     if spec.burst_size < 1 or not 0 <= spec.high_priority <= 1:
         raise ValueError("burst_size must be at least 1, high_priority in [0, 1]")
     if spec.day_s < 0 or not 0 <= spec.day_amplitude < 1:
         raise ValueError("day_s must not be negative, day_amplitude must be in [0, 1)")
     if spec.prefix_groups < 0 or spec.prefix_len < 0 or spec.turns < 1:
         raise ValueError("prefix_groups and prefix_len must not be negative, turns at least 1")
-    if spec.sessions_at_once < 1:
-        raise ValueError("sessions_at_once must be at least 1")
+    if not 1 <= spec.sessions_at_once <= MAX_SESSIONS_AT_ONCE:  # (a list of that many is made)
+        raise ValueError(f"sessions_at_once must be between 1 and {MAX_SESSIONS_AT_ONCE}")
     rng = random.Random(spec.seed)
     out: list[TraceRequest] = []
     t = 0.0

@@ -145,8 +145,11 @@ def run(args: argparse.Namespace) -> int:
             f" + {too_long.output_tokens} tokens of KV; an instance of {profile.name}"
             f" holds {room}"
         )
-    if args.autoscale and not (args.scale_interval > 0 and args.scale_in_window >= 0):
-        raise ValueError("--scale-interval must be positive, --scale-in-window not negative")
+    # A tick is an event: at 1e-9 s a simulated second is a billion of them.
+    if args.autoscale and not (
+        0.01 <= args.scale_interval < float("inf") and args.scale_in_window >= 0
+    ):
+        raise ValueError("--scale-interval must be 0.01 s or more, --scale-in-window not negative")
     headroom = args.headroom_blocks
     if headroom is not None and not 0 <= headroom < float("inf"):
         raise ValueError("--headroom-blocks must be blocks, 0 or more")

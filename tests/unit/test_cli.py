@@ -47,6 +47,19 @@ def test_sim_refuses_a_file_that_is_no_trace(
     assert "not a trace request" in capsys.readouterr().err
 
 
+def test_sim_refuses_a_scaling_tick_it_could_not_get_through(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every 1e-9 s was a billion events a simulated second: a hang."""
+    trace = tmp_path / "t.jsonl"
+    assert (
+        main(["trace", "--out", str(trace), "--requests", "5", "--rate", "5", "--seed", "1"]) == 0
+    )
+    argv = ["sim", "--trace", str(trace), "--instances", "2", "--policy", "llumnix"]
+    assert main([*argv, "--autoscale", "--scale-interval", "1e-9"]) == 2
+    assert "--scale-interval must be 0.01 s or more" in capsys.readouterr().err
+
+
 def test_an_unknown_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--backend", "http://127.0.0.1:1", "--log-level", "loud"])

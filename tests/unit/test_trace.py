@@ -81,7 +81,12 @@ def test_a_day_shaped_rate_peaks_at_midday() -> None:
         ({"arrival": "burst", "burst_size": 0}, "burst_size"),
         ({"arrival": "gamma", "cv": math.inf}, "finite"),
         ({"output_mean": math.inf}, "finite"),
-        ({"input_mean": 0}, "positive"),
+        ({"input_mean": 0}, r"input_mean and output_mean must be in \(0, "),
+        # A traceback (a gamma's shape of 1e600, a length's overflow) or a hang
+        # (a list of a billion sessions) before.
+        ({"arrival": "gamma", "cv": 1e-300}, r"cv in \[0\.01, 100\]"),
+        ({"input_mean": 1e308}, r"input_mean and output_mean must be in \(0, "),
+        ({"turns": 3, "sessions_at_once": 10**9}, "sessions_at_once must be between"),
         ({"high_priority": 2}, "high_priority"),
         ({"max_len": 0}, "max_len"),
     ],
