@@ -7,6 +7,8 @@ Loading has no side effects; reload is all-or-nothing (load, then swap).
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import math
 import os
@@ -78,7 +80,8 @@ class InstanceConfig:
     @property
     def server(self) -> tuple[Any, ...]:
         """The server it names, as `same_server` compares them (a dict's key)."""
-        return (*_server_of(self.url), tuple(sorted(self.headers.items())))
+        headers = sorted((k.lower(), v) for k, v in self.headers.items())  # (names: any case)
+        return (*_server_of(self.url), tuple(headers))
 
     def auth_headers(self) -> dict[str, str]:
         """The headers every call to this instance carries."""
@@ -640,11 +643,15 @@ def _http_url(url: Any) -> bool:
 
 
 def _server_of(url: str) -> tuple[str, str, int | None, str]:
-    """What a URL names, as a server sees it: HTTP://H:80/ and http://h are one."""
+    """What a URL names, as a server sees it: HTTP://H:80/ and http://h are one,
+    and so are http://h. (the name absolute) and http://[0::1], http://[::1]."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     port = parts.port or {"http": 80, "https": 443}.get(scheme)
-    return scheme, parts.hostname or "", port, parts.path.rstrip("/")
+    host = (parts.hostname or "").removesuffix(".")
+    with contextlib.suppress(ValueError):  # an address: one spelling of it
+        host = ipaddress.ip_address(host).compressed
+    return scheme, host, port, parts.path.rstrip("/")
 
 
 # An instance's name: in metrics labels, the admin API's paths, log lines and a

@@ -604,11 +604,27 @@ def test_a_url_no_engine_answers_at_is_refused(url: str) -> None:
         parse_config({"instances": [{"name": "a", "url": url}]})
 
 
-def test_one_server_written_two_ways_is_one_server() -> None:
-    """Scheme and host are case-blind and a default port is the same server."""
-    for twin in ("HTTP://H:80/", "http://h"):
-        raw = {"instances": [{"name": "a", "url": "http://h:80"}, {"name": "b", "url": twin}]}
-        with pytest.raises(ConfigError, match=r"instances\[1\]\.url: the server of instance 'a'"):
-            parse_config(raw)
+@pytest.mark.parametrize(
+    ("url", "twin"),
+    [
+        ("http://h:80", "HTTP://H:80/"),
+        ("http://h:80", "http://h"),
+        ("http://h:1", "http://h.:1"),  # the name written absolute
+        ("http://[::1]:1", "http://[0::1]:1"),
+        ("http://[::ffff:1.2.3.4]:1", "http://[::FFFF:102:304]:1"),
+    ],
+)
+def test_one_server_written_two_ways_is_one_server(url: str, twin: str) -> None:
+    """Scheme and host are case-blind, a default port is the same server, and an
+    address has one spelling: such a server listed twice was billed twice."""
+    raw = {"instances": [{"name": "a", "url": url}, {"name": "b", "url": twin}]}
+    with pytest.raises(ConfigError, match=r"instances\[1\]\.url: the server of instance 'a'"):
+        parse_config(raw)
+    same = [{"name": n, "url": url, "headers": {k: "1"}} for n, k in (("a", "X-A"), ("b", "x-a"))]
+    with pytest.raises(ConfigError, match=r"the server of instance 'a'"):
+        parse_config({"instances": same})
+
+
+def test_servers_told_apart_stay_apart() -> None:
     raw = {"instances": [{"name": "a", "url": "http://h"}, {"name": "b", "url": "https://h"}]}
     assert len(parse_config(raw).instances) == 2
