@@ -202,6 +202,22 @@ def test_grafana_is_provisioned_with_the_dashboard() -> None:
     assert uids <= {source["uid"], "${DS_PROMETHEUS}", "${datasource}", None}, uids
 
 
+def test_the_dashboard_counts_each_instance_once_whatever_the_replicas() -> None:
+    """Replicas sharing through Redis each export every instance's state alike
+    (healthy, freeness, the engine's KV usage): summed over them, two replicas
+    showed each instance healthy twice and at 160% of its cache. Only what each
+    process counts of its own (in flight, its ledger's blocks) adds up."""
+    exprs = _find(json.loads((CONFIGS / "grafana" / "ferry.json").read_text()), "expr")
+    shared = re.compile(
+        r"ferry_instance_(healthy|draining|ejected|freeness)\b"
+        r"|ferry_instance_kv_usage_ratio\{[^}]*source=\"engine\""
+    )
+    viewed = [e for e in exprs if shared.search(e)]
+    assert len(viewed) >= 6
+    for expr in viewed:
+        assert re.search(r"max by \(instance\) \(ferry_instance_", expr), expr
+
+
 def _find(node: Any, key: str) -> list[Any]:
     if isinstance(node, dict):
         return [v for k, v in node.items() if k == key] + [
