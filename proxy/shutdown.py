@@ -9,7 +9,9 @@ cut stream just stopped and its client could not tell it from a finished one.
 Ferry keeps a register of the handlers running (`InFlight.middleware`), waits
 for them itself (`InFlight.finish`), and cancels what is left while its
 connection is still open: a cancelled stream ends with a 503 error event and [DONE] (which
-the openai client raises), so its client knows to retry.
+the openai client raises), so its client knows to retry. One that has sent nothing
+yet (queued, its headers waiting for its first token) ends as a whole request does:
+its connection closes, which clients retry too.
 """
 
 from __future__ import annotations
