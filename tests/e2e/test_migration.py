@@ -211,6 +211,27 @@ def test_kill_one_instance_and_twenty_streams_finish(
     assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') >= 1
 
 
+# Round robin, scraped fast enough that a frozen server shows in under a second.
+FREEZE_SHOWS_FAST = {
+    "policy": "round_robin",
+    "scrape_interval_s": 0.1,
+    "scrape_timeout_s": 0.5,
+    "unhealthy_after_failures": 2,
+}
+
+
+def frozen_while(server: VLLMServer, threads: list[threading.Thread]) -> float:
+    """Freeze `server` (SIGSTOP) until `threads` end; how long they took."""
+    began = time.monotonic()
+    server.freeze()
+    try:
+        for t in threads:
+            t.join(120)
+        return time.monotonic() - began
+    finally:
+        server.thaw()
+
+
 def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
     ferry: Any, vllm_pair: list[VLLMServer]
 ) -> None:
@@ -222,12 +243,7 @@ def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
     proxy = ferry(
         [s.url for s in vllm_pair],
         instances_migration="lite",
-        scheduler={
-            "policy": "round_robin",
-            "scrape_interval_s": 0.1,
-            "scrape_timeout_s": 0.5,
-            "unhealthy_after_failures": 2,
-        },
+        scheduler=FREEZE_SHOWS_FAST,
     )
     streams: list[tuple[int, str]] = []
     wholes: list[int] = []
@@ -254,14 +270,7 @@ def test_a_frozen_server_s_streams_and_whole_requests_go_on_elsewhere(
     # All six placed (round robin: three on each) before i0 stops answering.
     wait_until(lambda: proxy.view("i0").inflight + proxy.view("i1").inflight == 6, timeout=30)
     time.sleep(0.3)
-    began = time.monotonic()
-    frozen.freeze()
-    try:
-        for t in threads:
-            t.join(120)
-        took = time.monotonic() - began
-    finally:
-        frozen.thaw()
+    took = frozen_while(frozen, threads)
     assert not errors, errors
     assert streams == [(200, "length")] * 4 and wholes == [400, 400]
     assert took < 60
@@ -280,24 +289,12 @@ def test_without_migration_a_frozen_server_s_streams_end_at_once(
     frozen = vllm_pair[0]
     proxy = ferry(
         [s.url for s in vllm_pair],
-        scheduler={
-            "policy": "round_robin",
-            "scrape_interval_s": 0.1,
-            "scrape_timeout_s": 0.5,
-            "unhealthy_after_failures": 2,
-        },
+        scheduler=FREEZE_SHOWS_FAST,
     )
     results: list[tuple[int, str]] = []
     errors: list[BaseException] = []
     threads = start_streams(proxy.url, 4, results, errors)  # two on each
-    began = time.monotonic()
-    frozen.freeze()
-    try:
-        for t in threads:
-            t.join(120)
-        took = time.monotonic() - began
-    finally:
-        frozen.thaw()
+    took = frozen_while(frozen, threads)
     assert results == [(200, "length")] * 2
     assert len(errors) == 2 and all("stopped answering" in str(e) for e in errors), errors
     assert took < 30
