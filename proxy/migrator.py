@@ -278,7 +278,7 @@ class Migrator:
             self.submit(stream, None, "failover", prewarm=False)
         waits = self.upstreams.waits.give_up(instance, HUNG_AFTER_S)
         if waits:
-            log.info("%d call(s) waiting on unhealthy %s: trying elsewhere", waits, instance)
+            log.info("%d call(s) waiting on unhealthy %s given up", waits, instance)
         return len(hung) + waits
 
     def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
