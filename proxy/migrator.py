@@ -268,12 +268,15 @@ class Migrator:
         long on it (an answer, a stream's next bytes): each is tried elsewhere
         where nothing reached its client, and ends with an error event where
         something did. Returns how many."""
-        hung = [
-            s
-            for s in self.streams_on(instance)
-            if not s.claimed and s.timing.quiet_s() >= HUNG_AFTER_S
-        ]
+        hung = [s for s in self.streams_on(instance) if s.timing.quiet_s() >= HUNG_AFTER_S]
         for stream in hung:
+            if stream.claimed:
+                # A move under way may wait on this instance for the stream's KV
+                # (full mode), which it will not give: the copy is given up, and
+                # the next look fails the stream over.
+                moot, stream.copy_moot = stream.copy_moot, asyncio.Event()
+                moot.set()
+                continue
             log.info("stream %s quiet on unhealthy %s: failing over", stream.request.id, instance)
             self.submit(stream, None, "failover", prewarm=False)
         waits = self.upstreams.waits.give_up(instance, HUNG_AFTER_S)
@@ -348,8 +351,14 @@ class Migrator:
             )
         if destination is None:
             return await stream.order_move(None, reason, source=source)
-        # A stream that starts over (nothing of it shown yet) needs no KV copied.
-        if stream.tag and not stream.splicer.starts_over() and self.kv.applies(source, destination):
+        # A stream that starts over (nothing of it shown yet) needs no KV copied,
+        # and one failing over has none to be had: its source stopped answering.
+        if (
+            reason != "failover"
+            and stream.tag
+            and not stream.splicer.starts_over()
+            and self.kv.applies(source, destination)
+        ):
             return await self._move_kv(stream, source, destination, reason)
         if self.prewarm and prewarm:
             await self._prewarm(stream, destination)

@@ -203,6 +203,67 @@ def test_destination_killed_mid_copy_rolls_back(
     assert_idle(vllm_pair[0])
 
 
+def test_a_frozen_source_fails_over_without_being_asked_for_its_kv(
+    full: Any, vllm_pair: list[VLLMServer]
+) -> None:
+    """A full-mode stream whose server freezes (SIGSTOP) fails over by
+    recompute once the freeze shows, as a lite one does. It used to ask the
+    frozen server for its KV first and wait out that call (20 s) with its
+    client given nothing."""
+    frozen = vllm_pair[0]
+    proxy = full(vllm_pair, scrape_interval_s=0.1, scrape_timeout_s=0.5, unhealthy_after_failures=2)
+    reference, _, _ = stream_ids(api(frozen.url), False, 600, on_chunk=lambda n: None)
+    arrived: list[float] = []
+    freeze_at_300 = on_i0_then(proxy, 300, frozen.freeze)
+
+    def on_chunk(n: int) -> None:
+        arrived.append(time.monotonic())
+        freeze_at_300(n)
+
+    try:
+        ids, _, last = stream_ids(api(proxy.url), False, 600, on_chunk=on_chunk)
+    finally:
+        frozen.thaw()
+    assert ids == reference and last.choices[0].finish_reason == "length"
+    longest = max(b - a for a, b in zip(arrived, arrived[1:], strict=False))
+    assert longest < 10, longest
+    assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') == 1
+    outcomes = ("ok", "abandoned", "rolled_back", "destination_full")
+    assert [kv_outcome(proxy, o, "failover") for o in outcomes] == [0, 0, 0, 0]
+    wait_until(lambda: proxy.view("i0").healthy, timeout=30)  # thawed, as the next tests need it
+    assert_idle(*vllm_pair)
+
+
+def test_a_destination_drained_during_the_copy_still_takes_the_kv(
+    full: Any, vllm_pair: list[VLLMServer]
+) -> None:
+    """The copy's destination began a drain while the KV travelled: its
+    cut-over refused it as a new destination, and the stream went on by
+    recompute, the copy thrown away. A move half done goes where its KV waits."""
+    a, b = vllm_pair
+    proxy = full(vllm_pair, migration_bandwidth_mb_s=2.0)  # (a copy of some 0.4 s)
+    reference, _, _ = stream_ids(api(a.url), False, 1000, on_chunk=lambda n: None)
+
+    def drain_the_destination_once_reserved() -> None:
+        wait_until(lambda: shim_info(b)["reserved_blocks"] > 0, timeout=30, poll=0.01)
+        post(f"{proxy.url}/admin/instances/i1/drain")
+
+    def drain_both() -> None:
+        post(f"{proxy.url}/admin/instances/i0/drain?migrate=true")
+        threading.Thread(target=drain_the_destination_once_reserved).start()
+
+    before = by_source(b)
+    ids, _, last = stream_ids(
+        api(proxy.url), False, 1000, on_chunk=on_i0_then(proxy, 300, drain_both)
+    )
+    undrain(proxy)
+    assert ids == reference and last.choices[0].finish_reason == "length"
+    assert kv_outcome(proxy, "ok") == 1
+    assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') == 0
+    assert by_source(b)["external_kv_transfer"] > before["external_kv_transfer"]
+    assert_idle(*vllm_pair)
+
+
 def test_destination_out_of_blocks_refuses_and_the_request_stays(
     full: Any, vllm_pair: list[VLLMServer]
 ) -> None:
