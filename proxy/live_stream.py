@@ -496,6 +496,9 @@ class LiveStream:
         cached = self.placement.cached_for(ids, source) if splicer.prompt_ids else {}
         for _ in range(2):
             tokens = len(ids) or self.call.entry.prompt_tokens
+            # Its KV copied there and its source stopped, it goes where the KV
+            # waits even if a drain began there meanwhile, not start over.
+            staged = order.load is not None and order.load["dest"] == preferred
             dest = self.placement.destination(
                 self.request.model,
                 tokens,
@@ -505,6 +508,7 @@ class LiveStream:
                 cached,
                 rescue=order.reason == "failover",
                 reach=self.reach(),
+                staged=staged and (order.source_stopped or self._source_stopped),
             )
             if dest is None:
                 self.metrics.migrations.labels(order.reason, "no_destination").inc()

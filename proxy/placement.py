@@ -98,6 +98,7 @@ class Placement:
         cached: Mapping[str, int] | None = None,
         rescue: bool = False,
         reach: int | None = None,
+        staged: bool = False,
     ) -> str | None:
         """Where a stream of `tokens` (prompt + generated) should go on: `preferred`
         if it can take it, else the policy's pick among migration instances;
@@ -107,11 +108,16 @@ class Placement:
         its drain waits for the stream or moves it on, where the alternative is
         to lose the stream. Not one drained to be removed: it may be gone
         before the stream starts there. Never one whose context is shorter than
-        the stream's `reach` (see `short_contexts`)."""
+        the stream's `reach` (see `short_contexts`). `staged`: the stream's KV
+        waits at `preferred` (full mode, its source stopped), which takes it
+        even while it drains, as a rescue would: the move is half done."""
         exclude = exclude | self.short_contexts(model, reach)
         usable = self.migration_instances()
-        if preferred and preferred in usable and preferred not in exclude:
-            return preferred
+        if preferred and preferred not in exclude:
+            if preferred in usable:
+                return preferred
+            if staged and any(v.name == preferred for v in self._draining(model, exclude)):
+                return preferred
         skip = frozenset(exclude | (set(self.cluster.instances) - usable))
         request = DispatchRequest(
             model, tokens, priority, skip, cached_tokens=cached or {}, panic=rescue
@@ -131,9 +137,10 @@ class Placement:
         lengths = ((n, self.cluster.context_length(n, model)) for n in serving)
         return frozenset(n for n, length in lengths if length is not None and length < reach)
 
-    def _draining_destination(self, model: str, exclude: set[str]) -> str | None:
+    def _draining(self, model: str, exclude: set[str]) -> list[InstanceView]:
+        """Draining instances that may still take a stream of `model`."""
         instances = self.cluster.instances
-        views = [
+        return [
             v
             for v in self.cluster.view().instances
             if v.draining
@@ -143,6 +150,9 @@ class Placement:
             and instances[v.name].config.migration != "off"
             and not instances[v.name].leaving
         ]
+
+    def _draining_destination(self, model: str, exclude: set[str]) -> str | None:
+        views = self._draining(model, exclude)
         if not views:
             return None
         # Freeness is -inf while draining: the fewest in flight instead.
