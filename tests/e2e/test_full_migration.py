@@ -244,19 +244,33 @@ def test_a_destination_drained_during_the_copy_still_takes_the_kv(
     proxy = full(vllm_pair, migration_bandwidth_mb_s=2.0)  # (a copy of some 0.4 s)
     reference, _, _ = stream_ids(api(a.url), False, 1000, on_chunk=lambda n: None)
 
+    drained: list[object] = []  # True once the destination's drain began, or what failed
+
     def drain_the_destination_once_reserved() -> None:
-        wait_until(lambda: shim_info(b)["reserved_blocks"] > 0, timeout=30, poll=0.01)
-        post(f"{proxy.url}/admin/instances/i1/drain")
+        # What fails here is this test's to report, not a stray thread
+        # exception raised in whichever test runs later.
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not shim_info(b)["reserved_blocks"]:
+                time.sleep(0.01)
+            post(f"{proxy.url}/admin/instances/i1/drain")
+            drained.append(True)
+        except Exception as exc:  # noqa: BLE001
+            drained.append(exc)
+
+    drainer = threading.Thread(target=drain_the_destination_once_reserved)
 
     def drain_both() -> None:
         post(f"{proxy.url}/admin/instances/i0/drain?migrate=true")
-        threading.Thread(target=drain_the_destination_once_reserved).start()
+        drainer.start()
 
     before = by_source(b)
     ids, _, last = stream_ids(
         api(proxy.url), False, 1000, on_chunk=on_i0_then(proxy, 300, drain_both)
     )
+    drainer.join(60)
     undrain(proxy)
+    assert drained == [True], drained
     assert ids == reference and last.choices[0].finish_reason == "length"
     assert kv_outcome(proxy, "ok") == 1
     assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') == 0
