@@ -218,6 +218,12 @@ class LiveStream:
             if not self.splicer.ended:
                 self._pump.cancel()
 
+    def give_up_copy(self) -> None:
+        """A full-mode copy under way is of no use now (`copy_moot`); one started
+        later is a new copy."""
+        moot, self.copy_moot = self.copy_moot, asyncio.Event()
+        moot.set()
+
     def expect_source_stop(self, expected: bool) -> None:
         self.splicer.expect_source_stop = expected
 
@@ -267,9 +273,7 @@ class LiveStream:
                     await self._fail("too many resumes")
                     return "stream_broken"
                 preferred = order.destination if order is not None else None
-                # A copy under way is of no use now; one started later is a new copy.
-                moot, self.copy_moot = self.copy_moot, asyncio.Event()
-                moot.set()
+                self.give_up_copy()
                 source, broke, gave_up = self.instance, self._broke, self._gave_up
                 self._order = failover = MoveOrder(preferred, "failover")
                 moved = await self._cut_over(failover)

@@ -274,8 +274,7 @@ class Migrator:
                 # A move under way may wait on this instance for the stream's KV
                 # (full mode), which it will not give: the copy is given up, and
                 # the next look fails the stream over.
-                moot, stream.copy_moot = stream.copy_moot, asyncio.Event()
-                moot.set()
+                stream.give_up_copy()
                 continue
             log.info("stream %s quiet on unhealthy %s: failing over", stream.request.id, instance)
             self.submit(stream, None, "failover", prewarm=False)

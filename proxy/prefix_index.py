@@ -110,9 +110,14 @@ def prompt_text(body: Mapping[str, Any] | None, limit: int | None = None) -> str
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
-    # Ids as text, the same chunking applies; as many ids as `limit` is tokens.
+    # As many ids as `limit` is tokens.
     ids = prompt_ids(body, None if limit is None else limit // CHARS_PER_TOKEN)
-    return ",".join(map(str, ids)) if ids is not None else ""
+    return _ids_text(ids) if ids is not None else ""
+
+
+def _ids_text(ids: Sequence[int]) -> str:
+    """Token ids as text: the same chunking applies."""
+    return ",".join(map(str, ids))
 
 
 def _content_text(content: Any) -> str:
@@ -253,10 +258,10 @@ class PrefixIndex:
     def key(
         self, body: Mapping[str, Any] | None, prompt_tokens: int, session: str | None = None
     ) -> PrefixKey:
-        limit = MAX_PROMPT_CHUNKS * self.chunk_chars
-        text = prompt_text(body, limit)
-        chunks = text_chunk_hashes(text, self.chunk_chars, _namespace(body))
         ids = prompt_ids(body, MAX_PROMPT_CHUNKS * self.block_size)
+        # (Ids read once: `prompt_text` would read them again.)
+        text = _ids_text(ids) if ids else prompt_text(body, MAX_PROMPT_CHUNKS * self.chunk_chars)
+        chunks = text_chunk_hashes(text, self.chunk_chars, _namespace(body))
         return PrefixKey(tuple(chunks), prompt_tokens, session, ids)
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int]:
