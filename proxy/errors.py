@@ -7,6 +7,7 @@ import logging
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger("ferry.errors")
 
@@ -110,3 +111,37 @@ def end_unread(request: web.Request, response: web.StreamResponse) -> None:
 
 def _keep_headers(exc: web.HTTPException) -> dict[str, str]:
     return {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+
+
+class OpenAIErrorsRunner(web.AppRunner):
+    """An AppRunner whose connections answer what aiohttp refuses before any
+    middleware runs (a malformed request line or header, a broken chunked
+    body, an unknown Transfer-Encoding) in the OpenAI shape, where aiohttp
+    answers text/plain. The server it makes is aiohttp's, its handlers ours."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # (adds no state: the layout is aiohttp's)
+        return server
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _RequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _RequestHandler(RequestHandler):
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's logs it (and raises where an answer has begun).
+        super().handle_error(request, status, exc, message)
+        if status >= 500 or not message:
+            message = "internal error" if status >= 500 else "bad request"
+        response = error_response(status, message.strip(), code="bad_http_request")
+        response.force_close()  # as aiohttp's: the connection cannot be read on
+        return response

@@ -40,7 +40,13 @@ from proxy import access_log, admin, client_auth, openai_request, sse, tracing, 
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig, ServerConfig
 from proxy.discovery import Discovery
-from proxy.errors import compressed, end_unread, error_response, openai_errors
+from proxy.errors import (
+    OpenAIErrorsRunner,
+    compressed,
+    end_unread,
+    error_response,
+    openai_errors,
+)
 from proxy.fleet import Fleet, FleetError
 from proxy.kv_events import KVEvents
 from proxy.kv_migration import FullModeSettings, KVMigrator
@@ -341,7 +347,7 @@ def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:
     aiohttp_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _ClientFaultsQuiet) for f in aiohttp_log.filters):
         aiohttp_log.addFilter(_ClientFaultsQuiet())
-    return web.AppRunner(
+    return OpenAIErrorsRunner(
         app,
         # A client that hangs up cancels its handler, which closes the upstream
         # connection, which makes vLLM abort the request.

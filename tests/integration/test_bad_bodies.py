@@ -286,6 +286,43 @@ def test_a_request_aiohttps_parser_refuses_logs_no_error(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",
+        b"P@ST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"POST /v1/completions HTTP/9.9\r\nHost: x\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Length: 2\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\n{}\r\n0\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",
+    ],
+    ids=["header line", "method", "version", "length", "length and chunked", "chunk size", "nul"],
+)
+def test_a_request_aiohttps_parser_refuses_is_answered_in_the_openai_shape(
+    standins: Any, ferry: Any, head: bytes
+) -> None:
+    """aiohttp refuses these before any middleware runs and answered text/plain;
+    an OpenAI client reads the JSON error shape, whatever refused it."""
+    [(_, site)] = standins(1, itl_s=0)
+    proxy = ferry([site.url])
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(head)
+        answer = b""
+        while chunk := raw.recv(65536):  # it closes the connection after
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert status_line.split()[1] in (b"400", b"501", b"505"), answer
+    assert b"content-type: application/json" in headers.lower(), answer
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"], error
+    assert httpx.post(proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"})
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/invocations"])
 def test_a_body_that_takes_long_to_read_stalls_no_one(standins: Any, ferry: Any, path: str) -> None:
     """A body of nearly `MAX_BRACKETS` empty objects takes Python most of a
