@@ -256,9 +256,10 @@ class LiveStream:
                 # (finally, below) for the move waiting on it.
                 order = self._order
                 self._ordered.clear()
+                refused: set[str] = set()  # destinations its move tried, that failed it
                 if result == "move":
                     assert order is not None
-                    moved = await self._cut_over(order)
+                    moved, refused = await self._cut_over(order)
                     self._order = None
                     _settle(order, moved == "moved")
                     if moved == "done":
@@ -275,8 +276,12 @@ class LiveStream:
                 preferred = order.destination if order is not None else None
                 self.give_up_copy()
                 source, broke, gave_up = self.instance, self._broke, self._gave_up
-                self._order = failover = MoveOrder(preferred, "failover")
-                moved = await self._cut_over(failover)
+                # A source the shim stopped for a move did not break: the stream
+                # may go back there (by recompute) where no other instance takes
+                # it, as when the one destination froze as it was handed over.
+                stopped = self._source_stopped or (order is not None and order.source_stopped)
+                self._order = failover = MoveOrder(preferred, "failover", source_stopped=stopped)
+                moved, _ = await self._cut_over(failover, refused)
                 self._order = None
                 if moved == "done":
                     return "ok"
@@ -284,7 +289,7 @@ class LiveStream:
                     why = self.splicer.unmovable or "no instance could continue"
                     await self._fail(f"failover: {why}")
                     return "stream_broken"  # the relay holds it against source
-                if not (self._source_stopped or order is not None and order.source_stopped):
+                if not stopped:
                     self.failed_on.add(source)
                     if gave_up:
                         self._suspects.append((source, broke))
@@ -447,14 +452,20 @@ class LiveStream:
             raise sse.ClientGone("the client missed the stream's end")
 
     # -- the cut-over ---------------------------------------------------------------
-    async def _cut_over(self, order: MoveOrder) -> str:
+    async def _cut_over(
+        self, order: MoveOrder, refused: set[str] | None = None
+    ) -> tuple[str, set[str]]:
         """Start the continuation and switch to it: "moved", "failed" (the stream
-        stays where it is), or "done" (nothing was left to generate)."""
+        stays where it is), or "done" (nothing was left to generate); and the
+        destinations tried that failed it. Never to one in `refused`; back to
+        the source only in a failover from a source the shim stopped."""
         order.cut = True
         source = self.instance
-        tried = {source}
+        home = order.reason == "failover" and (order.source_stopped or self._source_stopped)
+        tried = set(refused or ()) | (set() if home else {source})
         if order.reason != "failover":
             tried |= self.failed_on
+        before = set(tried)
         try:
             result = await self._continue(order, tried)
         finally:
@@ -464,7 +475,7 @@ class LiveStream:
             stopped = self._source_stopped or order.source_stopped
             outcome = "stream_broken" if order.reason == "failover" and not stopped else "migrated"
             self.metrics.requests.labels(source, outcome).inc()
-        return result
+        return result, (tried - before if result == "failed" else set())
 
     async def _continue(self, order: MoveOrder, tried: set[str]) -> str:
         splicer = self.splicer

@@ -20,6 +20,7 @@ import pytest
 
 from loadtest.vllm_servers import VLLMServer, metric
 from migration_shim import wire
+from proxy.server import RELAY
 from tests.e2e.test_migration import AUTH, PROMPT, TOKEN, api, once_at, post, stream_ids
 from tests.helpers import call_json, wait_until
 
@@ -275,6 +276,44 @@ def test_a_destination_drained_during_the_copy_still_takes_the_kv(
     assert kv_outcome(proxy, "ok") == 1
     assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') == 0
     assert by_source(b)["external_kv_transfer"] > before["external_kv_transfer"]
+    assert_idle(*vllm_pair)
+
+
+def test_a_destination_frozen_as_the_stream_is_handed_over_gives_it_back_to_its_source(
+    full: Any, vllm_pair: list[VLLMServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full mode stops the request at its source before the destination takes
+    it on. The one destination freezing just then (SIGSTOP as the continuation
+    is sent) lost the stream: the failover left out the source, where it had
+    not broken, and tried the frozen destination again. It goes back to its
+    source (draining, but healthy) by recompute."""
+    a, b = vllm_pair
+    proxy = full(vllm_pair, scrape_interval_s=0.1, scrape_timeout_s=0.5, unhealthy_after_failures=2)
+    reference, _, _ = stream_ids(api(a.url), False, 600, on_chunk=lambda n: None)
+    upstreams = proxy.site.app[RELAY].upstreams
+    send = upstreams.send
+    froze: list[str] = []
+
+    async def freeze_then_send(call: Any, method: str, path: str, *args: Any, **kw: Any) -> Any:
+        body = args[0] if args else kw.get("body") or b""
+        if call.instance == "i1" and wire.LOAD.encode() in body and not froze:
+            b.freeze()  # the copy is done, the source stopped: the hand-over
+            froze.append(path)
+        return await send(call, method, path, *args, **kw)
+
+    monkeypatch.setattr(upstreams, "send", freeze_then_send)
+    try:
+        ids, _, last = stream_ids(
+            api(proxy.url), False, 600, on_chunk=on_i0_then(proxy, 300, drain_source(proxy))
+        )
+    finally:
+        b.thaw()
+    assert froze == ["/v1/completions"]
+    assert ids == reference and last.choices[0].finish_reason == "length"
+    assert kv_outcome(proxy, "ok") == 1  # the copy itself went through
+    assert metric(proxy.url, 'ferry_migrations_total{outcome="ok",reason="failover"}') == 1
+    wait_until(lambda: proxy.view("i1").healthy, timeout=30)  # thawed, as the next tests need it
+    undrain(proxy)
     assert_idle(*vllm_pair)
 
 
