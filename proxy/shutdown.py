@@ -9,26 +9,37 @@ cut stream just stopped and its client could not tell it from a finished one.
 Ferry keeps a register of the handlers running (`InFlight.middleware`), waits
 for them itself (`InFlight.finish`), and cancels what is left while its
 connection is still open: a cancelled stream ends with a 503 error event and [DONE] (which
-the openai client raises), so its client knows to retry. One that has sent nothing
-yet (queued, its headers waiting for its first token) ends as a whole request does:
-its connection closes, which clients retry too.
+the openai client raises), so its client knows to retry. A request that has sent
+nothing yet (a whole one, or a stream queued or waiting for its first token) is
+answered 503 in the OpenAI shape as its connection closes, so that its client can
+tell a deploy from a crash.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy import sse
+from proxy.errors import error_body
 
 log = logging.getLogger("ferry.shutdown")
 
 # How long cancelled handlers get to end their streams and close their calls.
 CUT_WAIT_S = 2.0
 CUT_MESSAGE = "Ferry shut down before this stream finished; retry it"
+_CUT_BODY = json.dumps(
+    error_body(503, "Ferry shut down before answering this request; retry it", code="shutting_down")
+).encode()
+CUT_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%b"
+    % (len(_CUT_BODY), _CUT_BODY)
+)
 
 
 class InFlight:
@@ -50,6 +61,7 @@ class InFlight:
         except asyncio.CancelledError:
             if request.get(sse.CUT):  # by `finish`, not by a client that left
                 sse.end_cut(request, CUT_MESSAGE)
+                _answer_cut(request)
             raise
         finally:
             del self.tasks[task]
@@ -71,3 +83,14 @@ class InFlight:
             task.cancel()
         await asyncio.wait(left, timeout=CUT_WAIT_S)
         return len(left)
+
+
+def _answer_cut(request: web.Request) -> None:
+    """Answer 503 a request cut before any byte of its answer went out (headers
+    included), written at once: its task is being cancelled, and its
+    connection closes after it (the bytes go first)."""
+    writer, transport = request.writer, request.transport
+    if writer.output_size or getattr(writer, "_headers_buf", None):  # (aiohttp's: held headers)
+        return
+    if transport is not None and not transport.is_closing():
+        transport.write(CUT_ANSWER)
