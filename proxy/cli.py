@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--policy", choices=sorted(POLICIES), help="dispatch policy (with --backend)"
     )
-    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
+    serve.add_argument(
+        "--host", help="listen address (default 127.0.0.1; '*': every interface, IPv4 and IPv6)"
+    )
     serve.add_argument("--port", type=int, help="listen port (default 8000)")
     serve.add_argument("--admin-token", help="bearer token for /admin (or FERRY_ADMIN_TOKEN)")
     serve.add_argument(

@@ -342,6 +342,13 @@ def _expect_continue(max_body_bytes: int) -> Any:
     return expect
 
 
+def listen_host(host: str) -> str | None:
+    """Where `server.host` has Ferry listen: `*` is every interface, IPv4 and
+    IPv6 (a socket for each); `0.0.0.0` is IPv4's alone and `::` IPv6's alone
+    (asyncio sets IPV6_V6ONLY), so neither serves a dual-stack cluster whole."""
+    return None if host == "*" else host
+
+
 def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:
     """How `serve` runs the app (tests run it so too)."""
     aiohttp_log = logging.getLogger("aiohttp.server")
@@ -714,7 +721,7 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
     # Workers share the port (proxy/workers.py): the kernel spreads connections.
     site = web.TCPSite(
         runner,
-        config.server.host,
+        listen_host(config.server.host),
         config.server.port,
         backlog=1024,
         reuse_port=config.server.workers > 1,
@@ -727,7 +734,7 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
     bound = runner.addresses[0][1] if runner.addresses else config.server.port  # (port 0)
     log.info(
         "ferry listening on http://%s:%d (%d instances, policy %s, %s, %d open files)",
-        config.server.host,
+        f"[{config.server.host}]" if ":" in config.server.host else config.server.host,
         bound,
         len(config.instances),
         config.scheduler.policy,

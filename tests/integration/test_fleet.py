@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -312,6 +313,35 @@ def test_port_0_says_the_port_it_took(standins: Any) -> None:
         found = re.search(r"http://127\.0\.0\.1:(\d+) ", line)
         assert found and int(found[1]) > 0, line
         assert status(f"http://127.0.0.1:{found[1]}/livez") == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_host_star_listens_on_ipv4_and_ipv6(standins: Any) -> None:
+    """`0.0.0.0` serves IPv4 alone and `::` IPv6 alone (asyncio binds it
+    IPv6-only): `*` serves both, as a dual-stack or IPv6 cluster needs."""
+    [(_, site)] = standins(1)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--backend", site.url]
+        + ["--host", "*", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: status(f"http://127.0.0.1:{port}/livez") == 200, timeout=30)
+        assert status(f"http://[::1]:{port}/livez") == 200
     finally:
         proc.terminate()
         proc.wait(30)

@@ -259,6 +259,8 @@ def test_kustomize_base_renders_a_probed_deployment() -> None:
     assert mount["name"] == volume["name"]
     config_path = container["args"][container["args"].index("--config") + 1]
     assert config_path == f"{mount['mountPath']}/ferry.yaml"
+    # Every interface of both families: a dual-stack or IPv6 cluster's pod too.
+    assert container["args"][container["args"].index("--host") + 1] == "*"
 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": config.server.port}
