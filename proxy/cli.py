@@ -208,7 +208,7 @@ def _serve_one(args: argparse.Namespace, started: Any = None) -> int:
     one started again after the file changed serves as its siblings do."""
     import uvloop
 
-    from proxy.config import ConfigError
+    from proxy.config import ConfigError, as_started
     from proxy.server import serve
     from proxy.workers import EXIT_CONFIG
 
@@ -217,7 +217,7 @@ def _serve_one(args: argparse.Namespace, started: Any = None) -> int:
     try:
         config = _serve_config(args)
         if started is not None:
-            config = _as_started(config, started)
+            config = as_started(config, started)
     except ConfigError as exc:  # a worker restarted after the file was edited badly
         print(f"ferry: configuration error: {exc}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
@@ -255,20 +255,6 @@ def _log_setup(args: argparse.Namespace, *, worker: bool) -> None:
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s",
-    )
-
-
-def _as_started(config: Any, started: Any) -> Any:
-    """`config` with the parts read only at the start (proxy/fleet.py's
-    `restart_required`) as `started` had them."""
-    import dataclasses
-
-    return dataclasses.replace(
-        config,
-        server=started.server,
-        redis_url=started.redis_url,
-        sharing=started.sharing,
-        discovery=started.discovery,
     )
 
 

@@ -294,6 +294,33 @@ class FerryConfig:
     instance_defaults: dict[str, Any] = field(default_factory=dict)
 
 
+# Read once, when Ferry starts: a reload that changes one applies nothing of it
+# until a restart (`start_only_changes` names them), and a worker started again
+# runs with its parent's (`as_started`), not the file's latest.
+START_ONLY = ("server", "redis_url", "sharing", "discovery")
+
+
+def as_started(config: FerryConfig, started: FerryConfig) -> FerryConfig:
+    """`config` with the start-only parts as `started` had them."""
+    return replace(config, **{part: getattr(started, part) for part in START_ONLY})
+
+
+def start_only_changes(new: FerryConfig, started: FerryConfig) -> list[str]:
+    """The start-only settings `new` changes from `started` (`server.port`, `redis_url`)."""
+    changes = []
+    for part in START_ONLY:
+        was, now = getattr(started, part), getattr(new, part)
+        if isinstance(now, (ServerConfig, SharingConfig)):
+            changes += [
+                f"{part}.{f.name}"
+                for f in fields(now)
+                if getattr(now, f.name) != getattr(was, f.name)
+            ]
+        elif now != was:
+            changes.append(part)
+    return changes
+
+
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryConfig:
     """Read and validate a YAML file. `FERRY_ADMIN_TOKEN` fills a missing admin_token,
     `FERRY_API_KEYS` (comma-separated) missing api_keys."""

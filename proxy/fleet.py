@@ -28,7 +28,13 @@ from collections.abc import Callable, Container
 from typing import Any
 
 from proxy.cluster import Cluster
-from proxy.config import ConfigError, FerryConfig, InstanceConfig, parse_instance
+from proxy.config import (
+    ConfigError,
+    FerryConfig,
+    InstanceConfig,
+    parse_instance,
+    start_only_changes,
+)
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
 from proxy.scraper import Scraper
@@ -344,24 +350,12 @@ class Fleet:
             draining = name in wanted and state is not None and state.draining
             self.announce({"op": "file", "name": name, "listed": name in wanted,
                            "draining": draining})  # fmt: skip
-        # Read once, at the start: a reload that changes them changes nothing yet.
-        restart = [
-            f"server.{f.name}"
-            for f in dataclasses.fields(new.server)
-            if getattr(new.server, f.name) != getattr(started.server, f.name)
-        ]
-        restart += ["redis_url"] if new.redis_url != started.redis_url else []
-        restart += [
-            f"sharing.{f.name}"
-            for f in dataclasses.fields(new.sharing)
-            if getattr(new.sharing, f.name) != getattr(started.sharing, f.name)
-        ]
         summary = {
             "added": added,
             "removed": removed,
             "changed": changed,
             "scheduler_changed": new.scheduler != old.scheduler,
-            "restart_required": restart,
+            "restart_required": start_only_changes(new, started),
         }
         log.info("configuration reloaded: %s", summary)
         return summary
