@@ -65,11 +65,10 @@ def scan(data: bytes) -> tuple[int | None, int, bool]:
     prompt: int | None = None
     generated = 0
     seen = False
-    for match in _IDS.finditer(data):
+    for key, ids in _IDS.findall(data):  # (findall: half finditer's cost per chunk)
         seen = True
-        ids = match.group(2)
         n = ids.count(b",") + 1 if ids.strip() else 0
-        if match.group(1) == b"token_ids":
+        if key == b"token_ids":
             generated += n
         elif prompt is None:  # n > 1 choices repeat the prompt; count it once
             prompt = n
