@@ -306,8 +306,7 @@ class Cluster:
         if state.failures >= self.unhealthy_after_failures:
             self._log_down(name, state, f"unhealthy after {state.failures} failed looks")
         if state.failures >= self.unhealthy_after_failures and state.healthy:
-            state.healthy = False
-            self._invalidate(name)
+            self._down(name, state)
 
     def record_models(self, name: str, cards: list[dict[str, Any]]) -> None:
         state = self.instances[name]
@@ -321,8 +320,15 @@ class Cluster:
         state.last_error = error
         if state.healthy:
             self._log_down(name, state, "unreachable, no traffic until it answers")
-            state.healthy = False
-            self._invalidate(name)
+            self._down(name, state)
+
+    def _down(self, name: str, state: InstanceState) -> None:
+        """Unhealthy: the load its last look saw from outside Ferry is no longer
+        known to be there (a dead engine's is gone), so it counts no more."""
+        state.healthy = False
+        state.external_blocks, state.external_requests = 0.0, 0
+        state.gap_blocks, state.gap_requests = 0.0, 0
+        self._invalidate(name)
 
     def set_draining(self, name: str, draining: bool) -> None:
         self.instances[name].draining = draining

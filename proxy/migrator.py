@@ -204,7 +204,16 @@ class Migrator:
         self._drain_round_guarded()
         if self._evacuation is None or self._evacuation.done():
             self._evacuation = asyncio.create_task(self._evacuate(), name="drain")
-        return len(self.streams_on(instance))
+        return len(self.streams_on(instance)) if self._moves_off(instance) else 0
+
+    def _moves_off(self, instance: str) -> bool:
+        """Whether streams may be moved off `instance` by choice: its migration is
+        on now. One switched off (an engine whose defaults a continuation would
+        not keep) keeps the streams it began with until they end, as a drain
+        leaves those of an instance that never had it; a failover still moves
+        a broken one."""
+        state = self.cluster.instances.get(instance)
+        return state is not None and state.config.migration != "off"
 
     def stop_draining(self, instance: str) -> None:
         self.evacuating.discard(instance)
@@ -236,9 +245,7 @@ class Migrator:
             if stream is not None and not stream.waits_on_client:
                 return
         skip = self._drain_refused | set(self._drain_moves.values())
-        requests = {
-            n: self.candidates(n, skip=skip) for n in self.evacuating if n in self.cluster.instances
-        }
+        requests = {n: self.candidates(n, skip=skip) for n in self.evacuating if self._moves_off(n)}
         if not any(requests.values()):
             return
         view = self.placement.view_of(self.placement.migration_instances() | self.evacuating)
@@ -331,6 +338,8 @@ class Migrator:
         False when it stays where it is, or is no longer there."""
         source = stream.instance if source is None else source
         if not stream.accepts_orders or stream.splicer.unmovable is not None:
+            return False
+        if reason != "failover" and not self._moves_off(source):
             return False
         if stream.instance != source:
             return False

@@ -1075,6 +1075,31 @@ def test_kv_staged_for_a_stream_that_ended_is_released(standins: Any, ferry: Any
     wait_until(lambda: (wire.RELEASE, 404) in sites[other][0].answers)
 
 
+def test_a_drain_leaves_the_streams_of_an_instance_whose_migration_was_switched_off(
+    standins: Any, ferry: Any
+) -> None:
+    """`migration: off` set at runtime (an engine whose defaults a continuation
+    would not keep, README) stops moves off it: a drain let its streams finish
+    in place, where it used to move the ones begun while it was on."""
+    _, proxy, _, stream, name = _under_way(standins, ferry, 2)
+    patch = urllib.request.Request(
+        proxy.url + f"/admin/instances/{name}",
+        data=json.dumps({"migration": "off"}).encode(),
+        method="PATCH",
+        headers={"Authorization": "Bearer t", "Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(patch, timeout=5).close()
+    drain = urllib.request.Request(
+        proxy.url + f"/admin/instances/{name}/drain?migrate=true",
+        data=b"",
+        headers={"Authorization": "Bearer t"},
+    )
+    with urllib.request.urlopen(drain, timeout=5) as answer:
+        assert json.load(answer)["migrating"] == 0
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
+    assert 'ferry_migrations_total{outcome="ok",reason="drain"} 0.0' in metrics(proxy.url)
+
+
 def test_a_drain_round_that_fails_does_not_end_the_drain(standins: Any, ferry: Any) -> None:
     """A round that raises (a bug, state no check foresaw) loses that round, not
     the drain: the next round moves the stream."""

@@ -219,6 +219,22 @@ def test_repeated_scrape_failures_make_an_instance_unhealthy_until_it_recovers()
     assert cluster.instance_view("a").healthy
 
 
+@pytest.mark.parametrize("how", ["scrapes", "connect"])
+def test_an_instance_that_goes_down_drops_the_load_its_last_look_saw(how: str) -> None:
+    """Engine load from outside Ferry, seen at the last good look, is no longer
+    there once the engine is gone: `/admin/instances` showed it for good."""
+    cluster = make_cluster("a")
+    cluster.record_scrape("a", snapshot(running=4, kv_usage=0.6), now=1.0)
+    assert cluster.instance_view("a").virtual_blocks == 60
+    if how == "scrapes":
+        for _ in range(3):
+            cluster.record_scrape_failure("a", "refused")
+    else:
+        cluster.mark_unreachable("a", "refused")
+    view = cluster.instance_view("a")
+    assert not view.healthy and view.virtual_blocks == 0 and view.batch == 0
+
+
 def test_draining_instance_is_never_chosen() -> None:
     cluster = make_cluster("a", "b")
     cluster.set_draining("a", True)
