@@ -448,19 +448,38 @@ def check_key(key: str, where: str) -> None:
 
 
 def check_redis_url(url: Any, where: str) -> None:
+    shown = redacted(url) if isinstance(url, str) else url
     try:
         parts = urlsplit(url) if isinstance(url, str) else None
         _ = parts and parts.port  # raises on a port that is none
     except ValueError as exc:  # "redis://[::1", "redis://h:99999"
-        raise ConfigError(f"{where}: not a URL ({exc}; got {url!r})") from None
+        raise ConfigError(f"{where}: not a URL ({exc}; got {shown!r})") from None
     if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"{where}: must be a redis://, rediss:// or unix:// URL (got {url!r})")
+        raise ConfigError(f"{where}: must be a redis://, rediss:// or unix:// URL (got {shown!r})")
     # redis-py reads the path as the database number and quietly uses 0 for anything else.
     if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
         raise ConfigError(
             f"{where}: the path names the database by number, as in redis://host:6379/0"
             f" (got {parts.path!r})"
         )
+    try:
+        from redis.connection import parse_url
+    except ImportError:  # the optional extra is not installed: `ferry serve` says so
+        return
+    try:
+        parse_url(url)  # its query's options (`?socket_timeout=abc`)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc} (got {shown!r})") from None
+
+
+# A password in a URL's authority or its query, starred wherever a URL is shown.
+_AUTHORITY_PASSWORD = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redacted(url: str) -> str:
+    """`url` as logs and errors show it: its password starred."""
+    return _QUERY_PASSWORD.sub(r"\1***", _AUTHORITY_PASSWORD.sub(r"\1***@", url))
 
 
 def check_workers(config: FerryConfig) -> None:

@@ -38,7 +38,7 @@ from aiohttp.typedefs import Handler
 
 from proxy import access_log, admin, client_auth, openai_request, sse, tracing, ttft_stages
 from proxy.cluster import Cluster
-from proxy.config import FerryConfig, SchedulerConfig, ServerConfig
+from proxy.config import FerryConfig, SchedulerConfig, ServerConfig, redacted
 from proxy.discovery import Discovery
 from proxy.errors import (
     OpenAIErrorsRunner,
@@ -394,11 +394,16 @@ async def _shared_view(
     sharing.metrics_group = f"{socket.gethostname()}:{config.server.port}"
     try:
         await sharing.start(alone_ok=os.environ.get(RESTARTED_WORKER) == "1")
+    except BaseException:  # (nothing to withdraw: it never joined)
+        await client.aclose()
+        raise
+    try:
         app[SHARING].describe = sharing.describe
         app[SHARING].merged_metrics = sharing.merged_metrics
         app[SHARING].unshared = sharing.unshared
         app[METRICS].share(sharing.health)
-        log.info("sharing the cluster view through %s as %s", config.redis_url, sharing.name)
+        shown = redacted(config.redis_url)
+        log.info("sharing the cluster view through %s as %s", shown, sharing.name)
         yield
     finally:
         await sharing.stop()

@@ -716,10 +716,41 @@ def test_workers_without_redis_refuse_to_start_and_say_why() -> None:
 
 
 def test_an_unreachable_redis_fails_the_start(redis_server: str) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"  # nothing listens there
     result = run_serve("--redis", url, "--port", str(free_port()))
     assert result.returncode == 1
     assert "cannot share the cluster view through Redis" in result.stderr
+    # One line, not a warning first that it could not withdraw (it never joined).
+    assert "withdraw" not in result.stderr and "s3cret" not in result.stderr
+
+
+def test_the_start_line_does_not_show_the_redis_password(redis_server: str, tmp_path: Path) -> None:
+    """`${VAR}` keeps the password out of the file; the log showed it whole."""
+    import redis
+
+    from loadtest.redis_server import start_redis
+
+    password, port = "s3cret-pw", free_port()
+    server = start_redis(port, tmp_path)  # its own: a password on the shared one would stay
+    try:
+        redis.Redis(port=port).config_set("requirepass", password)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--backend", "http://127.0.0.1:9"]
+            + ["--redis", f"redis://:{password}@127.0.0.1:{port}/0", "--port", str(free_port())],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert process.stderr is not None
+            line = next(x for x in process.stderr if "sharing the cluster view" in x)
+            assert password not in line and ":***@127.0.0.1" in line, line
+        finally:
+            process.terminate()
+            process.wait(30)
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def test_a_worker_started_again_while_redis_is_down_serves_alone(redis_server: str) -> None:

@@ -15,6 +15,7 @@ from proxy.config import (
     config_from_backends,
     load_config,
     parse_config,
+    redacted,
 )
 from proxy.server import _policy, _policy_changed
 
@@ -267,6 +268,11 @@ def test_client_keys_from_yaml_or_environment() -> None:
         (
             base(redis_url="redis://h:6379/abc"),
             r"^redis_url: the path names the database by number",
+        ),
+        # redis-py refused it as the process started: a traceback, exit 1.
+        (
+            base(redis_url="redis://:s3cret@h:6379/0?socket_timeout=abc"),
+            r"^redis_url: Invalid value for 'socket_timeout' .*got 'redis://:\*\*\*@h:6379",
         ),
         (base(server={"workers": 0}), r"^server\.workers: must be at least 1"),
         (
@@ -628,3 +634,20 @@ def test_one_server_written_two_ways_is_one_server(url: str, twin: str) -> None:
 def test_servers_told_apart_stay_apart() -> None:
     raw = {"instances": [{"name": "a", "url": "http://h"}, {"name": "b", "url": "https://h"}]}
     assert len(parse_config(raw).instances) == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://user:p%40ss@h/0", "redis://user:***@h/0"),
+        ("rediss://h:6379/0?password=pw&db=1", "rediss://h:6379/0?password=***&db=1"),
+        ("unix:///run/redis.sock?db=3&Password=pw", "unix:///run/redis.sock?db=3&Password=***"),
+        ("redis://user@h:6379/0", "redis://user@h:6379/0"),  # a name alone is no secret
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ],
+)
+def test_a_redis_url_is_shown_without_its_password(url: str, shown: str) -> None:
+    """The start line and config errors show the URL: `${VAR}` keeps the
+    password out of the file, and it must not land in the log instead."""
+    assert redacted(url) == shown
