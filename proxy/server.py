@@ -61,7 +61,7 @@ from proxy.rescheduler import Rescheduler
 from proxy.scraper import Scraper
 from proxy.shutdown import InFlight
 from proxy.upstream import Upstreams, connector
-from proxy.workers import RESTARTED_WORKER
+from proxy.workers import FLEET_SNAPSHOT, RESTARTED_WORKER
 
 log = logging.getLogger("ferry")
 
@@ -392,6 +392,7 @@ async def _shared_view(
     sharing = Sharing(client, config.sharing, app[CLUSTER], app[FLEET], migrator, rescheduler)
     sharing.exposition = lambda: app[METRICS].prepare(app[CLUSTER])
     sharing.metrics_group = f"{socket.gethostname()}:{config.server.port}"
+    sharing.snapshot_path = os.environ.get(FLEET_SNAPSHOT)  # set by `--workers`' parent
     try:
         await sharing.start(alone_ok=os.environ.get(RESTARTED_WORKER) == "1")
     except BaseException:  # (nothing to withdraw: it never joined)

@@ -180,6 +180,11 @@ class Sharing:
         # Each instance's compacted changes as applied here: written back if Redis
         # loses them (the epoch changes).
         self._fleet_state: dict[str, list[dict[str, Any]]] = {}
+        # Where the workers of one `--workers` parent keep the compacted fleet
+        # state as they hold it (proxy/workers.py): one started again while
+        # Redis is down begins from it, not from the file alone.
+        self.snapshot_path: str | None = None
+        self._snapshot_due = False
         self._epoch: str | None = None  # Redis's, as last read
         self._restore_due = False
         # Moves to send: (owner, id, destination, prewarm, reason, source).
@@ -225,6 +230,7 @@ class Sharing:
                     f"cannot share the cluster view through Redis: {exc}"
                 ) from exc
             self._went_wrong(exc)
+            self._apply_snapshot()
         self._task = asyncio.create_task(self._run(), name="sharing")
         self._listener = asyncio.create_task(self._listen(), name="sharing-changes")
 
@@ -305,6 +311,9 @@ class Sharing:
                 self._faults.failed(exc)
             else:
                 self._faults.ok()
+            if self._snapshot_due and self.snapshot_path is not None:
+                self._snapshot_due = False
+                await _write_snapshot(self.snapshot_path, json.dumps(self._fleet_state))
 
     async def round(self) -> None:
         """One exchange with Redis; raises RedisError or OSError if it fails."""
@@ -670,6 +679,7 @@ class Sharing:
             # Own changes were made here already, so the hash's story is this
             # process's story of the instance, whoever made each change.
             self._fleet_state[_text(name)] = _history(state[name])
+        self._snapshot_due = True
         # No state but a log: written by an older Ferry, so replay it from the start.
         self._fleet_seen = _text(newest[0][0]) if state and newest else "0"
         self._rebase.clear()  # the state says how each instance ends, in log order
@@ -682,6 +692,31 @@ class Sharing:
             # In the order they were made (by their makers' clocks): a peer's change
             # read after one made here may have been made before it.
             self._fleet_state[name] = _merged(self._fleet_state.get(name, []), [entry])
+            self._snapshot_due = True
+
+    def _apply_snapshot(self) -> None:
+        """Begin from the fleet state the sibling workers held last (a worker
+        started again while Redis is down): the drains, removals and additions
+        made since the file was read, which it would otherwise not know until
+        Redis is back, sending traffic where they send none. Read once, at the
+        start, before this process serves."""
+        if self.snapshot_path is None:
+            return
+        try:
+            with open(self.snapshot_path, encoding="utf-8") as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            return  # nothing changed since the workers started
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read the workers' fleet state %s: %s", self.snapshot_path, exc)
+            return
+        if not isinstance(state, dict):
+            return
+        for name in sorted(state):
+            for entry in _history(json.dumps(state[name])):
+                origin = str(entry.get("origin", ""))
+                self._apply_change({"origin": origin, "op": json.dumps(entry["op"])})
+        log.info("began from the fleet state the other workers held (%d instances)", len(state))
 
     def _check_epoch(self, epoch: str | None) -> bool:
         """Redis's epoch, read this round: one that changed says it lost its data,
@@ -854,3 +889,19 @@ def _history(raw: Any) -> list[dict[str, Any]]:
         for e in entries
     )
     return entries if ok else []
+
+
+async def _write_snapshot(path: str, text: str) -> None:
+    """Replace the workers' fleet state file whole (a reader never sees half of
+    it), off the event loop; a failure is logged, not raised: it only helps."""
+
+    def write() -> None:
+        partial = f"{path}.{os.getpid()}"
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(partial, path)
+
+    try:
+        await asyncio.to_thread(write)
+    except OSError as exc:
+        log.warning("cannot write the workers' fleet state %s: %s", path, exc)

@@ -10,7 +10,9 @@ This parent only starts and watches them:
 - a worker that dies (killed, or crashed after it ran a while) is started
   again after `restart_delay_s`. Its streams broke with it: clients retry, and
   its load leaves the shared view with its record's TTL. A worker started
-  again while Redis is down serves alone until it is back, as the others do.
+  again while Redis is down serves alone until it is back, as the others do,
+  from the fleet state they keep in a file of the parent's (`FLEET_SNAPSHOT`):
+  the drains, removals and additions made since the file was read.
   A restart that fails at once is tried again, each wait twice the last, up
   to MAX_RESTART_DELAY_S, MAX_FAILED_RESTARTS times in a row; a worker that
   cannot use the config file (edited badly since) is not restarted.
@@ -25,7 +27,9 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -43,6 +47,9 @@ EXIT_CONFIG = 78
 # Set in the environment of a worker started again: it serves alone if Redis is
 # down just then, as the workers still running do (the first start refuses).
 RESTARTED_WORKER = "FERRY_RESTARTED_WORKER"
+# Set in every worker's environment: the file where the workers keep the fleet
+# state as they hold it (proxy/sharing.py), in a directory the parent removes.
+FLEET_SNAPSHOT = "FERRY_FLEET_SNAPSHOT"
 
 
 def supervise(
@@ -95,6 +102,8 @@ def supervise(
 
     handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     previous = {s: signal.signal(s, forward) for s in handled}
+    snapshots = tempfile.mkdtemp(prefix="ferry-workers-")
+    os.environ[FLEET_SNAPSHOT] = os.path.join(snapshots, "fleet.json")
     try:
         for index in range(count):
             if stopping:  # a SIGTERM while they start reaches only those started
@@ -164,3 +173,5 @@ def supervise(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        os.environ.pop(FLEET_SNAPSHOT, None)
+        shutil.rmtree(snapshots, ignore_errors=True)

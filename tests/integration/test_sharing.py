@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -483,6 +484,51 @@ def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(
         assert client.get(f"{redis_prefix}:lease") is None
     finally:
         client.close()
+
+
+def test_a_worker_started_again_while_redis_is_down_keeps_the_drains_its_siblings_know(
+    ferries: Any, tmp_path: Path
+) -> None:
+    """It used to serve the file's fleet alone until Redis was back: a drained
+    instance got its share of the new requests. It begins from the fleet state
+    the other workers keep in the parent's file."""
+    from loadtest.redis_server import start_redis
+
+    port = free_port()
+    server = start_redis(port, tmp_path)  # its own, to stop
+    try:
+        [parent] = ferries(1, "--workers", "2", redis_url=f"redis://127.0.0.1:{port}/0")
+        names: set[str] = set()
+        deadline = time.monotonic() + 10
+        while len(names) < 2 and time.monotonic() < deadline:  # a connection each
+            names.add(parent.sharing()["process"])
+        assert len(names) == 2
+        parent.admin("/admin/instances/i0/drain", "POST")
+        wait_until(lambda: all(parent.rows()["i0"]["draining"] for _ in range(6)), timeout=10)
+        time.sleep(0.5)  # (a round or two: each worker has written its state)
+        server.terminate()
+        server.wait(10)
+        os.kill(int(sorted(names)[0].split(":")[1]), signal.SIGKILL)  # host:pid:random
+
+        def replaced() -> bool:
+            try:
+                return any(parent.sharing()["process"] not in names for _ in range(6))
+            except OSError:  # a connection the killed worker had taken
+                return False
+
+        wait_until(replaced, timeout=20)
+        served = []
+        for _ in range(20):  # a connection each: both workers answer
+            answer = httpx.post(
+                parent.url + "/v1/completions",
+                json={"model": "standin", "prompt": "x", "max_tokens": 1},
+                timeout=10,
+            )
+            served.append(answer.headers["x-ferry-instance"])
+        assert served == ["i1"] * 20, served
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def test_workers_whose_supervisor_is_killed_shut_down(ferries: Any) -> None:
