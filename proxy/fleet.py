@@ -176,6 +176,14 @@ class Fleet:
     def removing(self) -> frozenset[str]:
         return frozenset(self._removals)
 
+    async def removed(self, name: str) -> bool:
+        """Wait for the removal of `name` under way, if any; whether it is gone
+        (not if the removal was called off)."""
+        task = self._removals.get(name)
+        if task is not None:
+            await asyncio.wait({task})  # (not raising if it was cancelled)
+        return name not in self.cluster.instances
+
     def add(self, instance: InstanceConfig, replacing: Container[str] = ()) -> None:
         """Add `instance`; `replacing`: instances on their way out (a reload that
         renames one), which may name the same server meanwhile."""

@@ -185,6 +185,7 @@ class Sharing:
         # Redis is down begins from it, not from the file alone.
         self.snapshot_path: str | None = None
         self._snapshot_due = False
+        self._adopting: set[asyncio.Task[None]] = set()  # (`_adopt_logged`)
         self._epoch: str | None = None  # Redis's, as last read
         self._restore_due = False
         # Moves to send: (owner, id, destination, prewarm, reason, source).
@@ -237,6 +238,7 @@ class Sharing:
     async def stop(self) -> None:
         self.cluster.ledger.on_count = None
         tasks = [t for t in (self._task, self._listener, self._announcing) if t is not None]
+        tasks += self._adopting
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -648,8 +650,9 @@ class Sharing:
                     # A rollback seen only by this round would be hidden by this change.
                     newest = await self.redis.xrevrange(self._fleet_key, count=1)
                     self._check_rollback(_stream_id(newest[0][0]) if newest else (0, 0))
+                    refused = _refused_add(op, history)
                     pipe.multi()
-                    if name is not None:
+                    if name is not None and not refused:
                         state = json.dumps(compact(history, entry))
                         pipe.hset(self._fleet_state_key, name, state)
                     pipe.xadd(
@@ -659,7 +662,15 @@ class Sharing:
                         approximate=False,
                     )
                     answers = await pipe.execute()
-                    if name is not None:
+                    if refused:
+                        log.warning(
+                            "instance %s was added here and through %s at once: the fleet"
+                            " keeps that one, logged first; this one is removed here",
+                            name,
+                            history[0].get("origin"),
+                        )
+                        self._adopt_logged(str(name))
+                    elif name is not None:
                         self._own_last[name] = _stream_id(answers[-1])  # XADD's id
                         self._remember(entry)
                     return
@@ -693,6 +704,33 @@ class Sharing:
             # read after one made here may have been made before it.
             self._fleet_state[name] = _merged(self._fleet_state.get(name, []), [entry])
             self._snapshot_due = True
+
+    def _adopt_logged(self, name: str) -> None:
+        """This process's add of `name` was refused in log order (a peer's add,
+        logged first, stands everywhere else): remove its own here alone (its
+        streams move off), then take the fleet's account of the instance."""
+        state = self.cluster.instances.get(name)
+        if state is not None and not state.leaving:
+            self.fleet.remove(name, migrate=True)
+        task = asyncio.create_task(self._adopt(name), name=f"adopt-{name}")
+        self._adopting.add(task)
+        task.add_done_callback(self._adopting.discard)
+
+    async def _adopt(self, name: str) -> None:
+        if not await self.fleet.removed(name):
+            return  # its removal was called off meanwhile
+        try:
+            history = _history(await self.redis.hget(self._fleet_state_key, name))
+        except (RedisError, OSError) as exc:
+            log.warning("instance %s not taken from the fleet (on the next resync): %s", name, exc)
+            self._resync_due = True
+            return
+        for entry in history:
+            self._apply_change(
+                {"origin": str(entry.get("origin", "")), "op": json.dumps(entry["op"])}
+            )
+        self._fleet_state[name] = history
+        self._snapshot_due = True
 
     def _apply_snapshot(self) -> None:
         """Begin from the fleet state the sibling workers held last (a worker
@@ -876,6 +914,13 @@ def _unmerged(entry: dict[str, Any]) -> list[dict[str, Any]]:
         {"origin": entry.get("origin"), "op": {**op, "changes": {key: value}}, "at": times.get(key)}
         for key, value in op["changes"].items()
     ]
+
+
+def _refused_add(op: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+    """Whether `op` adds an instance the log has added already, and not removed
+    since: applied in log order it is refused (the name exists), so it leaves
+    the compacted state as it is (two processes that added one name at once)."""
+    return op.get("op") == "add" and bool(history) and history[0]["op"]["op"] == "add"
 
 
 def _history(raw: Any) -> list[dict[str, Any]]:

@@ -531,6 +531,39 @@ def test_a_worker_started_again_while_redis_is_down_keeps_the_drains_its_sibling
         server.wait(10)
 
 
+def test_one_name_added_through_two_processes_at_once_ends_as_one_instance(
+    ferries: Any, standins: Any, redis_server: str, redis_prefix: str
+) -> None:
+    """Each process made its own add at once (rounds 0.5 s apart), each refused
+    the other's, and the fleet stayed split for good: one name, two servers.
+    The add logged first stands everywhere; the other process takes it."""
+    import redis
+
+    a, b = ferries(2, sharing={"publish_interval_s": 0.5, "ttl_s": 2.0, "lease_ttl_s": 2.0})
+    (_, one), (_, two) = standins(2)
+    for process, site in ((a, one), (b, two)):
+        process.admin("/admin/instances", "POST", {"name": "f", "url": site.url})
+
+    def url_of_f(process: FerryProcess) -> str | None:
+        row = process.rows().get("f")
+        return None if row is None else str(row["url"])
+
+    def agreed() -> bool:
+        return url_of_f(a) is not None and url_of_f(a) == url_of_f(b)
+
+    wait_until(agreed, timeout=20, poll=0.2)
+    client = redis.Redis.from_url(redis_server)
+    try:
+        log = client.xrange(f"{redis_prefix}:fleet")
+        adds = [json.loads(fields[b"op"]) for _, fields in log]
+        first = next(op["instance"]["url"] for op in adds if op["op"] == "add")
+        state = json.loads(client.hget(f"{redis_prefix}:fleet:state", "f"))
+    finally:
+        client.close()
+    assert url_of_f(a) == first and state[0]["op"]["instance"]["url"] == first
+    assert complete(a.url) == complete(b.url) == " tok" * 2
+
+
 def test_workers_whose_supervisor_is_killed_shut_down(ferries: Any) -> None:
     [parent] = ferries(1, "--workers", "2")
     pids: set[int] = set()
