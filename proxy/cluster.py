@@ -289,6 +289,10 @@ class Cluster:
     def _up(self, name: str, state: InstanceState) -> None:
         if not state.healthy:  # at start, and after an outage
             log.info("instance %s is healthy", name)
+            # Down, it may have restarted with an empty cache: what Ferry
+            # recorded of it (text chunks, token blocks) is no longer known to
+            # be there. (A precise engine's own record follows its events.)
+            self.prefixes.engine_cleared(name)
         state.failures, state.last_error, state.healthy = 0, None, True
         state.down_logged = False
 

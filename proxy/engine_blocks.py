@@ -127,6 +127,8 @@ class EngineBlocks:
         (nothing is applied then: replay, or call `lost`, then receive it again)."""
         expected = self.next_seq
         if expected is None:  # the first since a reset: nothing before it is known
+            if seq < self.reached:  # below what it reached: a new process (no replay said so)
+                self._restarted()
             if seq != 0:
                 self.gaps += 1
                 return self.begin_replay(0)
@@ -136,20 +138,23 @@ class EngineBlocks:
         elif seq < expected:
             if self.replay_floor is not None and seq >= self.replay_floor:
                 return None  # already applied from the replay
-            # The counter went back: a new engine process, with an empty cache.
-            self.restarts += 1
-            self.clears += 1
-            self.reached = 0
-            self._clear()
-            self.hashing, self.seed = "unknown", None
-            self.next_seq = self.replay_floor = None
-            self.complete = False
+            self._restarted()
             if seq != 0:
                 self.gaps += 1
                 return self.begin_replay(0)
         self._apply(seq, events)
         self.replay_floor = None  # live again, past any replay's overlap
         return None
+
+    def _restarted(self) -> None:
+        """The counter went back: a new engine process, with an empty cache."""
+        self.restarts += 1
+        self.clears += 1
+        self.reached = 0
+        self._clear()
+        self.hashing, self.seed = "unknown", None
+        self.next_seq = self.replay_floor = None
+        self.complete = False
 
     def begin_replay(self, start: int) -> int:
         """The subscriber asks the engine to replay from `start` (and from 0 after a reset)."""

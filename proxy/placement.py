@@ -50,7 +50,7 @@ class Placement:
         chosen = dispatch(self.policy, request, view, self.rng)
         self.cluster.note_dispatch()
         if key is not None and prefixes.enabled:
-            prefixes.record(chosen.name, key, chosen.capacity_blocks)
+            prefixes.record(chosen.name, key, chosen.capacity_blocks, chosen.block_size)
         self.metrics.decision.observe(time.perf_counter() - started)
         return chosen, request.cached_tokens.get(chosen.name, 0)
 

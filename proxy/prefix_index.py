@@ -40,6 +40,7 @@ process for text (PYTHONHASHSEED), which is fine for an in-memory index.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from proxy.engine_blocks import EngineBlocks, LazyChain, token_block_hashes
 
 CHARS_PER_TOKEN = 4
 DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
+MAX_SESSION_CHARS = 256  # a session named longer is kept by its digest
 # A prompt's chunks hashed at most (128k tokens at 16 a block): longer ones are
 # keyed by their start. Hashing and recording run on the event loop at dispatch;
 # a 32 MB prompt's 500,000 chunks held it for a second.
@@ -131,11 +133,17 @@ def _content_text(content: Any) -> str:
 
 
 def session_of(body: Mapping[str, Any] | None, header: str | None) -> str | None:
-    """The session a request belongs to: `x-session-id`, else the body's `user`."""
-    if header:
-        return header
-    user = body.get("user") if body is not None else None
-    return user if isinstance(user, str) and user else None
+    """The session a request belongs to: `x-session-id`, else the body's `user`;
+    one longer than MAX_SESSION_CHARS by its digest (the index keeps up to
+    `max_sessions` of them, and a body's `user` may be megabytes long)."""
+    session = header
+    if not session:
+        user = body.get("user") if body is not None else None
+        session = user if isinstance(user, str) and user else None
+    if session is not None and len(session) > MAX_SESSION_CHARS:
+        digest = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16)
+        return "#" + digest.hexdigest()
+    return session
 
 
 class _Taken:
@@ -312,11 +320,15 @@ class PrefixIndex:
         """The instance that last served the key's session."""
         return self.sessions.get(key.session) if key.session else None
 
-    def record(self, name: str, key: PrefixKey, capacity_blocks: int) -> None:
-        """`key` was placed on `name`: its chunks are (about to be) cached there."""
+    def record(
+        self, name: str, key: PrefixKey, capacity_blocks: int, block_size: int | None = None
+    ) -> None:
+        """`key` was placed on `name`, whose cache holds `capacity_blocks` blocks of
+        `block_size` tokens (the index's chunk size if not said): its chunks are
+        (about to be) cached there."""
         if not self.enabled:
             return
-        entry = self._entry(name, capacity_blocks)
+        entry = self._entry(name, capacity_blocks, block_size or self.block_size)
         # No more than the cache holds: a match runs from the first chunk, so of
         # a prompt longer than the cache only its start can ever be found.
         chunks = key.chunks[: entry.text.capacity]
@@ -327,7 +339,10 @@ class PrefixIndex:
                 holders[h] = {name}
             else:
                 held.add(name)
-        self._drop(name, entry.text.insert(chunks))
+        # The first chunk last, the most recent: an engine evicts a prefix's tail
+        # before its start (vLLM frees a request's blocks tail first), and a
+        # match that misses its first chunk finds nothing of the rest.
+        self._drop(name, entry.text.insert(reversed(chunks)))
         if key.session:
             self.sessions[key.session] = name
             self.sessions.move_to_end(key.session)
@@ -340,9 +355,9 @@ class PrefixIndex:
         """The engine reported these prompt (+ generated) ids for a request on `name`."""
         if not self.enabled:
             return
-        entry = self._entry(name, capacity_blocks)
+        entry = self._entry(name, capacity_blocks, block_size)
         if entry.mode != "off":
-            entry.tokens.insert(token_block_hashes(token_ids, block_size))
+            entry.tokens.insert(reversed(token_block_hashes(token_ids, block_size)))
 
     def record_generated(self, name: str, tokens: int, block_size: int) -> None:
         """A request on `name` ended after generating `tokens`. Their blocks took
@@ -353,9 +368,8 @@ class PrefixIndex:
         entry = self.instances.get(name)
         if entry is None or tokens <= 0:
             return
-        blocks = -(-tokens // block_size)
-        self._drop(name, entry.text.take(blocks))
-        entry.tokens.take(blocks)
+        self._drop(name, entry.text.take(-(-tokens // self.block_size)))
+        entry.tokens.take(-(-tokens // block_size))
 
     def cached_token_blocks(
         self, token_ids: Sequence[int], block_size: int, names: Iterable[str]
@@ -402,7 +416,7 @@ class PrefixIndex:
             "blocks": len(engine) if engine is not None else len(entry.tokens) if entry else 0,
             "text_blocks": len(entry.text) if entry else 0,
             "token_blocks": len(entry.tokens) if entry else 0,
-            "capacity_blocks": entry.text.capacity if entry else None,
+            "capacity_blocks": entry.tokens.capacity if entry else None,
             "kv_events": engine.describe() if engine is not None else None,
         }
 
@@ -440,12 +454,19 @@ class PrefixIndex:
                 if not held:
                     del holders[h]
 
-    def _entry(self, name: str, capacity_blocks: int) -> InstancePrefixes:
-        capacity = capacity_blocks if capacity_blocks > 0 else DEFAULT_CAPACITY_BLOCKS
+    def _entry(self, name: str, capacity_blocks: int, block_size: int) -> InstancePrefixes:
+        """`name`'s index, sized to its cache: `capacity_blocks` engine blocks of
+        `block_size` tokens for the token blocks, as many tokens in the index's
+        own chunks for the text (a CPU engine's blocks are 128 tokens: counted
+        as chunks of 16, the text index held an eighth of the cache)."""
+        blocks = capacity_blocks if capacity_blocks > 0 else DEFAULT_CAPACITY_BLOCKS
+        chunks = max(1, blocks * block_size // self.block_size)
         entry = self.instances.get(name)
         if entry is None:
-            entry = self.instances[name] = InstancePrefixes(BlockLRU(capacity), BlockLRU(capacity))
-        elif entry.text.capacity != capacity:  # the engine's cache size changed
-            self._drop(name, entry.text.resize(capacity))
-            entry.tokens.resize(capacity)
+            entry = self.instances[name] = InstancePrefixes(BlockLRU(chunks), BlockLRU(blocks))
+        else:  # the engine's cache size changed, or its block size became known
+            if entry.text.capacity != chunks:
+                self._drop(name, entry.text.resize(chunks))
+            if entry.tokens.capacity != blocks:
+                entry.tokens.resize(blocks)
         return entry

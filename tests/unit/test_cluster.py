@@ -313,3 +313,18 @@ def test_views_follow_instances_added_and_removed_one_by_one(ops: list[tuple[boo
         assert names == list(cluster.instances)
         assert all(cluster.instance_view(name).name == name for name in names)
         assert cluster.instance_view("a").draining == (n % 2 == 0)
+
+
+def test_an_instance_back_from_an_outage_has_nothing_credited() -> None:
+    """Down, it may have restarted with an empty cache (engines without KV events
+    say nothing of it): the prefixes Ferry recorded there were credited still."""
+    cluster = make_cluster("a")
+    cluster.prefixes.enabled = True
+    key = cluster.prefixes.key({"prompt": "".join(f"{i:04d}" for i in range(64))}, 64)
+    cluster.prefixes.record("a", key, 100)
+    assert cluster.prefixes.cached_tokens(key) == {"a": 64}
+    for _ in range(3):
+        cluster.record_scrape_failure("a", "refused")
+    assert cluster.prefixes.cached_tokens(key) == {"a": 64}  # (no traffic while down)
+    cluster.record_scrape("a", snapshot(), now=2.0)
+    assert cluster.prefixes.cached_tokens(key) == {}

@@ -231,6 +231,23 @@ def test_an_engine_restart_starts_the_record_again() -> None:
     assert cached(blocks, prompt(40, 0, 40)) == new.truth(prompt(40, 0, 40)) == 20
 
 
+def test_a_restart_seen_on_reconnection_without_a_replay_endpoint_clears_the_record() -> None:
+    """With KV events but no replay endpoint, a reconnection follows what comes:
+    the new process's seq 0 was taken for a first batch, and the old process's
+    blocks (and Ferry's text chunks, on `clears`) stayed credited."""
+    old, blocks = ModelEngine(), EngineBlocks(FORMAT)
+    connected(blocks, old)
+    deliver(blocks, old, old.store(prompt(40, 0, 40)))
+    assert cached(blocks, prompt(40, 0, 40)) == 36
+    blocks.reset()  # disconnected, then connected again: no replay to ask
+    blocks.follow()
+    new = ModelEngine()  # restarted: seq 0 again, an empty cache
+    deliver(blocks, new, new.store(prompt(8, 1, 40)))
+    assert blocks.restarts == 1 and blocks.clears == 1
+    # Only the 8 shared tokens the new process stored, not the old process's 40.
+    assert cached(blocks, prompt(40, 0, 40)) == new.truth(prompt(40, 0, 40)) == 8
+
+
 def test_a_replays_overlap_is_not_taken_for_a_restart() -> None:
     engine, blocks = ModelEngine(), EngineBlocks(FORMAT)
     connected(blocks, engine)

@@ -96,14 +96,15 @@ def test_room_taken_without_hashes_evicts_like_blocks(
 
 def test_generated_tokens_push_old_prefixes_out() -> None:
     """Answers fill the engine's cache too: after a request that generated more
-    than the cache holds, the prompts recorded before it no longer count."""
+    than the cache holds, the prompts recorded before it count less, their
+    tails first (an engine evicts a prefix's tail before its start)."""
     index = PrefixIndex(block_size=4)  # 16-character chunks
     key = index.key({"prompt": "x" * 160}, 40)  # 10 chunks
     index.record("a", key, capacity_blocks=30)
     index.record_generated("a", 4 * 15, block_size=4)  # 15 blocks: 25 of 30 taken
     assert index.cached_tokens(key) == {"a": 40}
-    index.record_generated("a", 4 * 6, block_size=4)  # 31: the oldest chunk goes
-    assert index.cached_tokens(key) == {}
+    index.record_generated("a", 4 * 6, block_size=4)  # 31: the prompt's last chunk goes
+    assert index.cached_tokens(key) == {"a": 36}  # its start is the last to go
     assert index.describe("a")["text_blocks"] == 9
     # An instance the index never heard of, or nothing generated: nothing to do.
     index.record_generated("b", 100, block_size=4)
@@ -272,3 +273,30 @@ def test_an_engine_that_clears_takes_its_text_chunks_along() -> None:
     assert index.mode("a") == "approximate"
     index.forget("a")
     assert "a" not in index.engines
+
+
+def test_a_text_index_holds_as_many_tokens_as_an_engine_of_large_blocks() -> None:
+    """A CPU engine's blocks are 128 tokens: its 15 blocks hold 1,920 tokens.
+    Counted as 15 chunks of 16, the text index kept 240 tokens of prompts: a
+    prompt of 15 chunks or more was never credited, and the first answer's
+    block evicted a shorter one's start."""
+    index = PrefixIndex()  # chunks of 16 tokens (64 characters)
+    key = index.key({"prompt": "".join(f"{i:04d}" for i in range(240))}, 240)  # 15 chunks
+    index.record("a", key, capacity_blocks=15, block_size=128)
+    index.record_generated("a", 1, block_size=128)  # a one-token answer
+    assert index.cached_tokens(key) == {"a": 240}
+    assert index.describe("a")["capacity_blocks"] == 15
+    other = index.key({"prompt": "".join(f"x{i:03d}" for i in range(320))}, 320)  # 20 chunks
+    index.record("a", other, capacity_blocks=15, block_size=128)
+    assert index.cached_tokens(key) == {"a": 240} and index.cached_tokens(other) == {"a": 320}
+
+
+def test_a_long_session_name_is_kept_by_its_digest() -> None:
+    """A body's `user` can be megabytes: the index keeps up to 65,536 sessions,
+    and held each name whole (100 requests of 1 MB: +100 MB)."""
+    long = "u" * 1_000_000
+    session = session_of({"user": long}, None)
+    assert session is not None and len(session) < 100
+    assert session == session_of({"user": long}, None) != session_of({"user": long + "v"}, None)
+    assert session_of(None, "s" * 300) == session_of({"user": "s" * 300}, None)
+    assert session_of({"user": "alice"}, None) == "alice"  # a short one as it is
