@@ -742,7 +742,7 @@ async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = No
         "ferry listening on http://%s:%d (%d instances, policy %s, %s, %d open files)",
         f"[{config.server.host}]" if ":" in config.server.host else config.server.host,
         bound,
-        len(config.instances),
+        len(app[CLUSTER].instances),  # (the shared view may have changed the file's)
         config.scheduler.policy,
         client_auth.describe(config),
         open_files,
