@@ -828,14 +828,16 @@ class Sharing:
         peers = [m for m in self._members if m != self.name]
         if not peers:
             return own
-        try:
-            # A peer in another group has no key in this one: it reads as None.
-            texts = await self.redis.mget([self._metrics_key(m) for m in peers])
-            self._peer_metrics = [_text(t) for t in texts if t is not None]
-        except (RedisError, OSError) as exc:
-            # The peers' counters as last read: without them the sum would drop,
-            # and Prometheus would read every drop as a counter reset.
-            log.debug("peers' metrics unreadable, serving their last: %s", exc)
+        # Unread while the rounds fail: a hung Redis held each scrape for the
+        # client's timeout. The peers' counters then are those last read: without
+        # them the sum would drop, and Prometheus reads a drop as a counter reset.
+        if not self._failing:
+            try:
+                # A peer in another group has no key in this one: it reads as None.
+                texts = await self.redis.mget([self._metrics_key(m) for m in peers])
+                self._peer_metrics = [_text(t) for t in texts if t is not None]
+            except (RedisError, OSError) as exc:
+                log.debug("peers' metrics unreadable, serving their last: %s", exc)
         found = self._peer_metrics
         if not found:
             return own

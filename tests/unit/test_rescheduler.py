@@ -177,3 +177,34 @@ def test_a_planned_move_of_a_stream_that_went_on_elsewhere_is_dropped() -> None:
     sharing._apply_move(json.dumps([7, "b", True, "rebalance", "c"]))
     sharing._apply_move(json.dumps([7, "b"]))  # an older peer's: no source said
     assert [a[1:3] for a in submitted] == [("b", "rebalance")] * 2
+
+
+def test_a_scrape_while_redis_fails_does_not_wait_on_it() -> None:
+    """With Redis frozen, each /metrics scrape waited out an MGET (0.5 s) the
+    process knew would fail: it serves the peers' counters as last read."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from proxy.config import SharingConfig
+    from proxy.sharing import Sharing
+
+    def exposition(value: float) -> bytes:
+        registry = CollectorRegistry()
+        Counter("ferry_requests", "requests", registry=registry).inc(value)
+        return generate_latest(registry)
+
+    asked: list[object] = []
+
+    class Redis:
+        async def mget(self, keys: object) -> list[bytes]:
+            asked.append(keys)
+            return [exposition(2)]
+
+    sharing = Sharing(Redis(), SharingConfig(), make_cluster("a"), None, None, None, name="p")  # type: ignore[arg-type]
+    sharing._members = ["p", "q"]
+    own = exposition(1)
+    merged = asyncio.run(sharing.merged_metrics(own))
+    assert len(asked) == 1 and b"ferry_requests_total 3.0" in merged
+    sharing._failing = True
+    assert asyncio.run(sharing.merged_metrics(own)) == merged and len(asked) == 1
