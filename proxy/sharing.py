@@ -684,17 +684,21 @@ class Sharing:
         pipe.xrevrange(self._fleet_key, count=1)
         state, newest = await pipe.execute()
         for name in sorted(state, key=_text):
-            for entry in _history(state[name]):
-                origin = str(entry.get("origin", ""))
-                self._apply_change({"origin": origin, "op": json.dumps(entry["op"])})
-            # Own changes were made here already, so the hash's story is this
-            # process's story of the instance, whoever made each change.
-            self._fleet_state[_text(name)] = _history(state[name])
-        self._snapshot_due = True
+            self._apply_history(_text(name), _history(state[name]))
         # No state but a log: written by an older Ferry, so replay it from the start.
         self._fleet_seen = _text(newest[0][0]) if state and newest else "0"
         self._rebase.clear()  # the state says how each instance ends, in log order
         self._resync_due = False
+
+    def _apply_history(self, name: str, history: list[dict[str, Any]]) -> None:
+        """Apply an instance's compacted changes (from the hash, or the workers'
+        file). Own changes were made here already, so their story is this
+        process's story of the instance, whoever made each change."""
+        for entry in history:
+            origin = str(entry.get("origin", ""))
+            self._apply_change({"origin": origin, "op": json.dumps(entry["op"])})
+        self._fleet_state[name] = history
+        self._snapshot_due = True
 
     def _remember(self, entry: dict[str, Any]) -> None:
         """Keep an applied change in this process's compacted state."""
@@ -725,12 +729,7 @@ class Sharing:
             log.warning("instance %s not taken from the fleet (on the next resync): %s", name, exc)
             self._resync_due = True
             return
-        for entry in history:
-            self._apply_change(
-                {"origin": str(entry.get("origin", "")), "op": json.dumps(entry["op"])}
-            )
-        self._fleet_state[name] = history
-        self._snapshot_due = True
+        self._apply_history(name, history)
 
     def _apply_snapshot(self) -> None:
         """Begin from the fleet state the sibling workers held last (a worker
@@ -751,9 +750,7 @@ class Sharing:
         if not isinstance(state, dict):
             return
         for name in sorted(state):
-            for entry in _history(json.dumps(state[name])):
-                origin = str(entry.get("origin", ""))
-                self._apply_change({"origin": origin, "op": json.dumps(entry["op"])})
+            self._apply_history(name, _history(json.dumps(state[name])))
         log.info("began from the fleet state the other workers held (%d instances)", len(state))
 
     def _check_epoch(self, epoch: str | None) -> bool:
