@@ -25,6 +25,9 @@ from typing import Any, NoReturn
 from aiohttp import web
 
 # vLLM 0.32's error event for every stream when its engine core has died.
+# The blank line that ends an event, by `framing`: SSE allows CRLF, LF and a lone CR.
+_BLANK_LINE = {"crlf": b"\r\n\r\n", "cr": b"\r\r"}
+
 ENGINE_DEAD = (
     b'data: {"error": {"message": "EngineCore encountered an issue. See stack trace (above)'
     b' for the root cause.", "type": "InternalServerError", "param": null, "code": 500}}\n\n'
@@ -57,7 +60,7 @@ class StandIn:
         # OpenAI-compatible servers do
         self.send_done = True
         # tests: how events are framed: "lf" as vLLM, "crlf" as sse-starlette
-        # (llama-cpp-python and others), "nospace": `data:` with no space after it
+        # (llama-cpp-python and others), "cr" (a lone CR), "nospace": `data:` with no space after it
         self.framing = "lf"
         self.gzip_whole = False  # tests: compress a whole answer though asked for identity
         self.stall_after: int | None = None  # tests: go silent (socket open) after n tokens
@@ -527,7 +530,7 @@ class StandIn:
     def _frame(self, data: bytes) -> bytes:
         """One event as this server frames it (`framing`)."""
         head = b"data:" if self.framing == "nospace" else b"data: "
-        return head + data + (b"\r\n\r\n" if self.framing == "crlf" else b"\n\n")
+        return head + data + _BLANK_LINE.get(self.framing, b"\n\n")
 
     def _whole(self, chat: bool, n: int, ids: bool) -> dict[str, Any]:
         text = " tok" * n

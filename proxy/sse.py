@@ -107,55 +107,65 @@ class AnswerTooLarge(aiohttp.ClientPayloadError):
 
 class Events:
     """An upstream stream's bytes, cut where events end: `take` gives what it
-    has of whole events (CRLF line ends made LF, so that events split on a blank
-    line alike: SSE allows both, and sse-starlette, in llama-cpp-python and
-    other servers, sends CRLF) and keeps the rest. An event that comes in many
-    reads is kept as its parts and joined once, when it ends (no copy of it per
-    read); one larger than `limit` bytes raises AnswerTooLarge. vLLM's reads
-    end where its events do: they go through without a copy."""
+    has of whole events and keeps the rest. Line ends are made LF as they come:
+    SSE allows CRLF (sse-starlette, in llama-cpp-python and other servers,
+    sends it), LF and a lone CR, and events split on a blank line alike. An
+    event that comes in many reads is kept as its parts and joined once, when
+    it ends (no copy of it per read); one larger than `limit` bytes raises
+    AnswerTooLarge. vLLM's reads end where its events do: they go through
+    without a copy."""
 
-    __slots__ = ("limit", "_parts", "_size", "_tail")
+    __slots__ = ("limit", "_parts", "_size", "_newline", "_cr")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._parts: list[bytes] = []
         self._size = 0
-        self._tail = b""  # the last bytes kept: a blank line may begin in them
+        self._newline = False  # the bytes kept end a line: a blank line may follow
+        self._cr = False  # the last read ended in CR, which may be half a CRLF
 
     def take(self, data: bytes) -> bytes:
         """Whole events (each with its blank line), or b"" until one ends."""
+        if self._cr or b"\r" in data:
+            data = self._lf(data)
         if self._parts:
-            joint = self._tail + data[:3]  # a blank line across the reads
-            if not (_ends_event(data) or _ends_event(joint)):
+            if b"\n\n" not in data and not (self._newline and data[:1] == b"\n"):
                 self._keep(data)
                 return b""
             data = b"".join((*self._parts, data))
             self.clear()
-        buffer = data.replace(b"\r\n", b"\n") if b"\r" in data else data
-        end = buffer.rfind(b"\n\n") + 2
+        end = data.rfind(b"\n\n") + 2
         if end < 2:
-            self._keep(buffer)
+            self._keep(data)
             return b""
-        if end < len(buffer):
-            self._keep(buffer[end:])
-            return buffer[:end]
-        return buffer
+        if end < len(data):
+            self._keep(data[end:])
+            return data[:end]
+        return data
 
     def clear(self) -> None:
-        self._parts, self._size, self._tail = [], 0, b""
+        self._parts, self._size, self._newline = [], 0, False
+
+    def _lf(self, data: bytes) -> bytes:
+        """`data` with CRLF and lone CR made LF; the LF of a CRLF cut between two
+        reads is dropped from the second (the CR already ended the line)."""
+        if not data:
+            return data
+        if self._cr and data[:1] == b"\n":
+            data = data[1:]
+        self._cr = data[-1:] == b"\r"
+        return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
     def _keep(self, data: bytes) -> None:
+        if not data:
+            return
         self._parts.append(data)
         self._size += len(data)
-        self._tail = (self._tail + data[-3:])[-3:]
+        self._newline = data[-1:] == b"\n"
         if self._size > self.limit:
             size = self._size
             self.clear()
             raise AnswerTooLarge(f"an event of more than {size} bytes (max_answer_bytes)")
-
-
-def _ends_event(data: bytes) -> bool:
-    return b"\n\n" in (data.replace(b"\r\n", b"\n") if b"\r" in data else data)
 
 
 def data_of(event: bytes) -> bytes | None:

@@ -20,6 +20,9 @@ from typing import Any
 from aiohttp import web
 
 # The request fields of the OpenAI API this stand-in accepts; anything else is a 400.
+# The blank line that ends an event, by `framing`: SSE allows CRLF, LF and a lone CR.
+_BLANK_LINE = {"crlf": b"\r\n\r\n", "cr": b"\r\r"}
+
 KNOWN_FIELDS = frozenset(
     {
         "model",
@@ -46,7 +49,7 @@ class OpenAIStandIn:
         self.served = 0
         self.seen_bodies: list[dict[str, Any]] = []
         self.models_status = 200  # tests: `/v1/models` answers this status
-        # tests: event framing, "lf", "crlf" (sse-starlette's) or "nospace" (`data:{`)
+        # tests: event framing, "lf", "crlf" (sse-starlette's), "cr" or "nospace" (`data:{`)
         self.framing = "lf"
         self.ignore_stream = False  # tests: answer a stream request whole, as JSON
 
@@ -121,7 +124,7 @@ class OpenAIStandIn:
             else json.dumps(obj, separators=(",", ":")).encode()
         )
         head = b"data:" if self.framing == "nospace" else b"data: "
-        return head + data + (b"\r\n\r\n" if self.framing == "crlf" else b"\n\n")
+        return head + data + _BLANK_LINE.get(self.framing, b"\n\n")
 
     def _whole(self, chat: bool, n: int) -> dict[str, Any]:
         text = " tok" * n

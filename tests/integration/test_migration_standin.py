@@ -1353,7 +1353,7 @@ def test_a_stream_a_continuation_would_get_wrong_finishes_where_it_is(
     assert f'ferry_non_migratable_requests_total{{reason="{label}' in metrics(proxy.url)
 
 
-@pytest.mark.parametrize("framing", ["crlf", "nospace"])
+@pytest.mark.parametrize("framing", ["crlf", "cr", "nospace"])
 def test_a_stream_framed_as_other_servers_frame_it_moves_and_ends_whole(
     standins: Any, ferry: Any, framing: str
 ) -> None:

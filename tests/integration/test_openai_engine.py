@@ -151,7 +151,7 @@ def test_health_follows_v1_models(generic: Any, ferry: Any) -> None:
         assert api.completions.create(model="generic", prompt="x", max_tokens=2).choices
 
 
-@pytest.mark.parametrize("framing", ["crlf", "nospace"])
+@pytest.mark.parametrize("framing", ["crlf", "cr", "nospace"])
 def test_streams_framed_as_other_servers_frame_them_are_relayed_and_counted(
     generic: Any, ferry: Any, framing: str
 ) -> None:

@@ -12,12 +12,13 @@ EVENTS = [b'data: {"a":1}', b"data: \xe4\xbb\x8a\xf0\x9f\x9a\x80", b": comment",
 
 
 @given(
-    framing=st.sampled_from([b"\n", b"\r\n"]),
+    framing=st.sampled_from([b"\n", b"\r\n", b"\r"]),
     cuts=st.lists(st.integers(0, 200), max_size=12),
 )
 def test_any_cut_of_a_stream_gives_the_same_events(framing: bytes, cuts: list[int]) -> None:
     """Reads cut anywhere (inside a CRLF, a blank line, a UTF-8 character)
-    give the events, whole, in order, with LF line ends."""
+    give the events, whole, in order, with LF line ends, whichever of SSE's
+    three line ends the server sends (a lone CR was read as no line end)."""
     stream = b"".join(e.replace(b"\n", framing) + framing * 2 for e in EVENTS)
     events = Events(limit=1 << 20)
     out = b""
@@ -28,13 +29,23 @@ def test_any_cut_of_a_stream_gives_the_same_events(framing: bytes, cuts: list[in
     assert out.split(b"\n\n")[:-1] == EVENTS and out.endswith(b"\n\n")
 
 
-@pytest.mark.parametrize("framing", [b"\n", b"\r\n"])
+@pytest.mark.parametrize("framing", [b"\n", b"\r\n", b"\r"])
 def test_a_stream_read_a_byte_at_a_time_gives_the_same_events(framing: bytes) -> None:
     """(A blank line whose bytes came in three reads was missed.)"""
     stream = b"".join(e.replace(b"\n", framing) + framing * 2 for e in EVENTS)
     events = Events(limit=1 << 20)
     out = b"".join(events.take(stream[i : i + 1]) for i in range(len(stream)))
     assert out.split(b"\n\n")[:-1] == EVENTS and out.endswith(b"\n\n")
+
+
+def test_line_ends_mixed_in_one_stream_are_each_one_line_end() -> None:
+    """A CR, then an LF in the next read, is one CRLF: no blank line between them."""
+    events = Events(limit=1 << 20)
+    assert events.take(b"data: a\r") == b""
+    assert events.take(b"\ndata: b\r") == b""  # the LF ends the CR's line: not a blank one
+    assert events.take(b"\r\ndata: c\r") == b"data: a\ndata: b\n\n"
+    assert events.take(b"\n") == b""  # the CRLF's second half
+    assert events.take(b"\n") == b"data: c\n\n"
 
 
 def test_one_event_past_the_limit_gives_the_stream_up() -> None:
