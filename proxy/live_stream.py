@@ -271,7 +271,7 @@ class LiveStream:
                     self._order = None
                     self._forgo(order)  # broken first: failover takes it over
                 if self.resumes >= self.max_resumes:
-                    await self._fail("too many resumes")
+                    await self._fail(self._out_of_resumes())
                     return "stream_broken"
                 preferred = order.destination if order is not None else None
                 self.give_up_copy()
@@ -746,6 +746,12 @@ class LiveStream:
         if wire.LOAD in kv_params:
             mig_id = kv_params[wire.LOAD]["mig_id"]
             await self.upstreams.post_json(dest, wire.RELEASE, {"mig_id": mig_id}, timeout_s)
+
+    def _out_of_resumes(self) -> str:
+        """Why a stream that broke once too often ends: where it broke, each time
+        (an operator looks there, not only at the last)."""
+        where = ", ".join(sorted(self.failed_on | {self.instance}))
+        return f"too many resumes ({self.resumes}); it broke on {where}, last: {self._broke}"
 
     async def _fail(self, why: str) -> None:
         message = f"stream from {self.instance} broke and could not resume: {why}"

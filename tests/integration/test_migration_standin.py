@@ -317,6 +317,32 @@ def test_a_drain_does_not_move_a_stream_back_to_where_it_broke(standins: Any, fe
     assert 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0' in metrics(proxy.url)
 
 
+def test_a_stream_out_of_resumes_names_every_instance_it_broke_on(
+    standins: Any, ferry: Any
+) -> None:
+    """Each instance stalls the stream after a few tokens; after its last resume
+    the client's error names the three, not only the last (where an operator
+    would look for one broken engine)."""
+    sites = standins(3, itl_s=0.01)
+    for standin, _ in sites:
+        standin.stall_after, standin.stall_s = 3, 3.0
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"migration_max_resumes": 2, "migration_prewarm": False},
+        server={"upstream_idle_timeout_s": 0.5},
+    )
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="hi", max_tokens=50, stream=True
+    )
+    with pytest.raises(openai.APIError) as failed:
+        for _ in stream:
+            pass
+    message = str(failed.value)
+    assert "too many resumes (2)" in message
+    assert all(name in message for name in ("i0", "i1", "i2")), message
+
+
 @pytest.mark.parametrize("migration", ["lite", "off"])
 def test_a_stream_kept_alive_by_comments_alone_counts_as_stalled(
     migration: str, standins: Any, ferry: Any
