@@ -245,7 +245,7 @@ def rendered() -> dict[tuple[str, str], dict[str, Any]]:
 def test_kustomize_base_renders_a_probed_deployment() -> None:
     objects = rendered()
     kinds = sorted(kind for kind, _ in objects)
-    assert kinds == ["ConfigMap", "Deployment", "Service", "Service", "ServiceMonitor"]
+    assert kinds == ["ConfigMap", "Deployment", "Service", "Service", *["ServiceMonitor"] * 2]
     deployment = objects["Deployment", "ferry"]["spec"]
     pod = deployment["template"]["spec"]
     (container,) = pod["containers"]
@@ -292,3 +292,27 @@ def test_service_monitor_and_discovery_match_the_services() -> None:
     headless = objects["Service", source.dns.split(".")[0]]
     assert headless["spec"]["clusterIP"] == "None"
     assert source.port in {p["port"] for p in headless["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("address", ["10.1.2.3", "fd00::1:2"])
+def test_the_engines_are_scraped_under_the_names_discovery_gives_them(address: str) -> None:
+    """The vLLM pods' own metrics carry the `instance` Ferry's do for the same
+    pod: the dashboard puts an engine's view of itself beside Ferry's."""
+    objects = rendered()
+    (configmap,) = (o for (kind, _), o in objects.items() if kind == "ConfigMap")
+    (source,) = parse_config(yaml.safe_load(configmap["data"]["ferry.yaml"]), env={}).discovery
+    monitor = objects["ServiceMonitor", "vllm"]["spec"]
+    headless = objects["Service", source.dns.split(".")[0]]
+    assert monitor["selector"]["matchLabels"].items() <= headless["metadata"]["labels"].items()
+    (endpoint,) = monitor["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    (port,) = (p for p in headless["spec"]["ports"] if p["name"] == endpoint["port"])
+    assert port["port"] == source.port
+    (relabel,) = endpoint["relabelings"]
+    assert relabel["sourceLabels"] == ["__address__"] and relabel["targetLabel"] == "instance"
+    # Prometheus's relabelling: the regex anchored at both ends, ${n} its groups.
+    target = f"[{address}]:{port['port']}" if ":" in address else f"{address}:{port['port']}"
+    match = re.fullmatch(relabel["regex"], target)
+    assert match is not None
+    named = re.sub(r"\$\{(\d+)\}", lambda m: match.group(int(m.group(1))), relabel["replacement"])
+    assert named == source.instance(address).name
