@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -7,6 +8,7 @@ from typing import Any
 import pytest
 
 from adapters import ADAPTERS
+from proxy import config
 from proxy.config import (
     ENGINES,
     ConfigError,
@@ -651,3 +653,22 @@ def test_a_redis_url_is_shown_without_its_password(url: str, shown: str) -> None
     """The start line and config errors show the URL: `${VAR}` keeps the
     password out of the file, and it must not land in the log instead."""
     assert redacted(url) == shown
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        config.SchedulerConfig,
+        config.ServerConfig,
+        config.SharingConfig,
+        config.InstanceConfig,
+        config.DiscoveryConfig,
+    ],
+)
+def test_every_setting_has_a_type_the_file_can_be_checked_against(section: type) -> None:
+    """A setting whose annotation the check does not know would fail every file
+    that sets it with a KeyError, not a config error: caught here, when it is added."""
+    settable = {f.name: str(f.type) for f in dataclasses.fields(section) if f.init}
+    if section is config.DiscoveryConfig:  # its instance settings are an instance's
+        settable = {k: v for k, v in settable.items() if k in config.DISCOVERY_KEYS}
+    assert {k: v for k, v in settable.items() if v not in config._SCALAR_TYPES} == {}
