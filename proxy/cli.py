@@ -7,6 +7,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import sys
 import urllib.error
 import urllib.parse
@@ -252,10 +253,29 @@ def _cannot_listen(exc: OSError) -> bool:
 
 def _log_setup(args: argparse.Namespace, *, worker: bool) -> None:
     pid = " [%(process)d]" if worker else ""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter(f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+
+
+class OneLineFormatter(logging.Formatter):
+    """Log records whose message is one line, whatever it quotes: what a client
+    sent (a field's name, a header) may hold a newline and a forged record after
+    it, or a terminal's escapes. Control characters are written as `\\xNN` (or
+    `\\uNNNN`); a traceback after the message keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802  (logging's name)
+        record.message = _UNPRINTABLE.sub(_escaped, record.message)
+        return super().formatMessage(record)
+
+
+# C0 and C1 controls, DEL, and Unicode's line and paragraph separators.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def _serve_config(args: argparse.Namespace) -> Any:

@@ -71,6 +71,9 @@ _CARRIED = frozenset(
 )  # fmt: skip
 
 
+MAX_FIELD_SHOWN = 64  # characters of a field's name that a reason shows
+
+
 def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
     """Why the request cannot move exactly, or None if it can."""
     if not body.get("stream"):
@@ -117,8 +120,9 @@ def not_migratable(body: dict[str, Any], endpoint: str) -> str | None:
         k for k, v in body.items() if v is not None and k not in _CARRIED and k not in _SAMPLING
     )
     if dropped:  # repetition_detection, vllm_xargs, thinking_token_budget, ...
-        # The client names the field: it goes after the colon, out of the label.
-        return f"field not carried over: {dropped[0]}"
+        # The client names the field: it goes after the colon, out of the label,
+        # and no longer than a name needs into the log.
+        return f"field not carried over: {dropped[0][:MAX_FIELD_SHOWN]}"
     return None
 
 

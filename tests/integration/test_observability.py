@@ -9,12 +9,14 @@ import logging
 import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
+from openai import OpenAI
 
 from proxy.ttft_stages import STAGES
-from tests.helpers import debian_tool, wait_until
+from tests.helpers import debian_tool, ferry_process, wait_until
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -231,3 +233,29 @@ def test_a_streams_ttft_is_broken_down_into_stages(
     assert first_byte == [
         'ferry_time_to_first_token_stage_seconds_bucket{le="0.05",stage="upstream_first_byte"} 0.0'
     ]
+
+
+def test_what_a_client_names_cannot_forge_a_line_of_ferrys_log(
+    standins: Any, tmp_path: Path
+) -> None:
+    """A field's name holding a newline and a record after it, and a terminal's
+    escape, reaches `ferry serve`'s log escaped on its one line: an operator
+    reading the log sees no record the client wrote, and no screen cleared."""
+    [(_, site)] = standins(1)
+    config = {"instances": [{"name": "i0", "url": site.url, "migration": "lite"}]}
+    forged = "zz\n2026-12-06 20:00:00,000 ERROR ferry.admin: FORGED\x1b[2J\u2028"
+    log_path = tmp_path / "ferry.log"
+    with log_path.open("wb") as log_file:
+        proc, url = ferry_process(config, tmp_path / "ferry.json", stderr=log_file)
+        try:
+            stream = OpenAI(base_url=url + "/v1", api_key="x").completions.create(
+                model="standin", prompt="hi", max_tokens=2, stream=True, extra_body={forged: 1}
+            )
+            assert "".join(chunk.choices[0].text for chunk in stream) == " tok" * 2
+        finally:
+            proc.terminate()
+            proc.wait(15)
+    lines = log_path.read_text().splitlines()
+    assert not [line for line in lines if "FORGED" in line and "not migratable" not in line]
+    (line,) = [line for line in lines if "not migratable" in line]
+    assert "zz\\x0a2026-12-06" in line and "FORGED\\x1b[2J\\u2028" in line

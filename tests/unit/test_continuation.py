@@ -137,6 +137,11 @@ def test_a_field_the_continuation_would_drop_keeps_the_request_in_place() -> Non
             f"field not carried over: {field}"
         )
         assert cont.not_migratable({**base, field: None}, "completions") is None
+    # The client names the field: a name of any length is shown no longer than a name needs.
+    long = "x" * 10_000
+    assert cont.not_migratable({**base, long: 1}, "completions") == (
+        "field not carried over: " + "x" * cont.MAX_FIELD_SHOWN
+    )
     chat = {"model": "m", "messages": [], "stream": True, "user": "u", "metadata": {"a": "b"}}
     extras = {"stream_options": {"include_usage": True}, "tool_choice": "none", "store": False}
     assert cont.not_migratable({**chat, **extras, "chat_template_kwargs": {}}, "chat") is None
