@@ -136,7 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         "remove": _remove,
         "reload": _reload,
     }
-    return admin[args.command](args)
+    try:
+        return admin[args.command](args)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+        # JSON, but not what Ferry's admin API answers: another server on that
+        # port (or a Ferry of another version), not a fault of this command.
+        print(
+            f"ferry {args.command}: {args.url} answered what Ferry's admin API does not"
+            f" ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _version() -> str:
@@ -332,10 +342,10 @@ def _admin(args: argparse.Namespace, path: str, method: str = "GET", body: Any =
         headers["Content-Type"] = "application/json"
     elif method in ("POST", "PATCH"):
         data = b""
-    request = urllib.request.Request(
-        args.url.rstrip("/") + path, method=method, data=data, headers=headers
-    )
     try:
+        request = urllib.request.Request(
+            args.url.rstrip("/") + path, method=method, data=data, headers=headers
+        )
         with urllib.request.urlopen(request, timeout=10) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as exc:
@@ -366,6 +376,8 @@ def _instance_path(name: str) -> str:
 
 def _status(args: argparse.Namespace) -> int:
     rows = _admin(args, "/admin/instances")
+    if not isinstance(rows, list):
+        raise TypeError(f"a list of instances, not {type(rows).__name__}")
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
 

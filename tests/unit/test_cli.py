@@ -135,6 +135,47 @@ def test_an_answer_that_is_not_http_or_cut_short_is_one_line(
     assert says in err and len(err.splitlines()) == 1, err
 
 
+def _json_reply(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (
+        len(body),
+        body,
+    )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["status"], ["drain", "a"], ["undrain", "a"], ["add", "a", "http://x:1"], ["remove", "a"]],
+)
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{}",
+        b"null",
+        b'["a"]',
+        b'[{"name": "a"}]',
+        b'[{"name": 1, "url": 2, "healthy": 1, "draining": 0,'
+        b' "inflight": "x", "freeness": "y", "snapshot": 3}]',
+    ],
+)
+def test_json_that_is_not_ferrys_answer_is_one_line(
+    command: list[str], body: bytes, answering: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another server on the port (or another version of Ferry) answers JSON of
+    another shape: one line saying so, not a traceback."""
+    url = answering(_json_reply(body))
+    assert main([*command, "--url", url]) == 1
+    err = capsys.readouterr().err
+    assert "answered what Ferry's admin API does not" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_url_no_request_can_carry_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["status", "--url", "not a url"])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert "unknown url type" in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize(
     ("lists", "code", "says"),
     [
