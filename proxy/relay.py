@@ -224,6 +224,7 @@ class Relay:
             outcome = "error"
             error: str | None = None  # what broke, where it says more than the outcome
             live: LiveStream | None = None
+            ending: StreamEnd | None = None
             try:
                 if upstream.status != 200:
                     ours = _sends_credentials(self.cluster.instances[name].config)
@@ -286,6 +287,11 @@ class Relay:
                         # Not an answer (a gateway's page, a body cut short):
                         # another instance can give one.
                         raise NothingRelayed("answered 200 with a body that is not a JSON object")
+                    if body is not None and not encoded and len(raw) <= PARSED_ANSWER_BYTES:
+                        # A server error sent with a 200: a 5xx answer, as
+                        # when a stream opens with one (ErrorFirst).
+                        if (fault := _server_error(raw)) is not None:
+                            raise ErrorFirst(fault)
                     response, outcome = await self._whole(
                         upstream, call, wants_ids, passthrough=body is None, raw=raw
                     )
@@ -320,7 +326,9 @@ class Relay:
                 tried.add(name)
                 continue
             except asyncio.CancelledError:
-                outcome = sse.cancelled(request)
+                # A client that hung up once its stream was whole (at its
+                # [DONE], before the body's end) had its answer.
+                outcome = "ok" if ending is not None and ending.done else sse.cancelled(request)
                 raise
             finally:
                 call.close()
@@ -642,6 +650,8 @@ class Relay:
             if timing is not None:
                 timing.written()
             keep_alive.saw(out)
+            if complete is not None and complete():
+                waiting.whole_in(BODY_END_GRACE_S)
 
         try:
             async with waiting:
@@ -712,6 +722,11 @@ class Relay:
         if token:
             timing.token(call.instance)
         return seen
+
+
+# How long the end of a stream's body may come after its last event: vLLM's
+# comes at once; a server that leaves a finished stream open is not waited for.
+BODY_END_GRACE_S = 1.0
 
 
 class NothingRelayed(Exception):
@@ -794,16 +809,24 @@ def _error_in(events: bytes) -> str | None:
     error the request caused, a 4xx code, is the client's answer)."""
     for event in events.split(b"\n\n"):
         data = sse.data_of(event)
-        if data is None or b'"error"' not in data:
-            continue
-        try:
-            chunk = sse.loads(data)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(chunk, dict) and "error" in chunk and server_fault(chunk["error"]):
-            error = chunk["error"]
-            message = error.get("message") if isinstance(error, dict) else error
-            return str(message)[:500]
+        if data is not None and (fault := _server_error(data)) is not None:
+            return fault
+    return None
+
+
+def _server_error(data: bytes) -> str | None:
+    """The message of the server error that an event's data, or a whole answer,
+    is (`{"error": ...}` with a 5xx code, or none), if it is one."""
+    if b'"error"' not in data:
+        return None
+    try:
+        answer = sse.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(answer, dict) and "error" in answer and server_fault(answer["error"]):
+        error = answer["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        return str(message)[:500]
     return None
 
 

@@ -181,17 +181,30 @@ class InstanceStopped(aiohttp.ServerTimeoutError):
 class Waiting:
     """`async with` around a call's wait for its answer: registered under the
     instance while it lasts, ended by `Waits.give_up` with `InstanceStopped`.
-    A stream's wait spans its reads, and counts from the last bytes `heard`."""
+    A stream's wait spans its reads, and counts from the last bytes `heard`.
+    Once the answer is whole (`whole_in`), the wait for the end of its body is
+    bounded, and the block is left quietly when it is over."""
 
-    __slots__ = ("_deadline", "_waits", "instance", "since")
+    __slots__ = ("_deadline", "_waits", "instance", "since", "whole")
 
     def __init__(self, waits: Waits, instance: str) -> None:
         self._waits, self.instance = waits, instance
         self._deadline = asyncio.timeout(None)
         self.since = 0.0
+        self.whole = False
 
     def give_up(self) -> None:
         self._deadline.reschedule(asyncio.get_running_loop().time())
+
+    def whole_in(self, grace_s: float) -> None:
+        """The answer is whole (its last event came): its body's end is left
+        `grace_s` to come, then the wait ends as if it had. A server that keeps
+        a finished stream open would hold the client (and the instance's bill)
+        until the idle timeout; one that ends it at once keeps its connection
+        for the next call."""
+        if not self.whole:
+            self.whole = True
+            self._deadline.reschedule(asyncio.get_running_loop().time() + grace_s)
 
     def heard(self) -> None:
         self.since = self._waits.clock()
@@ -206,7 +219,7 @@ class Waiting:
         kind: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:
+    ) -> bool | None:
         waiting = self._waits.on.get(self.instance)
         if waiting is not None:
             waiting.discard(self)
@@ -217,8 +230,11 @@ class Waiting:
         except TimeoutError as stopped:
             if not self._deadline.expired():  # not ours: an aiohttp timeout
                 raise
+            if self.whole:  # only the end of a whole answer was still to come
+                return True
             message = f"instance {self.instance} stopped answering (scrapes and /health)"
             raise InstanceStopped(message) from stopped
+        return None
 
 
 class Waits:

@@ -52,6 +52,9 @@ class OpenAIStandIn:
         # tests: event framing, "lf", "crlf" (sse-starlette's), "cr" or "nospace" (`data:{`)
         self.framing = "lf"
         self.ignore_stream = False  # tests: answer a stream request whole, as JSON
+        self.send_done = True  # tests: False ends a stream without `data: [DONE]`
+        self.hold_open_s = 0.0  # tests: keep a finished stream's body open this long
+        self.error_with_200 = False  # tests: answer whole with a server error, status 200
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -81,6 +84,9 @@ class OpenAIStandIn:
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream(request, chat, n, usage)
             await asyncio.sleep(self.itl_s * n)
+            if self.error_with_200:
+                error = {"message": "stand-in engine failed", "type": "InternalServerError"}
+                return web.json_response({"error": {**error, "code": 500}})
             return web.json_response(self._whole(chat, n))
         finally:
             self.running -= 1
@@ -113,7 +119,9 @@ class OpenAIStandIn:
         if usage:
             tail = {"id": rid, "model": self.model, "choices": [], "usage": _usage(n)}
             await resp.write(self._frame(tail))
-        await resp.write(self._frame("[DONE]"))
+        if self.send_done:
+            await resp.write(self._frame("[DONE]"))
+        await asyncio.sleep(self.hold_open_s)
         await resp.write_eof()
         return resp
 

@@ -4,6 +4,7 @@ tests/integration/openai_standin.py: no /metrics, no token ids, strict fields)."
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -197,3 +198,43 @@ def test_a_server_that_answers_a_stream_request_whole_is_passed_on_whole(
     assert answer.status_code == 200
     assert answer.headers["Content-Type"].startswith("application/json")
     assert answer.json()["choices"][0]["text"] == " tok" * 3
+
+
+@pytest.mark.parametrize("done", [True, False], ids=["done", "finish-only"])
+def test_a_finished_stream_its_server_leaves_open_ends_at_once(
+    generic: Any, ferry: Any, done: bool
+) -> None:
+    """A server that keeps a finished stream's body open (its [DONE] sent, or
+    every choice's finish) held the client, and billed the instance, until the
+    idle timeout: now the stream ends a moment after its last event, counted ok
+    (also where the client, having its [DONE], hung up first)."""
+    [(standin, site)] = generic(1, itl_s=0.01)
+    standin.send_done, standin.hold_open_s = done, 30.0
+    proxy = front(ferry, [(standin, site)], server={"upstream_idle_timeout_s": 20.0})
+    started = time.monotonic()
+    with client(proxy) as api:
+        stream = api.completions.create(model="generic", prompt="x", max_tokens=5, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == " tok" * 5
+        wait_until(lambda: admin_instances(proxy)[0]["inflight"] == 0, timeout=10)
+    assert time.monotonic() - started < 5  # the grace of a second, not the 20 s
+    ok = 'ferry_requests_total{instance="i0",outcome="ok"} 1.0'
+    wait_until(lambda: ok in urllib.request.urlopen(proxy.url + "/metrics").read().decode())
+
+
+def test_a_server_error_answered_with_a_200_is_tried_elsewhere(generic: Any, ferry: Any) -> None:
+    """`{"error": {... "code": 500}}` with status 200 is a failed answer, as the
+    same error opening a stream is: the other instance answers; where none
+    can, the client gets a 502 in OpenAI's shape, not a 200 without choices."""
+    (bad, bad_site), (good, good_site) = generic(2)
+    bad.error_with_200 = True
+    proxy = front(ferry, [(bad, bad_site), (good, good_site)], scheduler={"policy": "round_robin"})
+    with client(proxy) as api:
+        for _ in range(4):
+            answer = api.completions.create(model="generic", prompt="x", max_tokens=2)
+            assert answer.choices[0].text == " tok" * 2
+        assert bad.served >= 1
+        good.error_with_200 = True
+        with pytest.raises(openai.InternalServerError) as failed:
+            api.completions.create(model="generic", prompt="x", max_tokens=2)
+        assert failed.value.status_code == 502
+        assert "stand-in engine failed" in failed.value.message
