@@ -187,7 +187,18 @@ def budget(
     """How many tokens the request may generate in all, as vLLM reads it: a
     chat's `max_completion_tokens` or else `max_tokens` (a null or a 0 does not
     count), a completion's `max_tokens` or 16; a chat without either runs to the
-    end of its `context` (the model's length; None when unknown: no limit known)."""
+    end of its `context` (the model's length; None when unknown: no limit known).
+    vLLM trims any budget to the context the prompt leaves: so is this one."""
+    left = None if context is None else max(0, context - prompt_tokens)
+    asked = _asked(body, endpoint)
+    if asked is None:
+        return left
+    return asked if left is None else min(asked, left)
+
+
+def _asked(body: dict[str, Any], endpoint: str) -> int | None:
+    """The budget a request sets, or vLLM's default for one without (None: a
+    chat's, the context left)."""
     keys = ("max_completion_tokens", "max_tokens") if endpoint == "chat" else ("max_tokens",)
     for key in keys:
         value = integer(body.get(key))
@@ -195,7 +206,7 @@ def budget(
             return value
     if endpoint == "completions":
         return 0 if body.get("max_tokens") == 0 else COMPLETIONS_MAX_TOKENS
-    return None if context is None else max(0, context - prompt_tokens)
+    return None
 
 
 _INT64 = 2**64

@@ -1260,6 +1260,27 @@ def test_a_moved_stream_without_a_budget_keeps_the_one_it_had(standins: Any, fer
     assert healthy.seen_bodies[-1]["max_tokens"] == 11
 
 
+def test_a_moved_stream_keeps_the_budget_its_first_context_trimmed(
+    standins: Any, ferry: Any
+) -> None:
+    """vLLM trims a budget to the context the prompt leaves: 60 tokens asked on
+    a context of 40 are 37. Moved to an instance with room for 60, the stream
+    still ends at 37, as it would have unmoved (it went on to 60)."""
+    (small, a), (big, b) = standins(2, itl_s=0.001)
+    small.max_model_len, big.max_model_len = 40, 4096
+    small.break_after = 10
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    client = api(proxy.url)
+    chunks: list[Any] = []
+    while not small.served:  # round robin: until one lands on the small one
+        chunks = list(
+            client.completions.create(model="standin", prompt="x", max_tokens=60, stream=True)
+        )
+    assert "".join(c.choices[0].text for c in chunks) == " tok" * 37
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert big.seen_bodies[-1]["max_tokens"] == 27
+
+
 def test_a_stream_moves_only_where_its_context_holds_all_it_may_reach(
     standins: Any, ferry: Any
 ) -> None:

@@ -60,13 +60,18 @@ def test_the_budget_is_read_as_vllm_reads_it() -> None:
         cont.budget({**chat, "max_completion_tokens": None, "max_tokens": 10}, "chat", 5, 100) == 10
     )
     assert cont.budget({**chat, "max_completion_tokens": 7, "max_tokens": 10}, "chat", 5, 100) == 7
-    assert cont.budget({**chat, "max_tokens": 150.0}, "chat", 5, 100) == 150
+    assert cont.budget({**chat, "max_tokens": 150.0}, "chat", 5, 1000) == 150
     assert cont.budget(chat, "chat", 30, 100) == 70
+    # vLLM trims a budget to the context the prompt leaves (a move must not lengthen it).
+    assert cont.budget({**chat, "max_tokens": 150}, "chat", 5, 100) == 95
+    assert cont.budget({**chat, "max_tokens": 150}, "chat", 5, None) == 150
     assert cont.budget({**chat, "max_tokens": None}, "chat", 30, None) is None
     completion = {"model": "m", "prompt": "x"}
     assert cont.budget(completion, "completions", 30, 100) == 16
     assert cont.budget({**completion, "max_tokens": None}, "completions", 30, 100) == 16
     assert cont.budget({**completion, "max_tokens": 40}, "completions", 30, 100) == 40
+    assert cont.budget({**completion, "max_tokens": 450}, "completions", 100, 512) == 412
+    assert cont.budget(completion, "completions", 500, 512) == 12
     # A completion has no max_completion_tokens: vLLM ignores it there.
     assert cont.budget({**completion, "max_completion_tokens": 5}, "completions", 3, 100) == 16
     body = cont.continuation_body(chat, [1], [2, 3], limit=10, wants_usage=False)
