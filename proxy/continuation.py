@@ -190,13 +190,13 @@ def budget(
     end of its `context` (the model's length; None when unknown: no limit known).
     vLLM trims any budget to the context the prompt leaves: so is this one."""
     left = None if context is None else max(0, context - prompt_tokens)
-    asked = _asked(body, endpoint)
+    asked = asked_budget(body, endpoint)
     if asked is None:
         return left
     return asked if left is None else min(asked, left)
 
 
-def _asked(body: dict[str, Any], endpoint: str) -> int | None:
+def asked_budget(body: dict[str, Any], endpoint: str) -> int | None:
     """The budget a request sets, or vLLM's default for one without (None: a
     chat's, the context left)."""
     keys = ("max_completion_tokens", "max_tokens") if endpoint == "chat" else ("max_tokens",)

@@ -33,12 +33,24 @@ class Placement:
         self.rng = rng
 
     def choose(
-        self, request: DispatchRequest, key: PrefixKey | None = None
+        self, request: DispatchRequest, key: PrefixKey | None = None, reach: int | None = None
     ) -> tuple[InstanceView, int]:
         """The instance for `request` and how many of its prompt tokens it probably
         caches; raises `NoCandidate`. With the prefix index on, `key` (the
         request's prefix) gives each candidate its cached length and the session's
-        last instance, and is recorded on the one chosen."""
+        last instance, and is recorded on the one chosen. `reach` (its prompt and
+        the budget it asks for) passes over instances whose context would trim
+        that budget, unless none that holds it can take the request."""
+        short = self.short_contexts(request.model, reach) - request.exclude if request.model else ()
+        if short:
+            fitting = dataclasses.replace(request, exclude=request.exclude | short)
+            try:
+                return self._choose(fitting, key)
+            except NoCandidate:
+                pass  # vLLM trims its budget wherever it goes
+        return self._choose(request, key)
+
+    def _choose(self, request: DispatchRequest, key: PrefixKey | None) -> tuple[InstanceView, int]:
         started = time.perf_counter()
         view = self.cluster.view()
         prefixes = self.cluster.prefixes

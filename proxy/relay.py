@@ -129,6 +129,8 @@ class Relay:
         failed: web.StreamResponse | None = None  # the last failure, answered if none is left
         retried: list[str] = []  # instances whose 5xx was tried again elsewhere (see _judge)
         key = self.placement.prefix_key(body, prompt_estimate, request.headers.get(SESSION_HEADER))
+        asked = continuation.asked_budget(body, endpoint) if body is not None else None
+        reach = None if asked is None else prompt_estimate + asked
         stages = None
         if stream and body is not None and parsed is not None:
             stages = TTFTStages(self.clock, arrived, parsed)
@@ -140,6 +142,7 @@ class Relay:
                 chosen, cached = self.placement.choose(
                     DispatchRequest(model, prompt_estimate, priority, frozenset(tried), panic=True),
                     key,
+                    reach,
                 )
             except NoCandidate as exc:
                 if failed is not None:

@@ -636,13 +636,23 @@ async def _model(request: web.Request) -> web.Response:
 
 
 def _model_cards(cluster: Cluster) -> dict[str, dict[str, Any]]:
-    """The models healthy instances serve, by id, each as its first instance reports it."""
+    """The models healthy instances serve, by id, each as the instance with its
+    longest context reports it (else the first): a client sizing its prompt by
+    `max_model_len` may use all of it, since Ferry places a request where its
+    prompt and budget fit."""
     cards: dict[str, dict[str, Any]] = {}
     for state in cluster.instances.values():
         if state.healthy:
             for card in state.model_cards:
-                cards.setdefault(str(card["id"]), card)
+                known = cards.setdefault(str(card["id"]), card)
+                if _context(card) > _context(known):
+                    cards[str(card["id"])] = card
     return cards
+
+
+def _context(card: dict[str, Any]) -> int:
+    length = card.get("max_model_len")
+    return length if type(length) is int else 0
 
 
 def _implied_model(cluster: Cluster) -> str | None:

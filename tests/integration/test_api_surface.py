@@ -897,3 +897,24 @@ def test_chunks_there_only_for_ids_ferry_asked_for_are_left_out(
         proxy.url + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=10
     )
     assert asked.text.count('"delta":{}') == 40
+
+
+@pytest.mark.parametrize("order", ["short-first", "long-first"])
+def test_the_model_list_gives_the_longest_context_an_instance_offers(
+    standins: Any, ferry: Any, order: str
+) -> None:
+    """Instances of one model with different contexts: `/v1/models` says the
+    longest, whatever the configuration's order (it said the first listed), and
+    a request that fits it only is served there."""
+    (short, site_a), (long, site_b) = standins(2)
+    short.max_model_len, long.max_model_len = 40, 4096
+    sites = [site_a, site_b] if order == "short-first" else [site_b, site_a]
+    proxy = ferry([site.url for site in sites])
+    for path in ("/v1/models", "/v1/models/standin"):
+        answer = httpx.get(proxy.url + path).json()
+        card = answer["data"][0] if "data" in answer else answer
+        assert card["max_model_len"] == 4096, answer
+    body = {"model": "standin", "prompt": "x", "max_tokens": 100}
+    for _ in range(3):
+        answer = httpx.post(proxy.url + "/v1/completions", json=body).json()
+        assert answer["choices"][0]["text"] == " tok" * 100

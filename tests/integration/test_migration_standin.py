@@ -1281,6 +1281,32 @@ def test_a_moved_stream_keeps_the_budget_its_first_context_trimmed(
     assert big.seen_bodies[-1]["max_tokens"] == 27
 
 
+def test_a_request_goes_where_its_context_holds_the_budget_it_asks(
+    standins: Any, ferry: Any
+) -> None:
+    """Where one instance's context would trim the budget (vLLM answers 37 of
+    60 tokens, "length", and no error), the request goes to one that holds it;
+    a budget both hold goes to either; with no instance holding it, it is
+    served where the policy picks, trimmed."""
+    (small, a), (big, b) = standins(2, itl_s=0.0)
+    small.max_model_len, big.max_model_len = 40, 4096
+    proxy = ferry([a.url, b.url], scheduler={"policy": "round_robin", "models_refresh_s": 0.2})
+    client = api(proxy.url)
+    for _ in range(4):
+        answer = client.completions.create(model="standin", prompt="x", max_tokens=60)
+        assert answer.choices[0].text == " tok" * 60
+    assert small.served == 0 and big.served == 4
+    for _ in range(4):
+        client.completions.create(model="standin", prompt="x", max_tokens=20)
+    assert small.served == 2 and big.served == 6
+    big.max_model_len = 50  # (seen at the next look at the models)
+    wait_until(lambda: proxy.loop.call(proxy.cluster.context_length, "i1", "standin") == 50)
+    answers = [
+        client.completions.create(model="standin", prompt="x", max_tokens=60) for _ in range(4)
+    ]
+    assert sorted(a.choices[0].text.count("tok") for a in answers) == [37, 37, 47, 47]
+
+
 def test_a_stream_moves_only_where_its_context_holds_all_it_may_reach(
     standins: Any, ferry: Any
 ) -> None:
