@@ -110,6 +110,9 @@ class Cluster:
         self.dispatch_seq = 0
         self.prefixes = PrefixIndex(enabled=False)  # placement turns it on (proxy/prefix_index.py)
         self._ejected: dict[str, float] = {}  # name -> ejected until
+        # model -> (each instance's context for it where its card says, the
+        # shortest): read per request, changed only when a card or the fleet does.
+        self._contexts: dict[str, tuple[dict[str, int], int]] = {}
         # Other Ferry processes' in-flight totals by instance (proxy/peer_load.py),
         # and whether there are any (proxy/sharing.py sets it).
         self.peer_load: dict[str, InstanceLoad] = {}
@@ -160,6 +163,19 @@ class Cluster:
         self._invalidate(name)
         return True
 
+    def contexts(self, model: str) -> tuple[dict[str, int], int]:
+        """The context each instance serving `model` gives it, where its card
+        says (`context_length`), and the shortest of them (0 when none says)."""
+        known = self._contexts.get(model)
+        if known is None:
+            lengths = {
+                name: length
+                for name, state in self.instances.items()
+                if model in state.models and (length := self.context_length(name, model))
+            }
+            known = self._contexts[model] = (lengths, min(lengths.values(), default=0))
+        return known
+
     def context_length(self, name: str, model: str) -> int | None:
         """The longest sequence `model` takes on the instance (its card's
         `max_model_len`, as vLLM lists it; a LoRA adapter's card has none, and
@@ -195,6 +211,7 @@ class Cluster:
     def add(self, config: InstanceConfig) -> InstanceState:
         """A new instance; it takes no traffic until its first good scrape."""
         state = self.instances[config.name] = InstanceState(config)
+        self._contexts.clear()
         # The others' views stand: one more built, not all of them again.
         self._index[config.name] = len(self._views)
         self._views.append(self._build(state))
@@ -204,6 +221,7 @@ class Cluster:
     def remove(self, name: str) -> None:
         """Forget an instance (the caller drained it: nothing of it is in flight)."""
         del self.instances[name]
+        self._contexts.clear()
         self.ledger.forget(name)
         self.prefixes.forget(name)
         self._ejected.pop(name, None)
@@ -220,6 +238,7 @@ class Cluster:
             state.snapshot = state.snapshot_at = state.shim = None
             state.healthy, state.failures = False, 0
             state.models, state.model_cards = frozenset(), ()
+            self._contexts.clear()
             state.ejection = Ejection()
             self._ejected.pop(config.name, None)
             self.prefixes.forget(config.name)  # a new server's cache starts empty
@@ -314,6 +333,8 @@ class Cluster:
 
     def record_models(self, name: str, cards: list[dict[str, Any]]) -> None:
         state = self.instances[name]
+        if tuple(cards) != state.model_cards:
+            self._contexts.clear()
         state.model_cards = tuple(cards)
         state.models = frozenset(str(c.get("id")) for c in cards)
         self._invalidate(name)

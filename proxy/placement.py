@@ -145,9 +145,10 @@ class Placement:
         (vLLM trims a budget to the context left, and says "length")."""
         if reach is None:
             return frozenset()
-        serving = (n for n, state in self.cluster.instances.items() if model in state.models)
-        lengths = ((n, self.cluster.context_length(n, model)) for n in serving)
-        return frozenset(n for n, length in lengths if length is not None and length < reach)
+        lengths, shortest = self.cluster.contexts(model)
+        if reach <= shortest:  # (most fleets: one context, and requests that fit it)
+            return frozenset()
+        return frozenset(n for n, length in lengths.items() if length < reach)
 
     def _draining(self, model: str, exclude: set[str]) -> list[InstanceView]:
         """Draining instances that may still take a stream of `model`."""

@@ -814,7 +814,9 @@ def test_a_header_http_forbids_is_not_relayed(
     refuses to write one, which cut the client's connection (a whole answer) or
     framed a 500 inside a chunked answer (a stream)."""
     [(standin, site)] = standins(1, itl_s=0.001)
-    body = CHUNK + b"data: [DONE]\n\n" if stream and status == 200 else b'{"error": {}}'
+    body = b'{"error": {}}'  # a 429's (a 200 with one is a failed answer)
+    if status == 200:
+        body = CHUNK + b"data: [DONE]\n\n" if stream else b'{"id": "c", "choices": []}'
     kind = b"text/event-stream" if stream and status == 200 else b"application/json"
     standin.raw_answer = [
         b"HTTP/1.1 %d X\r\nContent-Type: %b\r\nContent-Length: %d\r\n" % (status, kind, len(body))
