@@ -116,7 +116,12 @@ def add_routes(
                 code="admin_disabled",
             )
         if not client_auth.authorized(request.headers.get("Authorization", ""), (token,)):
-            return error_response(401, "missing or wrong admin bearer token", code="invalid_token")
+            return error_response(
+                401,
+                "missing or wrong admin bearer token",
+                code="invalid_token",
+                headers={"WWW-Authenticate": "Bearer"},  # (RFC 9110: a 401 names its scheme)
+            )
         return None
 
     def guarded(

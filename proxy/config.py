@@ -335,10 +335,23 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> FerryCon
     try:
         raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506  # a SafeLoader
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_error(exc)}") from exc
     except RecursionError as exc:
         raise ConfigError(f"{path}: nested too deeply") from exc
     return parse_config(raw, env=env)
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    """What a YAML error says, and where (line and column), without PyYAML's
+    excerpt of the file: the lines it quotes may hold a key or a password."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return type(exc).__name__
+    said = []
+    for text, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)):
+        if text:
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            said.append(f"{text}{where}")
+    return "; ".join(said) or type(exc).__name__
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -448,12 +461,14 @@ def check_key(key: str, where: str) -> None:
 
 
 def check_redis_url(url: Any, where: str) -> None:
-    shown = redacted(url) if isinstance(url, str) else url
+    shown = redacted(url) if isinstance(url, str) else f"a {type(url).__name__}"
     try:
         parts = urlsplit(url) if isinstance(url, str) else None
         _ = parts and parts.port  # raises on a port that is none
     except ValueError as exc:  # "redis://[::1", "redis://h:99999"
-        raise ConfigError(f"{where}: not a URL ({exc}; got {shown!r})") from None
+        # The parser's words may quote a password that broke the URL ("/" in it).
+        why = "" if "@" in url else f"{exc}; "
+        raise ConfigError(f"{where}: not a URL ({why}got {shown!r})") from None
     if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"{where}: must be a redis://, rediss:// or unix:// URL (got {shown!r})")
     # redis-py reads the path as the database number and quietly uses 0 for anything else.
@@ -473,13 +488,19 @@ def check_redis_url(url: Any, where: str) -> None:
 
 
 # A password in a URL's authority or its query, starred wherever a URL is shown.
-_AUTHORITY_PASSWORD = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def redacted(url: str) -> str:
-    """`url` as logs and errors show it: its password starred."""
-    return _QUERY_PASSWORD.sub(r"\1***", _AUTHORITY_PASSWORD.sub(r"\1***@", url))
+    """`url` as logs and errors show it: its password starred. The credentials
+    run to the last `@` (as redis-py reads them: a password may hold `@`, `/`
+    or `#` unescaped); the user's name before a `:` is no secret."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        credentials, _, host = rest.rpartition("@")
+        user, colon, _ = credentials.partition(":")
+        url = f"{scheme}://{user}{':***' if colon else ''}@{host}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def check_workers(config: FerryConfig) -> None:
@@ -995,7 +1016,9 @@ def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> 
         if (isinstance(value, bool) and type_name != "bool") or not isinstance(value, expected):
             choices = _CHOICES.get(key)
             if choices is None:
-                raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {_shown(value)})")
+                # A credential is not repeated into the log, even a mistyped one.
+                got = f"a {type(value).__name__}" if key in _SECRETS else _shown(value)
+                raise ConfigError(f"{_join(where, key)}: must be {type_name} (got {got})")
             hint = " (YAML reads on, off, yes and no as booleans: quote it)" * (type(value) is bool)
             names = ", ".join(choices)
             raise ConfigError(
@@ -1009,6 +1032,8 @@ def _section(cls: Any, raw: Any, where: str, required: tuple[str, ...] = ()) -> 
 
 # A number as YAML 1.2 writes it: 1e4, -2.5E-3.
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# Fields that hold credentials (an instance's key; headers such as Authorization).
+_SECRETS = frozenset({"api_key", "headers"})
 # Fields whose values are names: a wrong type is answered with the names.
 _CHOICES: dict[str, tuple[str, ...]] = {
     "migration": MIGRATION_MODES,

@@ -395,8 +395,13 @@ def test_a_request_its_engine_hangs_up_on_leaves_the_instance_in_use(
 def test_admin_requires_the_token_and_drains(standins: Any, ferry: Any) -> None:
     sites = standins(2, itl_s=0.001)
     proxy = ferry([s.url for _, s in sites], admin_token="sekret")
-    assert get(proxy.url + "/admin/instances")[0] == 401
-    assert get(proxy.url + "/admin/instances", {"Authorization": "Bearer wrong"})[0] == 401
+    for refused in (
+        get(proxy.url + "/admin/instances"),
+        get(proxy.url + "/admin/instances", {"Authorization": "Bearer wrong"}),
+    ):
+        status, body, headers = refused
+        assert status == 401 and body["error"]["code"] == "invalid_token"
+        assert headers["WWW-Authenticate"] == "Bearer"  # (RFC 9110: a 401 names its scheme)
     auth = {"Authorization": "Bearer sekret"}
     status, rows, _ = get(proxy.url + "/admin/instances", auth)
     assert status == 200

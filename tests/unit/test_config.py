@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -551,6 +552,49 @@ def test_a_key_written_twice_is_refused_not_the_last_one_kept(text: str, tmp_pat
         load_yaml(tmp_path, text)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "instances:\n  - name: a\n    url: http://h:1\n    api_key: OLD-SECRET\n"
+        "    api_key: NEW-SECRET\n",
+        "admin_token: 'ADMIN-SECRET\ninstances: []\n",
+        'api_keys: ["CLIENT-SECRET", "OTHER-SECRET]\ninstances: []\n',
+        "api_keys:\n\t- CLIENT-SECRET\ninstances: []\n",
+    ],
+    ids=["twice", "unclosed-quote", "unclosed-list", "tab"],
+)
+def test_a_yaml_mistake_says_where_without_quoting_the_file(text: str, tmp_path: Path) -> None:
+    """PyYAML quotes the lines around a mistake: the error (in the log, and in
+    a refused reload's answer) would carry the keys on them."""
+    with pytest.raises(ConfigError, match=r"not valid YAML: .*line \d+, column \d+") as refused:
+        load_yaml(tmp_path, text)
+    assert "SECRET" not in str(refused.value)
+
+
+@pytest.mark.parametrize("key", [98765432109876, ["SECRET-IN-A-LIST"], {"k": "SECRET"}])
+def test_a_mistyped_instance_key_is_not_repeated(key: Any) -> None:
+    for where, raw in (
+        (
+            "instances[0].api_key",
+            {"instances": [{"name": "a", "url": "http://h:1", "api_key": key}]},
+        ),
+        ("instance_defaults.api_key", {"instance_defaults": {"api_key": key}, "instances": []}),
+    ):
+        with pytest.raises(ConfigError, match=f"^{re.escape(where)}: must be str") as refused:
+            parse_config(raw, env={})
+        assert "SECRET" not in str(refused.value) and "98765" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:SE/CRET@h:6379/0", {"password": "SECRET"}], ids=["slash", "mapping"]
+)
+def test_a_redis_url_refused_does_not_show_its_password(url: Any) -> None:
+    raw = {"instances": [{"name": "a", "url": "http://h:1"}], "redis_url": url}
+    with pytest.raises(ConfigError, match="^redis_url: ") as refused:
+        parse_config(raw, env={})
+    assert "SECRET" not in str(refused.value) and "CRET" not in str(refused.value)
+
+
 def test_yaml_merge_keys_still_merge(tmp_path: Path) -> None:
     text = (
         "instances:\n  - &a {name: a, url: 'http://h:1', labels: {zone: x}}\n"
@@ -647,6 +691,9 @@ def test_servers_told_apart_stay_apart() -> None:
         ("unix:///run/redis.sock?db=3&Password=pw", "unix:///run/redis.sock?db=3&Password=***"),
         ("redis://user@h:6379/0", "redis://user@h:6379/0"),  # a name alone is no secret
         ("redis://h:6379/0", "redis://h:6379/0"),
+        # Unescaped, as redis-py takes them: the credentials run to the last `@`.
+        ("redis://:p@ssw0rd@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://u:pa/ss#w?rd@h/0", "redis://u:***@h/0"),
     ],
 )
 def test_a_redis_url_is_shown_without_its_password(url: str, shown: str) -> None:
