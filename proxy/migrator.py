@@ -30,7 +30,7 @@ from proxy.live_stream import LiveStream
 from proxy.placement import Placement
 from proxy.policy import InstanceView
 from proxy.policy.migration import RequestLoad, plan_drain
-from proxy.policy.priority import lacks_room, make_room_victim
+from proxy.policy.priority import lacks_room, make_room_victims
 from proxy.upstream import Upstreams
 
 log = logging.getLogger("ferry.migration")
@@ -291,19 +291,19 @@ class Migrator:
         return len(hung) + waits
 
     def make_room(self, chosen: InstanceView, blocks_needed: int) -> bool:
-        """A high-priority request goes to `chosen`: move a lower one off if it
-        does not fit (the decision is the policy core's `make_room_victim`)."""
+        """A high-priority request goes to `chosen`: move lower ones off if it
+        does not fit (the decision is the policy core's `make_room_victims`)."""
         if not lacks_room(chosen, blocks_needed):  # (the common case: no candidates read)
             return False
         movable = self.placement.migration_instances()
         if chosen.name not in movable:
             return False
         elsewhere = self.placement.view_of(movable).instances
-        victim = make_room_victim(chosen, blocks_needed, self.candidates(chosen.name), elsewhere)
-        if victim is None:
-            return False
-        self.submit(self.streams[victim], None, "priority")
-        return True
+        candidates = self.candidates(chosen.name)
+        victims = make_room_victims(chosen, blocks_needed, candidates, elsewhere)
+        for victim in victims:
+            self.submit(self.streams[victim], None, "priority")
+        return bool(victims)
 
     async def stop(self) -> None:
         self.evacuating.clear()

@@ -62,7 +62,7 @@ from proxy.policy.migration import (
     sources,
 )
 from proxy.policy.policies import CROWD_FACTOR, CROWD_GRACE
-from proxy.policy.priority import make_room_victim
+from proxy.policy.priority import make_room_victims
 from proxy.policy.scaling import ScalingSettings, scaling_signal
 from proxy.policy.virtual_usage import instance_view, request_blocks
 from proxy.prefix_index import PrefixIndex
@@ -107,6 +107,8 @@ class SimSettings:
     prefix_safe_freeness: float = 1.0
     prefix_crowd_factor: float = CROWD_FACTOR
     prefix_crowd_grace: float = CROWD_GRACE
+    # The make-room rule: the policy core's (a benchmark passes another to compare).
+    make_room: Callable[..., list[int]] = make_room_victims
 
 
 class Simulator:
@@ -261,23 +263,21 @@ class Simulator:
         self._kick(inst)
 
     def _make_room(self, view: ClusterView, chosen: InstanceView, blocks: int) -> None:
-        """As the proxy's migrator: the policy core picks a victim on `chosen`, and
-        it moves to the freest other instance."""
+        """As the proxy's migrator: the policy core picks the victims on `chosen`,
+        and each moves to the freest other instance."""
         inst = self.by_name[chosen.name]
         candidates = [_load(r, self.now) for r in self._movable(inst)]
-        victim = make_room_victim(chosen, blocks, candidates, view.instances)
-        if victim is None:
-            return
-        victim_load = self.by_id[victim]
-        others = DispatchRequest(
-            MODEL, victim_load.tokens, victim_load.priority, frozenset({chosen.name})
-        )
-        try:
-            dest = dispatch(self.policy, others, view, self.rng)
-        except NoCandidate:
-            return
-        self.migrations["for_priority"] += 1
-        self._start_migration(victim, chosen.name, dest.name)
+        for victim in self.settings.make_room(chosen, blocks, candidates, view.instances):
+            victim_load = self.by_id[victim]
+            others = DispatchRequest(
+                MODEL, victim_load.tokens, victim_load.priority, frozenset({chosen.name})
+            )
+            try:
+                dest = dispatch(self.policy, others, view, self.rng)
+            except NoCandidate:
+                return
+            self.migrations["for_priority"] += 1
+            self._start_migration(victim, chosen.name, dest.name)
 
     def _kick(self, inst: Instance) -> None:
         if not inst.busy:

@@ -10,7 +10,7 @@ from proxy.policy.migration import (
     plan_migrations,
     sources,
 )
-from proxy.policy.priority import make_room_victim
+from proxy.policy.priority import make_room_victims
 
 BS = 16
 
@@ -385,14 +385,68 @@ def test_a_move_counts_its_blocks_in_each_engines_block_size() -> None:
 
 
 def test_room_is_made_by_moving_a_stream_that_has_somewhere_to_go() -> None:
-    """The shortest low-priority stream is an adapter's that no other instance
-    serves: the one moved is the next, which one does."""
+    """The low-priority stream that would free enough is an adapter's that no
+    other instance serves: the one moved is the next, which one does."""
     both = frozenset({"base", "lora"})
     chosen = inst("hot", 100, 99, 2, models=both)
     other = inst("other", 100, 10, 1, models=frozenset({"base"}))
-    adapter = RequestLoad(1, 40, Priority.LOW, running=True, model="lora")
-    base = RequestLoad(2, 400, Priority.LOW, running=True, model="base")
-    assert make_room_victim(chosen, 8, [adapter, base], [chosen, other]) == 2
-    assert make_room_victim(chosen, 8, [adapter], [chosen, other]) is None
+    adapter = RequestLoad(1, 400, Priority.LOW, running=True, model="lora")
+    base = RequestLoad(2, 800, Priority.LOW, running=True, model="base")
+    assert make_room_victims(chosen, 8, [adapter, base], [chosen, other]) == [2]
+    assert make_room_victims(chosen, 8, [adapter], [chosen, other]) == []
     draining = dataclasses.replace(other, draining=True)
-    assert make_room_victim(chosen, 8, [adapter, base], [chosen, draining]) is None
+    assert make_room_victims(chosen, 8, [adapter, base], [chosen, draining]) == []
+
+
+# `hot` has 1 block free (100 of 101, one request); a request of 8 lacks 7.
+HOT = inst("hot", 101, 100, 1)
+ROOMY = inst("roomy", 1000, 0, 0)
+
+
+def low(
+    id_: int, blocks: int, running: bool = True, priority: Priority = Priority.LOW
+) -> RequestLoad:
+    return RequestLoad(id_, blocks * BS, priority, running=running)
+
+
+def test_room_is_made_with_the_smallest_stream_that_frees_enough() -> None:
+    """The shortest stream (the old choice) frees 3 of the 7 blocks lacking: the
+    request would still not fit. The one moved is the smallest that does."""
+    streams = [low(1, 3), low(2, 13), low(3, 25)]
+    assert make_room_victims(HOT, 8, streams, [HOT, ROOMY]) == [2]
+
+
+def test_room_no_one_stream_frees_is_made_by_several_largest_first() -> None:
+    streams = [low(1, 2), low(2, 4), low(3, 4), low(4, 3)]
+    assert make_room_victims(HOT, 8, streams, [HOT, ROOMY]) == [2, 3]
+
+
+def test_where_nothing_frees_enough_the_one_that_frees_most_moves() -> None:
+    """Ferry may undercount what a stream holds (an engine that reports no
+    token ids): the largest of the lowest priority moves, not the shortest."""
+    normal = low(3, 1, priority=Priority.NORMAL)
+    assert make_room_victims(HOT, 8, [low(1, 2), low(2, 3), normal], [HOT, ROOMY]) == [2]
+
+
+def test_room_is_made_from_low_priority_streams_before_a_normal_one() -> None:
+    normal = low(1, 20, priority=Priority.NORMAL)
+    lows = [low(2, 4), low(3, 4)]
+    assert make_room_victims(HOT, 8, [normal, *lows], [HOT, ROOMY]) == [2, 3]
+    assert make_room_victims(HOT, 8, [normal, lows[0]], [HOT, ROOMY]) == [1]
+    high = low(4, 20, priority=Priority.HIGH)
+    assert make_room_victims(HOT, 8, [high], [HOT, ROOMY]) == []
+
+
+def test_a_queued_request_moves_before_a_running_one() -> None:
+    """A queued request holds its blocks in virtual usage but has no KV to
+    recompute: it moves first."""
+    queued, running = low(1, 10, running=False), low(2, 10)
+    assert make_room_victims(HOT, 8, [running, queued], [HOT, ROOMY]) == [1]
+
+
+def test_enough_is_at_most_the_blocks_the_request_needs() -> None:
+    """Virtual usage counts the queue's demand too: an instance 200 blocks past
+    its capacity lacks 200, but the request starts once its own 8 are free."""
+    swamped = inst("swamped", 100, 300, 10)
+    streams = [low(1, 5), low(2, 9), low(3, 50)]
+    assert make_room_victims(swamped, 8, streams, [swamped, ROOMY]) == [2]
