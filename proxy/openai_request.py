@@ -92,10 +92,16 @@ def parse(
     """`endpoint` is "completions" or "chat"; `content_type` the media type alone."""
     priority = Priority.NORMAL
     if priority_header is not None:
+        # The header sent twice reads as its values joined by commas (RFC 9110
+        # 5.3): one priority however often it is said, two are refused.
         try:
-            priority = Priority.parse(priority_header)
+            said = {Priority.parse(value) for value in priority_header.split(",")}
         except ValueError as exc:
             raise BadRequest(f"header {PRIORITY_HEADER}: {exc}") from None
+        if len(said) > 1:
+            names = ", ".join(sorted(p.name.lower() for p in said))
+            raise BadRequest(f"header {PRIORITY_HEADER}: one priority, not several ({names})")
+        (priority,) = said
     if content_type != JSON:
         raise BadRequest(f"Content-Type must be {JSON}, not {content_type}", status=415)
     if not raw:

@@ -482,7 +482,7 @@ def _openai_handler(endpoint: str) -> Any:
                 openai_request.parse,
                 raw,
                 endpoint,
-                request.headers.get(openai_request.PRIORITY_HEADER),
+                _joined(request.headers.getall(openai_request.PRIORITY_HEADER, [])),
                 request.content_type,
             )
             model = parsed.model or _implied_model(request.app[CLUSTER])
@@ -633,6 +633,11 @@ async def _model(request: web.Request) -> web.Response:
             404, f"model {model!r} is not served here", code="model_not_found", param="model"
         )
     return web.json_response(card)
+
+
+def _joined(values: list[str]) -> str | None:
+    """A header's values as one (RFC 9110 5.3: joined by commas); None when absent."""
+    return ", ".join(values) if values else None
 
 
 def _model_cards(cluster: Cluster) -> dict[str, dict[str, Any]]:

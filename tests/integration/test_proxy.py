@@ -743,3 +743,20 @@ def test_a_whole_answer_its_client_never_reads_is_hung_up_on(standins: Any, ferr
         assert received < len(" tok") * 3_000_000  # hung up on: the rest never came
     finally:
         client.close()
+
+
+def test_a_priority_header_sent_twice_reads_as_its_values_joined(standins: Any, ferry: Any) -> None:
+    """Two `x-ferry-priority` lines are the same header as their values joined
+    by a comma (RFC 9110), which a proxy in front may do: alike, they are one
+    priority; different, both forms are refused, not the first line taken."""
+    [(_, site)] = standins(1)
+    proxy = ferry([site.url])
+    body = json.dumps({"model": "standin", "prompt": "x", "max_tokens": 1}).encode()
+    answers = []
+    for lines in ([("high",), ("high",)], [("high",), ("low",)], [("high, low",)]):
+        headers = [("Content-Type", "application/json")] + [
+            ("x-ferry-priority", value) for (value,) in lines
+        ]
+        answers.append(httpx.post(proxy.url + "/v1/completions", content=body, headers=headers))
+    assert [a.status_code for a in answers] == [200, 400, 400]
+    assert "not several" in answers[1].json()["error"]["message"]

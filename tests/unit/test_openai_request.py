@@ -28,6 +28,8 @@ def test_parses_completions_and_chat() -> None:
     assert (req.prompt_estimate, req.priority) == (4, Priority.HIGH)
     chat = b'{"model": "m", "messages": [{"role": "user", "content": "abcdef"}]}'
     assert parse(chat, "chat", "LOW").priority == Priority.LOW
+    # Sent twice, a header reads as its values joined by commas (RFC 9110).
+    assert parse(chat, "chat", "high, HIGH").priority == Priority.HIGH
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,8 @@ def test_parses_completions_and_chat() -> None:
         (b'{"model": "m", "prompt": "x", "stream": 2}', "completions", None, "'stream'"),
         (b'{"model": "m", "prompt": "x", "echo": []}', "completions", None, "'echo'"),
         (b'{"model": "m", "prompt": "x"}', "completions", "urgent", "x-ferry-priority"),
+        (b'{"model": "m", "prompt": "x"}', "completions", "high, low", "not several"),
+        (b'{"model": "m", "prompt": "x"}', "completions", "high,", "x-ferry-priority"),
     ],
 )
 def test_bad_requests_are_explained(
