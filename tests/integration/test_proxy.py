@@ -548,22 +548,35 @@ def test_a_client_error_is_not_retried_and_retries_run_out(standins: Any, ferry:
 
 
 def test_a_prompt_too_long_for_one_instance_goes_to_one_it_fits(standins: Any, ferry: Any) -> None:
-    """Instances of one model with different contexts: the engine's 400 for a
-    prompt past its context is tried again where the context is longer, and is
-    the client's answer where no instance has a longer one."""
+    """Instances of one model with different contexts: a prompt past one's
+    context goes where it fits; where Ferry could not tell (a card that says
+    more than the engine takes: restarted with a shorter context, its models
+    not read again yet), the engine's 400 is tried again where the context is
+    longer; and it is the client's answer where no instance has a longer one."""
     (small, site_small), (big, site_big), (twin, site_twin) = standins(3)
     small.max_model_len, big.max_model_len, twin.max_model_len = 50, 4096, 50
     proxy = ferry([site_small.url, site_big.url], scheduler={"policy": "round_robin"})
+
+    def ask(api: openai.OpenAI, i: int) -> None:
+        prompt = list(range(100 * i, 100 * i + 60))  # 60 token ids
+        answer = api.completions.create(model="standin", prompt=prompt, max_tokens=2)
+        assert answer.choices[0].text == " tok" * 2
+
     with client(proxy) as api:
+        for i in range(4):
+            ask(api, i)
+    assert small.answers == [] and [status for _, status in big.answers] == [200] * 4
+    card = {"id": "standin", "object": "model", "max_model_len": 100}
+    small.models_body = json.dumps({"object": "list", "data": [card]}).encode()
+    unknown = ferry([site_small.url, site_big.url], scheduler={"policy": "round_robin"})
+    with client(unknown) as api:
         for i in range(4):  # round robin: `small` first, at least once
-            prompt = list(range(100 * i, 100 * i + 60))  # 60 token ids
-            answer = api.completions.create(model="standin", prompt=prompt, max_tokens=2)
-            assert answer.choices[0].text == " tok" * 2
+            ask(api, i)
     refused = len(small.answers)
     assert refused >= 1 and small.answers == [("/v1/completions", 400)] * refused
-    assert [status for _, status in big.answers] == [200] * 4
-    text = httpx.get(proxy.url + "/metrics").text
+    text = httpx.get(unknown.url + "/metrics").text
     assert f'ferry_retries_total{{reason="400"}} {refused:.1f}' in text
+    small.models_body = None
     alike = ferry([site_small.url, site_twin.url])
     with client(alike) as api, pytest.raises(openai.BadRequestError, match="context length"):
         api.completions.create(model="standin", prompt=list(range(60)), max_tokens=2)
