@@ -182,8 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.config import ConfigError
 
     # A reload's signal must not end the process (SIGHUP's default) while it
-    # starts; serve() takes it from there. Workers inherit it as they spawn.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # starts: it is held, and serve() reloads once it runs.
+    signal.signal(signal.SIGHUP, _hold_reload)
     _log_setup(args, worker=bool(args.workers and args.workers > 1))
     try:
         config = _serve_config(args)
@@ -212,12 +212,25 @@ def _serve(args: argparse.Namespace) -> int:
     return _serve_one(args)
 
 
+_reload_asked = False  # a SIGHUP came while this process started (`_hold_reload`)
+
+
+def _hold_reload(_signum: int, _frame: Any) -> None:
+    global _reload_asked
+    _reload_asked = True
+
+
 def _serve_one(args: argparse.Namespace, started: Any = None) -> int:
     """One serving process: the only one, or a worker (then logging is set up
     again: a spawned worker starts with nothing of its parent) that runs with
     what only a restart applies as the parent read it at the start (`started`):
     one started again after the file changed serves as its siblings do."""
+    import signal
+
     import uvloop
+
+    # (A worker spawns ignoring SIGHUP: from here one is held for serve().)
+    signal.signal(signal.SIGHUP, _hold_reload)
 
     from proxy.config import ConfigError, as_started
     from proxy.server import serve
@@ -239,7 +252,8 @@ def _serve_one(args: argparse.Namespace, started: Any = None) -> int:
         unavailable = (SharingUnavailable,)
     try:
         # A reload reads the file again, with the command line still on top.
-        uvloop.run(serve(config, (lambda: _serve_config(args)) if args.config else None))
+        load = (lambda: _serve_config(args)) if args.config else None
+        uvloop.run(serve(config, load, reload_asked=lambda: _reload_asked))
     except unavailable as exc:
         print(f"ferry: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -722,15 +722,21 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
     return soft
 
 
-async def serve(config: FerryConfig, load: Callable[[], FerryConfig] | None = None) -> None:
+async def serve(
+    config: FerryConfig,
+    load: Callable[[], FerryConfig] | None = None,
+    reload_asked: Callable[[], bool] = lambda: False,
+) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then shut down gracefully:
     not ready at once, still serving for `shutdown_delay_s`, then no new
     connections while in-flight requests get `shutdown_grace_s` to finish.
     SIGHUP reloads the configuration file (`load()`); one that comes while it
-    starts is reloaded once it runs."""
+    starts (here, or before: `reload_asked()`) is reloaded once it runs."""
     loop = asyncio.get_running_loop()
     held_reload = asyncio.Event()
     _on_signal(loop, signal.SIGHUP, held_reload.set)
+    if reload_asked():
+        held_reload.set()
     open_files = raise_open_files_limit()
     app = build_app(config, load)
     if config.server.access_log:

@@ -4,7 +4,9 @@ reload (the admin API, SIGHUP and the CLI), in front of stand-in servers (not vL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
 import signal
 import socket
@@ -255,6 +257,58 @@ def test_reload_without_a_file_is_refused(standins: Any, ferry: Any) -> None:
     code, err = send(proxy.url + "/admin/reload", "POST")
     assert code == 409 and err["error"]["code"] == "no_config_file"
     assert post(proxy.url + "/admin/reload", b"")[0] == 401  # no token
+
+
+def test_a_sighup_before_ferry_reads_its_file_is_a_reload_once_it_runs(
+    standins: Any, tmp_path: Path
+) -> None:
+    """Ignored until the loop took SIGHUP over, one that came while Ferry read
+    its file or imported its modules was lost, and the change it announced was
+    not applied. The file is a FIFO here: Ferry waits in its read (the second:
+    the command line's check reads it, then the serving process) while the
+    signal comes, deterministically."""
+    (_, site_a), (_, site_b) = standins(2)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    path = tmp_path / "ferry.yaml"
+
+    def config(names: dict[str, str]) -> str:
+        instances = [{"name": n, "url": u} for n, u in names.items()]
+        server = {"port": port, "shutdown_delay_s": 0}
+        return json.dumps({"instances": instances, "server": server, "admin_token": TOKEN})
+
+    os.mkfifo(path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        edited = tmp_path / "edited.yaml"
+        edited.write_text(config({"a": site_a.url, "b": site_b.url}))
+        for read in range(2):
+            with open(path, "w") as fifo:  # (returns once Ferry opened it to read)
+                if read == 1:
+                    proc.send_signal(signal.SIGHUP)  # "b was added", before Ferry runs
+                    time.sleep(0.2)
+                    os.replace(edited, path)  # what the reload reads, Ferry the FIFO still
+                fifo.write(config({"a": site_a.url}))
+            if read == 0:  # Ferry read it whole and closed it, before it is opened again
+                wait_until(lambda: str(path) not in _open_files(proc.pid), timeout=10)
+        wait_until(lambda: proc.poll() is not None or status(url + "/readyz") == 200, timeout=30)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        wait_until(lambda: set(rows(url)) == {"a", "b"})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _open_files(pid: int) -> set[str]:
+    names = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            names.add(os.readlink(fd))
+    return names
 
 
 def test_a_sighup_while_ferry_starts_is_a_reload_once_it_runs(
