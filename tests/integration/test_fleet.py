@@ -295,12 +295,17 @@ def test_a_sighup_before_ferry_reads_its_file_is_a_reload_once_it_runs(
                 fifo.write(config({"a": site_a.url}))
             if read == 0:  # Ferry read it whole and closed it, before it is opened again
                 wait_until(lambda: str(path) not in _open_files(proc.pid), timeout=10)
-        wait_until(lambda: proc.poll() is not None or status(url + "/readyz") == 200, timeout=30)
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        wait_until(lambda: set(rows(url)) == {"a", "b"})
+        _serves_a_and_b(proc, url)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _serves_a_and_b(proc: subprocess.Popen[bytes], url: str) -> None:
+    """Ferry came up (not ended by the signal) and serves the edited file's two."""
+    wait_until(lambda: proc.poll() is not None or status(url + "/readyz") == 200, timeout=30)
+    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+    wait_until(lambda: set(rows(url)) == {"a", "b"})
 
 
 def _open_files(pid: int) -> set[str]:
@@ -344,9 +349,7 @@ def test_a_sighup_while_ferry_starts_is_a_reload_once_it_runs(
         write({"a": site_a.url, "b": site_b.url})
         proc.send_signal(signal.SIGHUP)
         a.metrics_delay_s = 0.0
-        wait_until(lambda: proc.poll() is not None or status(url + "/readyz") == 200, timeout=30)
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        wait_until(lambda: set(rows(url)) == {"a", "b"})
+        _serves_a_and_b(proc, url)
     finally:
         proc.terminate()
         proc.wait(30)
