@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from migration_shim import wire
-from proxy import continuation, sse, tap
+from proxy import access_log, continuation, sse, tap
 from proxy.cancellation import cancelling
 from proxy.errors import error_response
 from proxy.metrics import FerryMetrics
@@ -75,6 +75,12 @@ class Request:
     # The model's context length where its first instance says (a chat without
     # a budget runs to its end; see continuation.budget).
     context: int | None = None
+
+    @property
+    def name(self) -> str:
+        """How the logs name it: its request id, as its access line and the
+        engines' logs do (the number is Ferry's own, for a request without one)."""
+        return self.headers.get(access_log.REQUEST_ID) or f"#{self.id}"
 
 
 class LiveStream:
@@ -382,7 +388,7 @@ class LiveStream:
             over.__traceback__ = None
             return over.outcome
         except sse.STREAM_ERRORS as exc:
-            log.info("stream %s on %s broke: %s", self.request.id, self.instance, _why(exc))
+            log.info("stream %s on %s broke: %s", self.request.name, self.instance, _why(exc))
             self._broke = f"stream broken: {_why(exc)}"
             return "done" if splicer.finished else "broken"
         finally:
@@ -406,7 +412,7 @@ class LiveStream:
             if fed.stopped_by_source or fed.broken:
                 self._events.clear()
                 if fed.broken:
-                    log.info("stream %s: %s gave it up", self.request.id, self.instance)
+                    log.info("stream %s: %s gave it up", self.request.name, self.instance)
                     self._broke = "the stream ended with a server error"
                     self._gave_up = True
                     return b"".join(out), "broken"
@@ -490,7 +496,7 @@ class LiveStream:
             return "done"
         if splicer.unmovable is not None:
             self.metrics.migrations.labels(order.reason, "not_migratable").inc()
-            log.info("stream %s cannot go on elsewhere: %s", self.request.id, splicer.unmovable)
+            log.info("stream %s cannot go on elsewhere: %s", self.request.name, splicer.unmovable)
             return "failed"
         whole = False  # the join takes all of G (see `_in_step`)
         if splicer.sampled and order.reason != "failover" and not splicer.starts_over():
@@ -501,7 +507,7 @@ class LiveStream:
             whole = await self._in_step(source)
             if not whole:
                 self.metrics.migrations.labels(order.reason, "not_migratable").inc()
-                log.info("stream %s not moved now: sampled, its text held back", self.request.id)
+                log.info("stream %s not moved now: sampled, its text held back", self.request.name)
                 return "failed"
         self.timing.cut()
         preferred = order.destination
@@ -535,7 +541,7 @@ class LiveStream:
                 self.metrics.migrations.labels(order.reason, "ok").inc()
                 log.info(
                     "request %s moved %s -> %s (%s) after %d tokens",
-                    splicer.origin.id if splicer.origin else self.request.id,
+                    self.request.name,
                     source,
                     dest,
                     order.reason,

@@ -8,7 +8,8 @@ its own with its live peers':
   summed, so rates are the cluster's;
 - gauges are the answering process's own (every process has the same view of
   an instance's freeness, health or draining), except those that count this
-  process's own work (`SUMMED_GAUGES`), which are summed;
+  process's own work (`SUMMED_GAUGES`, and the samples of `SUMMED_SAMPLES`:
+  the KV its own requests hold), which are summed;
 - `process_*` and `python_*` (CPU, memory, GC) describe the answering process
   and are its own.
 A sample only peers have is taken from them on the same rules. A peer that
@@ -28,6 +29,9 @@ from prometheus_client.samples import Sample
 log = logging.getLogger("ferry.sharing")
 
 SUMMED_GAUGES = frozenset({"ferry_inflight_requests"})
+# Gauges summed for one label's value only: the ledger's KV share is each
+# process's own requests', the engine's is the same scrape in every process.
+SUMMED_SAMPLES = {"ferry_instance_kv_usage_ratio": ("source", "ledger")}
 OWN_PREFIXES = ("process_", "python_")
 _SUMMED_TYPES = frozenset({"counter", "histogram", "summary", "gaugehistogram"})
 
@@ -67,13 +71,14 @@ def merge(own: str, peers: Sequence[str]) -> bytes:
 
 def _merge_into(known: Metric, peer: Metric) -> None:
     summed = known.type in _SUMMED_TYPES or known.name in SUMMED_GAUGES
+    label, value = SUMMED_SAMPLES.get(known.name, ("", None))
     index = {_key(s): i for i, s in enumerate(known.samples)}
     for sample in peer.samples:
         i = index.get(_key(sample))
         if i is None:
             index[_key(sample)] = len(known.samples)
             known.samples.append(sample)
-        elif summed:
+        elif summed or (value is not None and sample.labels.get(label) == value):
             mine = known.samples[i]
             known.samples[i] = mine._replace(value=mine.value + sample.value)
 

@@ -283,7 +283,7 @@ class Migrator:
                 # the next look fails the stream over.
                 stream.give_up_copy()
                 continue
-            log.info("stream %s quiet on unhealthy %s: failing over", stream.request.id, instance)
+            log.info("stream %s quiet on unhealthy %s: failing over", stream.request.name, instance)
             self.submit(stream, None, "failover", prewarm=False)
         waits = self.upstreams.waits.give_up(instance, HUNG_AFTER_S)
         if waits:

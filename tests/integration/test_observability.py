@@ -43,6 +43,7 @@ def test_a_moved_stream_keeps_its_request_id_and_trace_context(
     standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="ferry.access")
+    caplog.set_level(logging.INFO, logger="ferry.migration")
     (source, a), (dest, b) = standins(2, itl_s=0.02)
     proxy = ferry(
         [a.url, b.url],
@@ -88,6 +89,9 @@ def test_a_moved_stream_keeps_its_request_id_and_trace_context(
     [move] = line["migrations"]
     assert (move["from"], move["to"], move["reason"]) == ("i0", "i1", "drain")
     assert move["after_tokens"] >= 5 and 0 <= move["downtime_s"] < line["duration_s"]
+    # The log's line for the move names the request as its access line does.
+    moved = [r.getMessage() for r in caplog.records if r.name == "ferry.migration"]
+    assert any(m.startswith("request req-42 moved i0 -> i1 (drain)") for m in moved), moved
 
 
 def test_every_answer_has_a_request_id(

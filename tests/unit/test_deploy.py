@@ -218,6 +218,19 @@ def test_the_dashboard_counts_each_instance_once_whatever_the_replicas() -> None
         assert re.search(r"max by \(instance\) \(ferry_instance_", expr), expr
 
 
+def test_the_failed_calls_panel_shows_the_outcomes_held_against_an_instance() -> None:
+    """It showed every outcome but ok and migrated: a client's hang-up or its own
+    4xx, which Ferry never holds against an instance, drawn as failed calls."""
+    from proxy.relay import _INSTANCE_FAILURES
+
+    panels = json.loads((CONFIGS / "grafana" / "ferry.json").read_text())["panels"]
+    (panel,) = [p for p in panels if p["title"] == "Failed calls by instance and outcome"]
+    (expr,) = _find(panel, "expr")
+    shown = re.search(r'outcome=~"([^"]*)"', expr)
+    assert shown is not None, expr
+    assert set(shown.group(1).split("|")) == _INSTANCE_FAILURES
+
+
 def _find(node: Any, key: str) -> list[Any]:
     if isinstance(node, dict):
         return [v for k, v in node.items() if k == key] + [

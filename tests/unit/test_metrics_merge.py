@@ -16,6 +16,9 @@ def process(requests: int, inflight: int, freeness: float, cpu: float, only: str
         done.labels(only).inc()
     Gauge("ferry_inflight_requests", "d", ["instance"], registry=r).labels("i0").set(inflight)
     Gauge("ferry_instance_freeness", "d", ["instance"], registry=r).labels("i0").set(freeness)
+    kv = Gauge("ferry_instance_kv_usage_ratio", "d", ["instance", "source"], registry=r)
+    kv.labels("i0", "ledger").set(inflight / 100)  # this process's requests' share
+    kv.labels("i0", "engine").set(freeness / 100)  # the engine's own, as every process scrapes it
     Counter("process_cpu_seconds", "d", registry=r).inc(cpu)
     ttft = Histogram("ferry_ttft_seconds", "d", registry=r, buckets=(0.1, 1.0))
     for _ in range(requests):
@@ -40,6 +43,9 @@ def test_counters_and_histograms_sum_gauges_are_the_answering_process_s() -> Non
     assert merged[("ferry_ttft_seconds_bucket", (("le", "0.1"),))] == 5
     assert merged[("ferry_inflight_requests", i0)] == 5  # each counts its own streams
     assert merged[("ferry_instance_freeness", i0)] == 5.0  # one view: the answering one's
+    kv = "ferry_instance_kv_usage_ratio"
+    assert merged[(kv, (("instance", "i0"), ("source", "ledger")))] == 0.05  # 0.01 + 0.04
+    assert merged[(kv, (("instance", "i0"), ("source", "engine")))] == 0.05  # the answering one's
     assert merged[("process_cpu_seconds_total", ())] == 7.0  # this process's CPU
 
 
