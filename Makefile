@@ -39,7 +39,16 @@ $(REDIS_SERVER):
 	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }; \
 	else echo "note: 'sudo apt-get install redis-server' for the shared-view tests"; fi
 
-setup: $(STAMP) $(PROMETHEUS) $(REDIS_SERVER)
+# Debian's openssl: the tests of https instances make their certificates with it.
+OPENSSL := /usr/bin/openssl
+$(OPENSSL):
+	@if [ "$$(id -u)" = 0 ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends openssl >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends openssl >/dev/null; }; \
+	else echo "note: 'sudo apt-get install openssl' for the https instance tests"; fi
+
+setup: $(STAMP) $(PROMETHEUS) $(REDIS_SERVER) $(OPENSSL)
 
 demo: setup
 	$(BIN)/python -m loadtest.demo

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import reprlib
+import ssl
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from adapters import ADAPTERS
+from proxy import tls
 from proxy.ejection import EjectionSettings
 from proxy.policy import POLICIES
 from proxy.policy.policies import CROWD_FACTOR, CROWD_GRACE
@@ -64,6 +66,16 @@ class InstanceConfig:
     # Ferry puts each request's priority in the engine's field, so a
     # high-priority request also overtakes the engine's own queue.
     engine_priority: bool = False
+    # An https instance's TLS (proxy/tls.py): a CA bundle trusted instead of
+    # the system's roots, a client certificate and its key (mutual TLS), or,
+    # with `tls_verify: false`, no check of the server's certificate at all.
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    # The name its certificate is checked against where the URL names an
+    # address (a discovered instance's: the DNS name it was found under).
+    tls_server_name: str | None = None
 
     def same_server(self, other: InstanceConfig) -> bool:
         """Both name one server the same way: listed twice, it would be billed
@@ -90,6 +102,19 @@ class InstanceConfig:
             out["Authorization"] = f"Bearer {self.api_key}"
         return out
 
+    @property
+    def tls_settings(self) -> tls.Settings | None:
+        """Its TLS settings; None where they are the defaults (the system's roots)."""
+        settings = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_verify)
+        return None if settings == (None, None, None, True) else settings
+
+    def tls(self) -> dict[str, Any]:
+        """aiohttp's TLS arguments for a call to it: `ssl=True` checks an https
+        server against the system's roots (and means nothing to an http one)."""
+        settings = self.tls_settings
+        made = True if settings is None else tls.context(settings)
+        return {"ssl": made, "server_hostname": self.tls_server_name}
+
 
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
@@ -112,11 +137,18 @@ class DiscoveryConfig:
             self.template,
             name=f"{self.name}@{address}:{self.port}",
             url=f"{self.scheme}://{host}:{self.port}",
+            # Its certificate names the service, not the address it was found at.
+            tls_server_name=self.template.tls_server_name or self.dns.removesuffix("."),
         )
 
 
 DISCOVERY_KEYS = ("dns", "port", "scheme", "refresh_s", "name")
-DISCOVERY_INSTANCE_KEYS = ("engine", "migration", "labels", "api_key", "headers", "engine_priority")
+# An instance's TLS files (read where the configuration is, not named by the admin API).
+TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+DISCOVERY_INSTANCE_KEYS = (
+    "engine", "migration", "labels", "api_key", "headers", "engine_priority",
+    *TLS_KEYS, "tls_verify", "tls_server_name",
+)  # fmt: skip
 # What `instance_defaults:` may set: what a discovery entry may (not a name,
 # a URL or the KV event addresses, which are one server's own).
 INSTANCE_DEFAULT_KEYS = DISCOVERY_INSTANCE_KEYS
@@ -662,7 +694,35 @@ def parse_instance(
         if key.lower() in _FRAMING_HEADERS:
             raise ConfigError(f"{where}.headers: {key!r} is the HTTP client's to set")
         _check_header_value(value, f"{where}.headers.{key}")
+    _check_tls(inst, where, own, runtime)
     return replace(inst, api_key=api_key, headers=headers)
+
+
+def _check_tls(inst: InstanceConfig, where: str, own: Mapping[str, Any], runtime: bool) -> None:
+    """An instance's TLS settings, its files read now (see proxy/tls.py). The
+    admin API names no file on Ferry's host: its instances take the file's
+    `instance_defaults`, whose contexts were made as the file was read."""
+    if not isinstance(inst.tls_verify, bool):
+        raise ConfigError(f"{where}.tls_verify: must be true or false")
+    for key in TLS_KEYS:
+        path = getattr(inst, key)
+        if runtime and key in own:
+            raise ConfigError(
+                f"{where}.{key}: the admin API names no file on Ferry's host;"
+                " set it in the configuration file's instance_defaults"
+            )
+        if path is not None and not (isinstance(path, str) and os.path.isfile(path)):
+            raise ConfigError(f"{where}.{key}: no such file {path!r}")
+    if inst.tls_key_file and not inst.tls_cert_file:
+        raise ConfigError(f"{where}.tls_key_file: goes with a tls_cert_file")
+    if inst.tls_server_name is not None:
+        _check_dns_name(inst.tls_server_name, f"{where}.tls_server_name")
+    settings = inst.tls_settings
+    if settings is not None:
+        try:
+            tls.context(settings, fresh=not runtime)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            raise ConfigError(f"{where}: its TLS files cannot be used: {exc}") from None
 
 
 def _refuse_variables(own: dict[str, Any], where: str) -> None:

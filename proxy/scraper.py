@@ -203,7 +203,10 @@ class Scraper:
         self, state: InstanceState, path: str, parse: Callable[[str], EngineSnapshot]
     ) -> EngineSnapshot:
         async with self.session.get(
-            state.url + path, headers=state.config.auth_headers(), timeout=self.timeout
+            state.url + path,
+            headers=state.config.auth_headers(),
+            **state.config.tls(),
+            timeout=self.timeout,
         ) as resp:
             if resp.status != 200:
                 raise MetricsParseError(f"GET {path.split('?')[0]} returned HTTP {resp.status}")
@@ -229,7 +232,10 @@ class Scraper:
         asked = state.config
         try:
             async with self.session.get(
-                state.url + "/v1/models", headers=state.config.auth_headers(), timeout=self.timeout
+                state.url + "/v1/models",
+                headers=state.config.auth_headers(),
+                **state.config.tls(),
+                timeout=self.timeout,
             ) as resp:
                 if resp.status != 200:
                     return f"GET /v1/models returned HTTP {resp.status}"
@@ -255,7 +261,10 @@ class Scraper:
         info: Any = None
         try:
             async with self.session.get(
-                state.url + wire.INFO, headers=state.config.auth_headers(), timeout=self.timeout
+                state.url + wire.INFO,
+                headers=state.config.auth_headers(),
+                **state.config.tls(),
+                timeout=self.timeout,
             ) as resp:
                 if resp.status == 200:
                     info = json.loads(await read_whole(resp, MAX_PAGE_BYTES))
@@ -317,7 +326,10 @@ class Scraper:
         state = self.cluster.instances[name]
         try:
             async with self.session.get(
-                state.url + "/health", headers=state.config.auth_headers(), timeout=self.timeout
+                state.url + "/health",
+                headers=state.config.auth_headers(),
+                **state.config.tls(),
+                timeout=self.timeout,
             ):
                 return  # any status: the process answers
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:

@@ -390,7 +390,8 @@ class Upstreams:
         instance unreachable and is raised (one of `sse.CONNECT_ERRORS`); any
         other failure closes the call and is raised. `stages` (a client's first
         call) is marked as the call starts and has its connection."""
-        auth = self.cluster.instances[call.instance].config.auth_headers()
+        config = self.cluster.instances[call.instance].config
+        auth, tls = config.auth_headers(), config.tls()
         if auth:  # the instance's own credentials replace the client's
             names = {k.lower() for k in auth}
             headers = {k: v for k, v in (headers or {}).items() if k.lower() not in names}
@@ -403,7 +404,7 @@ class Upstreams:
             async with self.waits(call.instance):
                 try:
                     call.response = await self.session.request(
-                        method, url, data=data, headers=headers, params=params,
+                        method, url, data=data, headers=headers, params=params, **tls,
                         timeout=timeout, trace_request_ctx=stages, allow_redirects=False,
                     )  # fmt: skip
                 except aiohttp.ClientConnectorError:
@@ -414,7 +415,7 @@ class Upstreams:
                     # failure of that kind says nothing about the instance. Once
                     # more on another connection before calling it unreachable.
                     call.response = await self.session.request(
-                        method, url, data=data, headers=headers, params=params,
+                        method, url, data=data, headers=headers, params=params, **tls,
                         timeout=timeout, allow_redirects=False,
                     )  # fmt: skip
         except sse.CONNECT_ERRORS as exc:
@@ -454,6 +455,7 @@ class Upstreams:
                 state.url + path,
                 json=body,
                 headers=state.config.auth_headers(),
+                **state.config.tls(),
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 if resp.status == 404:

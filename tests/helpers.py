@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import threading
@@ -57,10 +58,11 @@ class Site:
     runner: web.AppRunner
     port: int
     app: web.Application
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
 
 async def start_site(
@@ -71,10 +73,11 @@ async def start_site(
     port: int = 0,
     keepalive_timeout: float = 75.0,
     runner: web.AppRunner | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Site:
     """Serve `app` on `host:port` (0: a free port) with `runner` (by default
-    one that takes header lines as long as Ferry's: vLLM's server takes them);
-    `Site.url` names 127.0.0.1."""
+    one that takes header lines as long as Ferry's: vLLM's server takes them),
+    over TLS with `ssl_context`; `Site.url` names 127.0.0.1."""
     runner = runner or web.AppRunner(
         app,
         handler_cancellation=handler_cancellation,
@@ -84,10 +87,10 @@ async def start_site(
         max_field_size=MAX_HEADER_LINE_BYTES,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return Site(runner, port, app)
+    return Site(runner, port, app, "http" if ssl_context is None else "https")
 
 
 class Sites:
@@ -97,10 +100,19 @@ class Sites:
         self.loop = loop
         self.started: list[Site] = []
 
-    def start(self, server: S, *, handler_cancellation: bool = False) -> tuple[S, Site]:
-        """Serve `server.app()` on a free port."""
+    def start(
+        self,
+        server: S,
+        *,
+        handler_cancellation: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> tuple[S, Site]:
+        """Serve `server.app()` on a free port (over TLS with `ssl_context`)."""
         app = server.app()  # type: ignore[attr-defined]
-        site = self.loop.run(start_site(app, handler_cancellation=handler_cancellation))
+        started = start_site(
+            app, handler_cancellation=handler_cancellation, ssl_context=ssl_context
+        )
+        site = self.loop.run(started)
         self.started.append(site)
         return server, site
 

@@ -153,7 +153,8 @@ def test_client_keys_from_yaml_or_environment() -> None:
         (
             base(instances=[{"name": "a", "url": "http://h:1", "weight": 2}]),
             r"^instances\[0\]\.weight: unknown key; allowed: api_key, engine, engine_priority,"
-            r" headers, kv_events, kv_events_replay, labels, migration, name, url",
+            r" headers, kv_events, kv_events_replay, labels, migration, name, tls_ca_file,"
+            r" tls_cert_file, tls_key_file, tls_server_name, tls_verify, url",
         ),
         (
             base(instances=[{"name": "a", "url": "http://h:1", "kv_events": "tcp://*:5557"}]),

@@ -47,6 +47,18 @@ def test_discovered_instances_take_the_template() -> None:
     assert inst.migration == "lite" and inst.labels == {"pool": "a"}
     assert inst.auth_headers() == {"Authorization": "Bearer sk-1"}
     assert source.instance("fd00::7").url == "http://[fd00::7]:8000"
+    # Over https its certificate is checked against the name it was found under.
+    assert inst.tls()["server_hostname"] == "vllm-headless.ns.svc.cluster.local"
+
+
+def test_a_discovery_template_may_name_its_certificate_s_server() -> None:
+    raw = {"dns": "vllm.", "port": 8443, "scheme": "https", "tls_server_name": "vllm.example"}
+    (source,) = parse_config({"instances": [], "discovery": [raw]}, env={}).discovery
+    inst = source.instance("10.0.0.3")
+    assert inst.url == "https://10.0.0.3:8443" and inst.tls_server_name == "vllm.example"
+    raw.pop("tls_server_name")
+    (source,) = parse_config({"instances": [], "discovery": [raw]}, env={}).discovery
+    assert source.instance("10.0.0.3").tls_server_name == "vllm"  # no trailing dot
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,42 @@
+"""TLS to the instances: the context an https instance's calls are made with.
+
+An https instance is checked against the system's trusted roots, as any client
+would. Its `tls_ca_file` trusts that bundle instead (a private CA), its
+`tls_cert_file`/`tls_key_file` present a client certificate (mutual TLS), and
+`tls_verify: false` checks nothing (a test fleet's self-signed servers).
+
+Contexts are made when the configuration is read (`context(..., fresh=True)`),
+where a file that cannot be read is a configuration error, and kept by their
+settings: a call finds its instance's with a dict lookup, and reads no file on
+the event loop. A reload reads the files again, so a rotated certificate is
+taken by the connections opened after it.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+Settings = tuple[str | None, str | None, str | None, bool]  # CA, cert, key, verify
+
+_made: dict[Settings, ssl.SSLContext] = {}
+
+
+def context(settings: Settings, *, fresh: bool = False) -> ssl.SSLContext:
+    """The client context for `settings`; `fresh` reads its files again. Raises
+    OSError or ssl.SSLError where a file cannot be read as PEM."""
+    made = None if fresh else _made.get(settings)
+    if made is None:
+        ca_file, cert_file, key_file, verify = settings
+        made = ssl.create_default_context(cafile=ca_file)  # the system's roots without one
+        if not verify:
+            made.check_hostname = False
+            made.verify_mode = ssl.CERT_NONE
+        if cert_file:
+            # An encrypted key is refused, not asked for on the terminal (OpenSSL's way).
+            made.load_cert_chain(cert_file, key_file, password=_no_password)
+        _made[settings] = made
+    return made
+
+
+def _no_password() -> bytes:
+    raise ValueError("the key is encrypted: Ferry takes an unencrypted one")
