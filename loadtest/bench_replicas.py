@@ -91,6 +91,9 @@ class Ferries:
             "instances": [{"name": f"e{i}", "url": u} for i, u in enumerate(backends)],
             "admin_token": TOKEN,
             "sharing": {"key_prefix": prefix},
+            # Rebalancing on (its engines do not migrate: it plans nothing), so
+            # that a process holds the lease the kill run watches move.
+            "scheduler": {"rebalance_interval_s": 0.5},
         }
         if redis_url is not None:
             config["redis_url"] = redis_url

@@ -12,7 +12,7 @@ pipeline that:
   and the instances a process's reload decided (`file`: nothing to apply);
 - takes the moves the rescheduler lease holder sent it (`<prefix>:moves:<process>`);
 - takes or renews the rescheduler lease (`<prefix>:lease`, a key with expiry
-  `lease_ttl_s` holding its holder's name);
+  `lease_ttl_s` holding its holder's name), if it rebalances;
 - once a second, writes its Prometheus exposition to
   `<prefix>:metrics:<group>:<process>` (expiring after `METRICS_TTL_S`), the
   group being its host and port: a scrape of that port reaches one of the
@@ -103,9 +103,15 @@ METRICS_TTL_S = 3 * METRICS_EVERY_S  # a dead process's counters leave the sum a
 FLEET_MISMATCH_S = 5.0
 
 # Take the lease when nobody holds it, renew it when we do: atomically, so two
-# processes never both believe they hold it.
+# processes never both believe they hold it. A process that does not rebalance
+# (ARGV[3] "0": its rebalance_interval_s is 0) gives it back and never takes
+# it: held there, it would stop every process's rebalancing.
 _TAKE_OR_RENEW = """
 local holder = redis.call('GET', KEYS[1])
+if ARGV[3] == '0' then
+  if holder == ARGV[1] then redis.call('DEL', KEYS[1]) end
+  return 0
+end
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
@@ -359,7 +365,8 @@ class Sharing:
         pipe.xrange(self._fleet_key, min=f"({self._fleet_seen}", count=100)
         pipe.lrange(self._moves_key, 0, -1)
         pipe.delete(self._moves_key)
-        pipe.eval(_TAKE_OR_RENEW, 1, self._lease_key, self.name, lease_ms)
+        plans = "1" if self.rescheduler.interval_s > 0 else "0"
+        pipe.eval(_TAKE_OR_RENEW, 1, self._lease_key, self.name, lease_ms, plans)
         pipe.get(self._lease_key)
         pipe.setnx(self._epoch_key, secrets.token_hex(8))  # new each time: never the lost one
         pipe.get(self._epoch_key)

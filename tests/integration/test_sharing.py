@@ -17,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -360,7 +361,7 @@ def test_a_scrape_while_redis_is_down_still_counts_every_worker(
 def test_a_killed_process_stops_counting_within_the_ttl_and_its_lease_moves(
     ferries: Any,
 ) -> None:
-    a, b = ferries(2)
+    a, b = ferries(2, scheduler={"rebalance_interval_s": 0.5})  # (the lease is a planner's)
     wait_until(lambda: a.sharing()["lease_holder"] is not None)
     holder_name = a.sharing()["lease_holder"]
     holder, survivor = (a, b) if a.sharing()["process"] == holder_name else (b, a)
@@ -437,7 +438,7 @@ def test_workers_serve_one_port_are_restarted_and_withdraw_on_sigterm(
 ) -> None:
     import redis
 
-    [parent] = ferries(1, "--workers", "2")
+    [parent] = ferries(1, "--workers", "2", scheduler={"rebalance_interval_s": 0.5})
     names: set[str] = set()
     deadline = time.monotonic() + 10
     # Each call is a new connection: the kernel spreads them over the workers.
@@ -657,7 +658,9 @@ def test_without_redis_each_process_goes_on_alone_until_it_is_back(
     port = free_port()
     own = start_redis(port, tmp_path)  # this test's own: it is stopped and started again
     try:
-        a, b = ferries(2, redis_url=f"redis://127.0.0.1:{port}/0")
+        a, b = ferries(
+            2, redis_url=f"redis://127.0.0.1:{port}/0", scheduler={"rebalance_interval_s": 0.5}
+        )
         wait_until(lambda: len(a.sharing()["peers"]) == 1)
         shown = gauges(a.url)
         assert shown["redis_up"] == 1.0 and shown["peers"] == 1.0
@@ -883,57 +886,88 @@ def test_a_round_that_swallows_its_cancel_still_lets_the_process_stop(
     assert swallowed.is_set()
 
 
+class _Stub(SimpleNamespace):  # what a round reads of the rest of a process
+    def local_load(self, name: str) -> Any:
+        from proxy.peer_load import InstanceLoad
+
+        return InstanceLoad()
+
+    def set_peer_load(self, load: Any) -> None:
+        pass
+
+    def local_candidates(self) -> dict[str, Any]:
+        return {}
+
+    def apply_op(self, op: Any) -> None:
+        pass
+
+
+def _bare_process(
+    redis_server: str, redis_prefix: str, name: str, now: list[float], rebalance_s: float = 0.5
+) -> Any:
+    """A `Sharing` with nothing of a process behind it but its rounds, its clock
+    `now[0]`, and a rescheduler that ticks every `rebalance_s` (0: never)."""
+    import redis.asyncio as aioredis
+
+    from proxy.config import SharingConfig
+    from proxy.sharing import Sharing
+
+    cluster = _Stub(instances={}, ledger=_Stub(on_count=None), shared=False)
+    rest = (
+        _Stub(announce=None, discovered=frozenset()),
+        _Stub(streams={}),
+        _Stub(coordinator=None, interval_s=rebalance_s),
+    )
+    client = aioredis.Redis.from_url(redis_server)
+    settings = SharingConfig(key_prefix=redis_prefix)
+    return Sharing(client, settings, cluster, *rest, name=name, clock=lambda: now[0])  # type: ignore[arg-type]
+
+
 def test_moves_planned_under_a_lease_since_lost_are_not_sent(
     redis_server: str, redis_prefix: str
 ) -> None:
     """The lease holder plans a move of a peer's stream, then stalls past its
     lease (a paused process) while another takes it. Its next round drops the
     move: the new holder plans from what is true now."""
-    from types import SimpleNamespace
-
     import redis.asyncio as aioredis
-
-    from proxy.config import SharingConfig
-    from proxy.peer_load import InstanceLoad
-    from proxy.sharing import Sharing
-
-    class Stub(SimpleNamespace):  # what a round reads of the rest of a process
-        def local_load(self, name: str) -> InstanceLoad:
-            return InstanceLoad()
-
-        def set_peer_load(self, load: Any) -> None:
-            pass
-
-        def local_candidates(self) -> dict[str, Any]:
-            return {}
-
-        def apply_op(self, op: Any) -> None:
-            pass
 
     async def scenario() -> list[bytes]:
         now = [1000.0]
-        settings = SharingConfig(key_prefix=redis_prefix)
-        cluster = Stub(instances={}, ledger=Stub(on_count=None), shared=False)
-        rest = (
-            Stub(announce=None, discovered=frozenset()),
-            Stub(streams={}),
-            Stub(coordinator=None),
-        )
-
-        def process(name: str) -> Sharing:
-            client = aioredis.Redis.from_url(redis_server)
-            return Sharing(client, settings, cluster, *rest, name=name, clock=lambda: now[0])  # type: ignore[arg-type]
-
-        a, b = process("a"), process("b")
+        a, b = (_bare_process(redis_server, redis_prefix, n, now) for n in "ab")
         for p in (a, a, b, b):
             await p.round()
         assert a.holds_lease() and not b.holds_lease()
         a.send_move("b", 7, "e1", True, "rebalance", source="e0")
-        await asyncio.sleep(settings.lease_ttl_s + 0.2)  # Redis's clock: the lease expires
-        now[0] += settings.lease_ttl_s + 1  # a's too, paused meanwhile
+        lease_s = a.settings.lease_ttl_s
+        await asyncio.sleep(lease_s + 0.2)  # Redis's clock: the lease expires
+        now[0] += lease_s + 1  # a's too, paused meanwhile
         await b.round()
         assert b.holds_lease()
         await a.round()
         return await aioredis.Redis.from_url(redis_server).lrange(f"{redis_prefix}:moves:b", 0, -1)
 
     assert asyncio.run(scenario()) == []
+
+
+def test_only_a_process_that_rebalances_holds_the_lease(
+    redis_server: str, redis_prefix: str
+) -> None:
+    """A replica with rebalancing off took the lease and kept it: no process
+    planned a move. It never takes it, and one reloaded to off gives it back at
+    its next round, for one that rebalances to take."""
+
+    async def scenario() -> None:
+        now = [1000.0]
+        idle = _bare_process(redis_server, redis_prefix, "idle", now, rebalance_s=0.0)
+        busy = _bare_process(redis_server, redis_prefix, "busy", now)
+        for p in (idle, idle, busy, idle):
+            await p.round()
+        assert busy.holds_lease() and not idle.holds_lease()
+        assert idle.lease_holder == "busy"
+        busy.rescheduler.interval_s, idle.rescheduler.interval_s = 0.0, 0.5  # reloaded
+        await busy.round()
+        assert not busy.holds_lease() and busy.lease_holder is None  # given back at once
+        await idle.round()
+        assert idle.holds_lease()
+
+    asyncio.run(scenario())
