@@ -208,6 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
             _serve_one,
             (args, config),
             stop_timeout_s=server.shutdown_delay_s + server.shutdown_grace_s + 10,
+            timeout_s=server.worker_timeout_s,
         )
     return _serve_one(args)
 

@@ -33,6 +33,9 @@ from proxy.policy.scaling import ScalingSettings
 ENGINES = tuple(ADAPTERS)  # the `engine:` names: one per adapter in `adapters/`
 MIGRATION_MODES = ("off", "lite", "full")
 MAX_WAIT_S = 1e6  # a shutdown's delay or grace (11 days): past any generation
+# A worker beats once a second (proxy/server.py): a shorter timeout would kill
+# one that a busy core kept from beating for a moment.
+MIN_WORKER_TIMEOUT_S = 3.0
 MAX_SHARED_TTL_S = 86400.0
 MAX_FLEET_LOG_LENGTH = 10**7
 
@@ -281,6 +284,10 @@ class ServerConfig:
     # Processes serving the port together (SO_REUSEPORT; proxy/workers.py). More
     # than one needs `redis_url`: apart, each would see only its own load.
     workers: int = 1
+    # A worker whose event loop has not run this long (stuck, or stopped) is
+    # killed and started again: the kernel goes on handing it connections that
+    # nobody answers (proxy/workers.py). 0: never.
+    worker_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1008,6 +1015,11 @@ def _check_server(s: ServerConfig) -> None:
         )
     if s.retry_after_s < 0:
         raise ConfigError(f"server.retry_after_s: must not be negative (got {s.retry_after_s})")
+    if not (s.worker_timeout_s == 0 or MIN_WORKER_TIMEOUT_S <= s.worker_timeout_s <= MAX_WAIT_S):
+        raise ConfigError(
+            f"server.worker_timeout_s: must be 0 (never) or between {MIN_WORKER_TIMEOUT_S:g}"
+            f" and {MAX_WAIT_S:g} seconds (got {s.worker_timeout_s:g})"
+        )
 
 
 def _check_sharing(s: SharingConfig) -> None:

@@ -61,7 +61,7 @@ from proxy.rescheduler import Rescheduler
 from proxy.scraper import Scraper
 from proxy.shutdown import InFlight
 from proxy.upstream import Upstreams, connector
-from proxy.workers import FLEET_SNAPSHOT, RESTARTED_WORKER
+from proxy.workers import FLEET_SNAPSHOT, HEARTBEAT, RESTARTED_WORKER
 
 log = logging.getLogger("ferry")
 
@@ -76,6 +76,7 @@ BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)  # server.client_body_timeo
 
 # vLLM's model-routed POST routes outside /v1 (vLLM 0.32's api_server).
 ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
+HEARTBEAT_S = 1.0  # how often a worker tells its supervisor that it runs
 
 # How long an idle upstream connection is kept for reuse: under the 5 s after
 # which vLLM's uvicorn closes one (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so that Ferry
@@ -800,6 +801,8 @@ async def serve(
         if config.server.workers > 1
         else None
     )
+    beat = os.environ.get(HEARTBEAT)  # set by `--workers`' parent
+    beating = asyncio.create_task(_beat(beat)) if beat else None
     try:
         await stop.wait()
         app[SHUTTING_DOWN].set()
@@ -819,6 +822,8 @@ async def serve(
             runner.server.pre_shutdown()  # nor requests: keep-alive ends with each one
         await app[IN_FLIGHT].finish(config.server.shutdown_grace_s)
         await runner.cleanup()
+        if beating is not None:  # (through the stop too: it is no silent worker)
+            beating.cancel()
 
 
 def _on_signal(loop: asyncio.AbstractEventLoop, sig: int, handler: Callable[[], object]) -> None:
@@ -826,6 +831,18 @@ def _on_signal(loop: asyncio.AbstractEventLoop, sig: int, handler: Callable[[], 
         loop.add_signal_handler(sig, handler)
     except (NotImplementedError, RuntimeError):  # not the main thread (the tests' Ferry)
         pass
+
+
+async def _beat(path: str) -> None:
+    """Tell `--workers`' parent that this event loop runs: its heartbeat file's
+    time, every second (proxy/workers.py kills a worker that stops)."""
+    while True:
+        try:
+            os.utime(path)  # (a local file's inode: no wait worth a thread)
+        except OSError as exc:
+            log.warning("cannot beat the worker's heartbeat (%s): beats stop", exc)
+            return
+        await asyncio.sleep(HEARTBEAT_S)
 
 
 async def _stop_when_orphaned(stop: asyncio.Event, parent: int) -> None:

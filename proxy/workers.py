@@ -7,6 +7,12 @@ This parent only starts and watches them:
 - SIGTERM and SIGINT go to every worker, each shuts down gracefully (its
   streams finish), and the parent exits when they have;
 - SIGHUP goes to every worker: each re-reads the file;
+- a worker whose event loop stops running (stuck in a call that never returns,
+  or stopped by SIGSTOP) is killed after `timeout_s` without a heartbeat, and
+  started again as a dead one is: the kernel would go on handing it
+  connections that nobody answers. Each worker touches its heartbeat file
+  (`HEARTBEAT`) every second from its event loop, from its first second of
+  serving on; the parent reads the files' times.
 - a worker that dies (killed, or crashed after it ran a while) is started
   again after `restart_delay_s`. Its streams broke with it: clients retry, and
   its load leaves the shared view with its record's TTL. A worker started
@@ -50,6 +56,8 @@ RESTARTED_WORKER = "FERRY_RESTARTED_WORKER"
 # Set in every worker's environment: the file where the workers keep the fleet
 # state as they hold it (proxy/sharing.py), in a directory the parent removes.
 FLEET_SNAPSHOT = "FERRY_FLEET_SNAPSHOT"
+# Set in each worker's environment: the file it touches as its heartbeat.
+HEARTBEAT = "FERRY_HEARTBEAT"
 
 
 def supervise(
@@ -58,6 +66,7 @@ def supervise(
     args: tuple[Any, ...],
     *,
     stop_timeout_s: float,
+    timeout_s: float = 0.0,
     restart_delay_s: float = 1.0,
     min_uptime_s: float = 5.0,
     poll_s: float = 0.2,
@@ -67,19 +76,30 @@ def supervise(
     signal, or one that fails after running `min_uptime_s`, is started again; one
     whose first start fails sooner (a port taken, Redis down) is not, nor is one
     that exits cleanly or with EXIT_CONFIG. A restart that fails sooner is tried
-    again, each wait twice the last, up to MAX_FAILED_RESTARTS in a row. When no
-    worker is left, the parent exits 1."""
+    again, each wait twice the last, up to MAX_FAILED_RESTARTS in a row. One that
+    has not beaten for `timeout_s` (0: no watch) is killed, then started again.
+    When no worker is left, the parent exits 1."""
     context = multiprocessing.get_context("spawn")
     stopping = False
     workers: dict[int, BaseProcess] = {}
     started_at: dict[int, float] = {}
     restart_at: dict[int, float] = {}
     restarts: dict[int, int] = {}  # restarts in a row that failed before min_uptime_s
+    beats: dict[int, tuple[float, float]] = {}  # heartbeat file time, and when it changed
+
+    def heartbeat(index: int) -> str:
+        return os.path.join(snapshots, f"heartbeat-{index}")
 
     def start(index: int) -> None:
         process = context.Process(target=target, args=args, name=f"ferry-worker-{index}")
         if index in started_at:  # a spawned child takes the environment as it is now
             os.environ[RESTARTED_WORKER] = "1"
+        beat = heartbeat(index)
+        with open(beat, "w"):
+            pass
+        os.utime(beat, (0, 0))  # not beaten yet: a start is not timed
+        beats.pop(index, None)
+        os.environ[HEARTBEAT] = beat
         # And it ignores SIGHUP, as set now, until it can reload: one forwarded
         # while it starts would end it (the signal's default).
         reloads = signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -88,6 +108,7 @@ def supervise(
         finally:
             signal.signal(signal.SIGHUP, reloads)
             os.environ.pop(RESTARTED_WORKER, None)
+            os.environ.pop(HEARTBEAT, None)
         workers[index], started_at[index] = process, time.monotonic()
         log.info("worker %d started (pid %s)", index, process.pid)
 
@@ -113,7 +134,11 @@ def supervise(
             time.sleep(poll_s)
             now = time.monotonic()
             for index, process in list(workers.items()):
-                if stopping or process.is_alive():
+                if stopping:
+                    continue
+                if process.is_alive():
+                    if timeout_s > 0:
+                        _kill_if_silent(index, process, heartbeat(index), timeout_s, beats)
                     continue
                 if index in restart_at:  # dead, and its restart decided on already
                     if now >= restart_at[index]:
@@ -175,3 +200,35 @@ def supervise(
             signal.signal(sig, handler)
         os.environ.pop(FLEET_SNAPSHOT, None)
         shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def _kill_if_silent(
+    index: int,
+    process: BaseProcess,
+    heartbeat: str,
+    timeout_s: float,
+    seen: dict[int, tuple[float, float]],
+) -> None:
+    """Kill the worker if it beat once and then not for `timeout_s`: it is then
+    started again as a dead one is. A beat is a change of its file's time, timed
+    on the parent's monotonic clock (`seen`: each worker's last time and when it
+    changed), so a step of the wall clock kills nobody."""
+    try:
+        beaten = os.stat(heartbeat).st_mtime
+    except OSError:
+        return
+    now = time.monotonic()
+    last = seen.get(index)
+    if not beaten or last is None or last[0] != beaten:
+        seen[index] = (beaten, now)
+        return
+    silent = now - last[1]
+    if silent > timeout_s:
+        log.error(
+            "worker %d (pid %s) silent for %.0f s (its event loop is stuck or stopped): killed",
+            index,
+            process.pid,
+            silent,
+        )
+        process.kill()
+        process.join(5)

@@ -7,6 +7,7 @@ serves one port from several processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -79,8 +80,8 @@ def ferries(
 ) -> Iterator[Callable[..., list[FerryProcess]]]:
     """Factory: n `ferry serve` processes sharing through Redis, in front of two
     stand-ins (`i0`, `i1`) that stream one token every 50 ms. The first call's
-    `kv_blocks`, `migration`, `scheduler`, `sharing` and `redis_url` hold for every
-    process."""
+    `kv_blocks`, `migration`, `scheduler`, `sharing`, `redis_url` and `server` hold
+    for every process."""
     config = tmp_path / "ferry.yaml"
     started: list[FerryProcess] = []
 
@@ -90,6 +91,7 @@ def ferries(
         scheduler: dict[str, Any],
         sharing: dict[str, Any],
         redis_url: str,
+        server: dict[str, Any],
     ) -> None:
         sites = [site for _, site in standins(2, itl_s=0.05, kv_blocks=kv_blocks)]
         instances = [
@@ -106,7 +108,7 @@ def ferries(
                 **sharing,
             },
             "scheduler": {"scrape_interval_s": 0.1, **scheduler},
-            "server": {"shutdown_delay_s": 0, "shutdown_grace_s": 2},
+            "server": {"shutdown_delay_s": 0, "shutdown_grace_s": 2, **server},
         }
         config.write_text(json.dumps(body))
 
@@ -118,9 +120,12 @@ def ferries(
         scheduler: dict[str, Any] | None = None,
         sharing: dict[str, Any] | None = None,
         redis_url: str = redis_server,
+        server: dict[str, Any] | None = None,
     ) -> list[FerryProcess]:
         if not config.exists():
-            write_config(kv_blocks, migration, scheduler or {}, sharing or {}, redis_url)
+            write_config(
+                kv_blocks, migration, scheduler or {}, sharing or {}, redis_url, server or {}
+            )
         new = []
         for _ in range(n):
             index = len(started)
@@ -565,6 +570,41 @@ def test_one_name_added_through_two_processes_at_once_ends_as_one_instance(
     assert complete(a.url) == complete(b.url) == " tok" * 2
 
 
+def test_a_worker_whose_event_loop_stops_is_killed_and_replaced(ferries: Any) -> None:
+    """Stopped (SIGSTOP: to the kernel, as a worker stuck in a call that never
+    returns), a worker went on taking its share of the port's new connections
+    and answered none, for good. Silent past `worker_timeout_s`, it is killed
+    and another takes its place."""
+    [parent] = ferries(1, "--workers", "2", server={"worker_timeout_s": 3})
+    names: set[str] = set()
+    deadline = time.monotonic() + 10
+    while len(names) < 2 and time.monotonic() < deadline:  # a connection each
+        names.add(parent.sharing()["process"])
+    assert len(names) == 2
+    frozen = int(sorted(names)[0].split(":")[1])  # host:pid:random
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not _alive(frozen), timeout=15)  # 3 s silent, then killed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGCONT)
+    assert "silent for" in parent.log.read_text()
+
+    def replaced() -> bool:
+        return any(parent.sharing()["process"] not in names for _ in range(6))
+
+    wait_until(replaced, timeout=20)
+    assert all(complete(parent.url) == " tok" * 2 for _ in range(6))  # both answer
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_workers_whose_supervisor_is_killed_shut_down(ferries: Any) -> None:
     [parent] = ferries(1, "--workers", "2")
     pids: set[int] = set()
@@ -574,16 +614,8 @@ def test_workers_whose_supervisor_is_killed_shut_down(ferries: Any) -> None:
     assert len(pids) == 2
     parent.proc.kill()  # no signal reaches the workers
     parent.proc.wait(10)
-
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
     # A check a second, then the graceful stop (no delay, 2 s grace here).
-    wait_until(lambda: not any(alive(p) for p in pids), timeout=10)
+    wait_until(lambda: not any(_alive(p) for p in pids), timeout=10)
 
 
 def test_the_lease_holder_moves_another_process_s_streams(ferries: Any) -> None:

@@ -333,6 +333,10 @@ def test_client_keys_from_yaml_or_environment() -> None:
             r"^scheduler\.rebalance_interval_s: must be a fin",
         ),
         (
+            base(server={"worker_timeout_s": 1}),
+            r"^server\.worker_timeout_s: must be 0 \(never\) or between 3 and",
+        ),
+        (
             base(scheduler={"high_priority_headroom_blocks": 10**400}),
             r"^scheduler\.high_priority_headroom_blocks: must be a finite number",
         ),
