@@ -249,6 +249,9 @@ class ServerConfig:
     # Room for what vLLM takes whole: a 25 MB audio clip (its own limit), images
     # sent as base64 in a chat. (vllm-router's default is 256 MB.)
     max_body_bytes: int = 32 * 1024 * 1024
+    # What the bodies being received may hold in memory in all (each is held
+    # until it is whole); past it, the body that would cross it is answered 503.
+    max_pending_body_bytes: int = 512 * 1024 * 1024
     upstream_connect_timeout_s: float = 3.0
     upstream_read_timeout_s: float = 600.0  # a whole (non-streamed) response may take this long
     # A stream that sends nothing for this long is broken: it resumes elsewhere
@@ -998,6 +1001,11 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.port: must be between 0 and 65535")
     if s.max_body_bytes < 1024:
         raise ConfigError("server.max_body_bytes: must be at least 1024")
+    if s.max_pending_body_bytes < s.max_body_bytes:
+        raise ConfigError(
+            "server.max_pending_body_bytes: must be at least server.max_body_bytes"
+            f" ({s.max_body_bytes}), or no body that large could be received"
+        )
     if s.upstream_connect_timeout_s <= 0 or s.upstream_read_timeout_s <= 0:
         raise ConfigError("server.upstream_*_timeout_s: must be positive")
     if s.upstream_idle_timeout_s < 0:

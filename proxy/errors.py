@@ -6,6 +6,7 @@ import json
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 
@@ -36,7 +37,8 @@ def error_body(
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "server_error"),
+            # (Another 4xx is the request's fault too: 411, 414, 417.)
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
             "param": param,
             "code": code,
         }
@@ -62,17 +64,14 @@ def error_response(
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn aiohttp's own HTTP errors (404 route, 405, 413), a body it cannot
-    read (a Content-Encoding that does not decode) and Ferry's own faults into
-    the OpenAI shape."""
+    read (a chunked framing broken mid-way) and Ferry's own faults into the
+    OpenAI shape."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = error_response(exc.status, exc.reason, headers=_keep_headers(exc))
-        if exc.status == 413 and compressed(request):
-            end_unread(request, response)
-        return response
+        return error_response(exc.status, exc.reason, headers=_keep_headers(exc))
     except web.RequestPayloadError as exc:
         why = getattr(exc.__cause__, "message", None) or str(exc)
         response = error_response(400, f"request body could not be read: {why}")
@@ -90,13 +89,6 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
             raise
         log.exception("%s %s failed", request.method, request.path)
         return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
-
-
-def compressed(request: web.Request) -> bool:
-    """Whether the request's body is compressed. One refused is not read on in
-    to drop it, as aiohttp does for up to 10 s: that would inflate it on the
-    event loop (a 1 MB gzip of spaces is 1 GB: every stream stalls)."""
-    return request.headers.get("Content-Encoding", "identity").lower() != "identity"
 
 
 def end_unread(request: web.Request, response: web.StreamResponse) -> None:
@@ -140,6 +132,11 @@ class _RequestHandler(RequestHandler):
     ) -> web.StreamResponse:
         # aiohttp's logs it (and raises where an answer has begun).
         super().handle_error(request, status, exc, message)
+        if status == 400 and (
+            isinstance(exc, LineTooLong) or "Too many headers" in str(exc or "")
+        ):  # (the request line shares the line limit: a 64 KiB URL is no real one)
+            status = 431
+            message = "request headers too large: a line past the limit, or too many of them"
         if status >= 500 or not message:
             message = "internal error" if status >= 500 else "bad request"
         response = error_response(status, message.strip(), code="bad_http_request")

@@ -64,10 +64,26 @@ _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
+# A body past this is read (and written again for an instance) in a worker
+# thread: reading one can take seconds of Python (near `MAX_BRACKETS` of them; a
+# long multipart form), and the event loop serves every other stream meanwhile
+# (the GIL passes between them every few ms). A smaller one is done sooner than
+# the hop to a thread takes.
+OFF_LOOP_BYTES = 64 * 1024
+
+
 class BadRequest(ValueError):
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
+        self.headers = headers  # of the answer (a 503's Retry-After)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,14 +36,21 @@ from aiohttp.helpers import parse_mimetype
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
-from proxy import access_log, admin, client_auth, openai_request, sse, tracing, ttft_stages
+from proxy import (
+    access_log,
+    admin,
+    client_auth,
+    openai_request,
+    request_body,
+    sse,
+    tracing,
+    ttft_stages,
+)
 from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig, ServerConfig, redacted
 from proxy.discovery import Discovery
 from proxy.errors import (
     OpenAIErrorsRunner,
-    compressed,
-    end_unread,
     error_response,
     openai_errors,
 )
@@ -72,7 +79,7 @@ MIGRATOR = web.AppKey("migrator", Migrator)
 SCRAPER = web.AppKey("scraper", Scraper)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)  # set on SIGTERM
 IN_FLIGHT = web.AppKey("in_flight", InFlight)
-BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)  # server.client_body_timeout_s
+BODIES = web.AppKey("bodies", request_body.Bodies)  # how request bodies are received
 
 # vLLM's model-routed POST routes outside /v1 (vLLM 0.32's api_server).
 ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
@@ -145,7 +152,12 @@ def build_app(
     app[METRICS] = metrics
     app[sse.SEND_TIMEOUT] = config.server.client_send_timeout_s
     app[SHUTTING_DOWN] = asyncio.Event()
-    app[BODY_TIMEOUT_S] = config.server.client_body_timeout_s
+    app[BODIES] = request_body.Bodies(
+        config.server.max_body_bytes,
+        config.server.client_body_timeout_s,
+        config.server.max_pending_body_bytes,
+        config.server.retry_after_s,
+    )
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: every client stream holds one upstream connection.
@@ -302,12 +314,8 @@ def _request_limits(max_body_bytes: int) -> Any:
             return await handler(request)
         # The connection ends with the answer. (aiohttp reads on in the body,
         # for up to 10 s, and drops it: closed at once, a client still sending
-        # would get a reset instead of this answer. A compressed one it would
-        # inflate to drop it: that one is left unread.)
-        if compressed(request):
-            end_unread(request, refused)
-        else:
-            refused.force_close()
+        # would get a reset instead of this answer.)
+        refused.force_close()
         return refused
 
     return limits
@@ -365,6 +373,9 @@ def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:
         # aiohttp's shutdown finds none left, or a test's in-flight streams.
         shutdown_timeout=SHUTDOWN_CUT_S,
         keepalive_timeout=server.client_keepalive_s,
+        # Bodies as they came: Ferry inflates them off the event loop, bounded
+        # (proxy/request_body.py).
+        auto_decompress=False,
         # aiohttp refuses a header line past 8 KiB, where vLLM's server takes a
         # 20 KB JWT or cookie; Envoy allows 60 KiB of headers in all.
         max_line_size=MAX_HEADER_LINE_BYTES,
@@ -488,7 +499,7 @@ def _openai_handler(endpoint: str) -> Any:
             )
             model = parsed.model or _implied_model(request.app[CLUSTER])
         except openai_request.BadRequest as exc:
-            return error_response(exc.status, exc.message, param=exc.param)
+            return error_response(exc.status, exc.message, param=exc.param, headers=exc.headers)
         if model is not None:
             parsed.body["model"] = model
         return await request.app[RELAY].forward(
@@ -523,7 +534,7 @@ async def _invocations(request: web.Request) -> web.StreamResponse:
     try:
         raw = await _body(request)
     except openai_request.BadRequest as exc:
-        return error_response(exc.status, exc.message, param=exc.param)
+        return error_response(exc.status, exc.message, param=exc.param, headers=exc.headers)
     kind = await _read(raw, openai_request.invocation_kind, raw)
     if kind == "chat":
         return await _CHAT(request)
@@ -561,7 +572,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
             # where the instances' first models differ, that is a draw.
             model = _implied_model(request.app[CLUSTER])
     except openai_request.BadRequest as exc:
-        return error_response(exc.status, exc.message, param=exc.param)
+        return error_response(exc.status, exc.message, param=exc.param, headers=exc.headers)
     return await request.app[RELAY].forward(
         request,
         _engine_path(request),
@@ -576,30 +587,18 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
 
 
 _T = TypeVar("_T")
-# A body past this is read in a worker thread: reading one can take seconds of
-# Python (near `MAX_BRACKETS` of them; a long multipart form), and the event
-# loop serves every other stream meanwhile (the GIL passes between them every
-# few ms). A smaller one is read sooner than the hop to a thread takes.
-READ_OFF_LOOP_BYTES = 64 * 1024
 
 
 async def _read(raw: bytes, read: Callable[..., _T], *args: Any) -> _T:
     """`read(*args)`, of the body `raw`: off the event loop when it is large."""
-    if len(raw) <= READ_OFF_LOOP_BYTES:
+    if len(raw) <= openai_request.OFF_LOOP_BYTES:
         return read(*args)
     return await asyncio.to_thread(read, *args)
 
 
 async def _body(request: web.Request) -> bytes:
-    """The request's body, read whole; 408 for a client that takes longer than
-    `server.client_body_timeout_s` to send it."""
-    limit = request.app[BODY_TIMEOUT_S]
-    try:
-        async with asyncio.timeout(limit):
-            return await request.read()
-    except TimeoutError:
-        message = f"request body not received within {limit:g} s"
-        raise openai_request.BadRequest(message, status=408) from None
+    """The request's body, whole and decoded (proxy/request_body.py)."""
+    return await request.app[BODIES].read(request)
 
 
 # vLLM's routes that change what an engine serves (with

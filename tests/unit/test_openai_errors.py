@@ -48,3 +48,16 @@ def test_a_fault_of_ferrys_own_is_an_openai_error(caplog: pytest.LogCaptureFixtu
     assert "proxy's own" not in body["error"]["message"]  # the detail goes to the log only
     assert "GET /broken failed" in caplog.text and "a fault of the proxy's own" in caplog.text
     assert cut and "error" not in text  # no second answer after the first began
+
+
+@pytest.mark.parametrize(
+    "status,kind",
+    [(411, "invalid_request_error"), (417, "invalid_request_error"), (500, "server_error")],
+)
+def test_a_status_with_no_type_of_its_own_is_the_client_s_or_the_server_s(
+    status: int, kind: str
+) -> None:
+    """A 417 (an `Expect` Ferry does not meet) said `server_error`."""
+    from proxy.errors import error_body
+
+    assert error_body(status, "x")["error"]["type"] == kind

@@ -300,3 +300,22 @@ def test_a_long_session_name_is_kept_by_its_digest() -> None:
     assert session == session_of({"user": long}, None) != session_of({"user": long + "v"}, None)
     assert session_of(None, "s" * 300) == session_of({"user": "s" * 300}, None)
     assert session_of({"user": "alice"}, None) == "alice"  # a short one as it is
+
+
+def test_a_prompt_s_text_reads_no_part_past_its_limit() -> None:
+    """A chat of a million content parts was read whole (on the event loop) to
+    key on its first few kilobytes."""
+
+    class Unread(dict):  # type: ignore[type-arg]
+        def get(self, *args: object) -> object:
+            raise AssertionError("a part past the limit was read")
+
+        def __contains__(self, key: object) -> bool:
+            raise AssertionError("a part past the limit was read")
+
+    parts = [{"type": "text", "text": "abcd"}] * 10 + [Unread()] * 1000
+    body = {"messages": [{"role": "user", "content": parts}]}
+    assert prompt_text(body, 40) == "user\0" + "abcd" * 10 + "\1"
+    assert prompt_text({"messages": [{"role": "user", "content": "x" * 100}]}, 8) == (
+        "user\0" + "x" * 8 + "\1"
+    )

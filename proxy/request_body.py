@@ -1,0 +1,116 @@
+"""A client's request body: received within its time, held under one budget
+shared by every request, and decoded off the event loop.
+
+aiohttp would inflate a compressed body itself, in its parser, on the event
+loop: a 250 KB gzip of spaces is 256 MB, and every stream stalled for a second
+while it was inflated. Ferry's server takes bodies as they came
+(`auto_decompress=False`) and inflates them here, in a worker thread, never
+past `max_body_bytes`.
+
+A body is held in memory until it is whole. `max_body_bytes` bounds one; the
+budget (`server.max_pending_body_bytes`) bounds them all: twenty clients each
+sending all but the last byte of a 30 MB body held 774 MB until their timeout.
+Past the budget, the body whose bytes would cross it is answered 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+from aiohttp import web
+
+from proxy.openai_request import BadRequest
+
+_BODY = web.RequestKey("ferry_body", bytes)  # (read once: /invocations reads it again)
+# Content-Encodings taken, and the zlib window each is read with.
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# A body past this is inflated in a worker thread; a smaller one sooner here.
+DECODE_OFF_LOOP_BYTES = 16 * 1024
+
+
+class Bodies:
+    """How request bodies are received (the server's settings), and the bytes
+    of those being received now, against the budget."""
+
+    def __init__(self, limit: int, timeout_s: float, budget: int, retry_after_s: int) -> None:
+        self.limit, self.timeout_s, self.budget = limit, timeout_s, budget
+        self.retry_after_s = retry_after_s
+        self.held = 0
+
+    async def read(self, request: web.Request) -> bytes:
+        """The request's body, whole and decoded: 408 for one that takes longer
+        than `timeout_s` to come, 413 past `limit` bytes (as sent or inflated),
+        415 for an encoding Ferry does not take, 400 for one that does not
+        decode, and 503 while the bodies being received hold the whole budget."""
+        if (kept := request.get(_BODY)) is not None:
+            return kept
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("identity", "") and encoding not in _WBITS:
+            raise BadRequest(
+                f"Content-Encoding {encoding[:40]!r} is not taken; send gzip, deflate or none",
+                status=415,
+            )
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while chunk := await request.content.readany():
+                    size += len(chunk)
+                    self.held += len(chunk)
+                    if size > self.limit:
+                        raise BadRequest(f"request body is over {self.limit} bytes", status=413)
+                    if self.held > self.budget:
+                        raise BadRequest(
+                            "too many request bodies are being received at once; try again",
+                            status=503,
+                            headers={"Retry-After": str(self.retry_after_s)},
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            message = f"request body not received within {self.timeout_s:g} s"
+            raise BadRequest(message, status=408) from None
+        finally:
+            self.held -= size
+        body = b"".join(chunks)
+        if encoding in _WBITS and body:
+            wbits = _WBITS[encoding]
+            if len(body) <= DECODE_OFF_LOOP_BYTES:
+                body = decode(body, wbits, self.limit)
+            else:
+                body = await asyncio.to_thread(decode, body, wbits, self.limit)
+        request[_BODY] = body
+        return body
+
+
+def decode(body: bytes, wbits: int, limit: int) -> bytes:
+    """`body` inflated, never past `limit` bytes (413); 400 where it does not
+    decode or is cut short. Several gzip members are one body, as gzip reads
+    them; a `deflate` body is read with zlib's wrapper (RFC 9110) or without."""
+    out: list[bytes] = []
+    size = 0
+    data = body
+    while data:
+        inflate = zlib.decompressobj(wbits)
+        try:
+            part = inflate.decompress(data, limit + 1 - size)
+        except zlib.error as exc:
+            if wbits == zlib.MAX_WBITS and not out:  # a raw deflate stream, as some send
+                wbits = -zlib.MAX_WBITS
+                continue
+            raise BadRequest(f"request body does not decode as {_name(wbits)}: {exc}") from None
+        size += len(part)
+        if size > limit or inflate.unconsumed_tail:
+            raise BadRequest(f"request body inflates past {limit} bytes", status=413)
+        if not inflate.eof:
+            raise BadRequest(f"request body is cut short: its {_name(wbits)} stream has no end")
+        out.append(part)
+        data = inflate.unused_data if wbits > zlib.MAX_WBITS else b""
+        if data.strip(b"\0"):  # another gzip member (padding of zeros ends a file)
+            continue
+        break
+    return b"".join(out)
+
+
+def _name(wbits: int) -> str:
+    return "gzip" if wbits > zlib.MAX_WBITS else "deflate"

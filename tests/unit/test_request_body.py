@@ -1,0 +1,100 @@
+"""Request bodies inflated by Ferry itself, bounded (proxy/request_body.py `decode`)."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.openai_request import BadRequest
+from proxy.request_body import _WBITS, decode
+
+GZIP, DEFLATE = _WBITS["gzip"], _WBITS["deflate"]
+BODY = b'{"model": "m", "prompt": "\xe4\xbd\xa0\xe5\xa5\xbd \xf0\x9f\x98\x80"}' * 50
+
+
+def raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize(
+    "sent,wbits",
+    [
+        (gzip.compress(BODY), GZIP),
+        (gzip.compress(BODY[:100]) + gzip.compress(BODY[100:]), GZIP),  # two members, as gzip reads
+        (gzip.compress(BODY) + b"\0" * 16, GZIP),  # padded with zeros, as tar does
+        (zlib.compress(BODY), DEFLATE),  # RFC 9110's deflate: zlib's wrapper
+        (raw_deflate(BODY), DEFLATE),  # what some clients send as deflate
+    ],
+    ids=["gzip", "gzip-members", "gzip-padded", "deflate-zlib", "deflate-raw"],
+)
+def test_a_body_inflates_to_what_was_compressed(sent: bytes, wbits: int) -> None:
+    assert decode(sent, wbits, len(BODY)) == BODY
+
+
+def test_a_body_that_inflates_past_the_limit_is_413_without_inflating_on() -> None:
+    bomb = gzip.compress(b" " * (64 << 20))  # 64 MB of spaces in 64 KB
+    with pytest.raises(BadRequest) as refused:
+        decode(bomb, GZIP, 1 << 20)
+    assert refused.value.status == 413 and "inflates past" in refused.value.message
+    assert decode(gzip.compress(b" " * 100), GZIP, 100) == b" " * 100  # the limit itself: taken
+
+
+@pytest.mark.parametrize("wbits", [GZIP, DEFLATE])
+def test_a_body_cut_short_is_400_not_a_shorter_body(wbits: int) -> None:
+    """aiohttp took a truncated compressed body as the bytes it had inflated: a
+    body cut in the middle went on as a shorter one."""
+    sent = gzip.compress(BODY) if wbits == GZIP else zlib.compress(BODY)
+    for cut in (1, len(sent) // 2, len(sent) - 1):
+        with pytest.raises(BadRequest) as refused:
+            decode(sent[:cut], wbits, 1 << 20)
+        assert refused.value.status == 400, cut
+
+
+@given(st.binary(max_size=300), st.integers(min_value=0, max_value=400), st.booleans())
+def test_any_bytes_decode_whole_or_are_a_4xx(data: bytes, cut: int, as_gzip: bool) -> None:
+    """Whatever a client sends, cut anywhere: the body it compressed, or a 400
+    or 413 (never another exception, which would be a 500)."""
+    wbits = GZIP if as_gzip else DEFLATE
+    sent = (gzip.compress(data) if as_gzip else zlib.compress(data))[:cut]
+    try:
+        assert decode(sent, wbits, 1 << 20) == (data if sent else b"")  # (none: an empty body)
+    except BadRequest as refused:
+        assert refused.status in (400, 413)
+
+
+@given(st.binary(max_size=200))
+def test_garbage_is_a_400(garbage: bytes) -> None:
+    for wbits in (GZIP, DEFLATE):
+        try:
+            decode(garbage, wbits, 1 << 20)
+        except BadRequest as refused:
+            assert refused.status in (400, 413)
+
+
+def test_a_large_body_is_written_for_an_instance_off_the_event_loop() -> None:
+    import asyncio
+    import threading
+
+    from proxy.openai_request import OFF_LOOP_BYTES
+    from proxy.relay import _encoded
+
+    seen: list[int] = []
+
+    async def encode(size: int) -> bytes:
+        import proxy.sse as sse
+
+        dumps = sse.dumps
+        try:
+            sse.dumps = lambda body: (seen.append(threading.get_ident()), dumps(body))[1]  # type: ignore[assignment]
+            return await _encoded({"a": 1}, size)
+        finally:
+            sse.dumps = dumps
+
+    loop_thread = threading.get_ident()
+    assert asyncio.run(encode(OFF_LOOP_BYTES)) == b'{"a":1}' and seen == [loop_thread]
+    assert asyncio.run(encode(OFF_LOOP_BYTES + 1)) == b'{"a":1}' and seen[1] != loop_thread
