@@ -29,10 +29,11 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import client_auth
+from proxy import client_auth, request_body
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.fleet import Fleet, FleetError
+from proxy.openai_request import BadRequest
 
 
 def _alone() -> dict[str, Any]:
@@ -209,6 +210,10 @@ def _flag(request: web.Request, name: str) -> bool:
 
 async def _json_body(request: web.Request) -> Any:
     try:
-        return json.loads(await request.read())
+        raw = await request.app[request_body.BODIES].read(request)  # (a client's are read so)
+    except BadRequest as exc:
+        raise FleetError(exc.status, exc.message, "invalid_request") from None
+    try:
+        return json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise FleetError(400, "body: must be a JSON object", "invalid_request") from exc

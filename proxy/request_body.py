@@ -16,6 +16,8 @@ Past the budget, the body whose bytes would cross it is answered 503.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 import zlib
 
 from aiohttp import web
@@ -25,8 +27,10 @@ from proxy.openai_request import BadRequest
 _BODY = web.RequestKey("ferry_body", bytes)  # (read once: /invocations reads it again)
 # Content-Encodings taken, and the zlib window each is read with.
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-# A body past this is inflated in a worker thread; a smaller one sooner here.
-DECODE_OFF_LOOP_BYTES = 16 * 1024
+# zlib is fed this much of a body at a time (between looks at the clock).
+SLICE_BYTES = 64 * 1024
+# Gzip members one body may be made of (a tar of files has a few).
+MAX_MEMBERS = 64
 
 
 class Bodies:
@@ -40,7 +44,7 @@ class Bodies:
 
     async def read(self, request: web.Request) -> bytes:
         """The request's body, whole and decoded: 408 for one that takes longer
-        than `timeout_s` to come, 413 past `limit` bytes (as sent or inflated),
+        than `timeout_s` to come and inflate, 413 past `limit` bytes (as sent or inflated),
         415 for an encoding Ferry does not take, 400 for one that does not
         decode, and 503 while the bodies being received hold the whole budget."""
         if (kept := request.get(_BODY)) is not None:
@@ -53,6 +57,7 @@ class Bodies:
             )
         chunks: list[bytes] = []
         size = 0
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
                 while chunk := await request.content.readany():
@@ -74,43 +79,61 @@ class Bodies:
             self.held -= size
         body = b"".join(chunks)
         if encoding in _WBITS and body:
+            # Always in a thread: 16 KB of gzip is 16 MB of spaces. Its time
+            # counts against the body's (a thread cannot be called back).
+            deadline = started + self.timeout_s
             wbits = _WBITS[encoding]
-            if len(body) <= DECODE_OFF_LOOP_BYTES:
-                body = decode(body, wbits, self.limit)
-            else:
-                body = await asyncio.to_thread(decode, body, wbits, self.limit)
+            body = await asyncio.to_thread(decode, body, wbits, self.limit, deadline)
         request[_BODY] = body
         return body
 
 
-def decode(body: bytes, wbits: int, limit: int) -> bytes:
+def decode(body: bytes, wbits: int, limit: int, deadline: float = math.inf) -> bytes:
     """`body` inflated, never past `limit` bytes (413); 400 where it does not
-    decode or is cut short. Several gzip members are one body, as gzip reads
-    them; a `deflate` body is read with zlib's wrapper (RFC 9110) or without."""
+    decode or is cut short, and 408 past `deadline` (time.monotonic()). It is
+    fed to zlib a slice at a time, so its work follows the bytes it takes, not
+    their square. Several gzip members are one body, as gzip reads them (at most
+    MAX_MEMBERS); a `deflate` body is read with zlib's wrapper (RFC 9110) or
+    without."""
+    view = memoryview(body)
     out: list[bytes] = []
-    size = 0
-    data = body
-    while data:
+    size = at = members = 0
+    while at < len(view):
+        if members == MAX_MEMBERS:
+            raise BadRequest(f"request body has over {MAX_MEMBERS} gzip members")
         inflate = zlib.decompressobj(wbits)
-        try:
-            part = inflate.decompress(data, limit + 1 - size)
-        except zlib.error as exc:
-            if wbits == zlib.MAX_WBITS and not out:  # a raw deflate stream, as some send
-                wbits = -zlib.MAX_WBITS
-                continue
-            raise BadRequest(f"request body does not decode as {_name(wbits)}: {exc}") from None
-        size += len(part)
-        if size > limit or inflate.unconsumed_tail:
-            raise BadRequest(f"request body inflates past {limit} bytes", status=413)
-        if not inflate.eof:
-            raise BadRequest(f"request body is cut short: its {_name(wbits)} stream has no end")
-        out.append(part)
-        data = inflate.unused_data if wbits > zlib.MAX_WBITS else b""
-        if data.strip(b"\0"):  # another gzip member (padding of zeros ends a file)
-            continue
-        break
+        start = at
+        while not inflate.eof:
+            if at == len(view):
+                raise BadRequest(f"request body is cut short: its {_name(wbits)} stream has no end")
+            if time.monotonic() > deadline:
+                raise BadRequest("request body not read in time", status=408)
+            piece = view[at : at + SLICE_BYTES]
+            try:
+                part = inflate.decompress(piece, limit + 1 - size)
+            except zlib.error as exc:
+                if wbits == zlib.MAX_WBITS and at == start == 0:  # raw deflate, as some send
+                    wbits = -zlib.MAX_WBITS
+                    break
+                raise BadRequest(f"request body does not decode as {_name(wbits)}: {exc}") from None
+            size += len(part)
+            if size > limit or inflate.unconsumed_tail:
+                raise BadRequest(f"request body inflates past {limit} bytes", status=413)
+            out.append(part)
+            at += len(piece) - len(inflate.unused_data)
+        else:
+            members += 1
+            if wbits <= zlib.MAX_WBITS:
+                break  # one deflate stream
+            if at < len(view) and view[at] == 0:  # zeros pad a gzip file to its end
+                if view[at:].tobytes().strip(b"\0"):
+                    raise BadRequest("request body has bytes past its gzip stream")
+                break
     return b"".join(out)
 
 
 def _name(wbits: int) -> str:
     return "gzip" if wbits > zlib.MAX_WBITS else "deflate"
+
+
+BODIES = web.AppKey("bodies", Bodies)  # the app's (proxy/server.py)

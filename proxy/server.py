@@ -79,7 +79,6 @@ MIGRATOR = web.AppKey("migrator", Migrator)
 SCRAPER = web.AppKey("scraper", Scraper)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)  # set on SIGTERM
 IN_FLIGHT = web.AppKey("in_flight", InFlight)
-BODIES = web.AppKey("bodies", request_body.Bodies)  # how request bodies are received
 
 # vLLM's model-routed POST routes outside /v1 (vLLM 0.32's api_server).
 ORPHAN_CHECK_S = 1.0  # how often a worker checks that its supervisor lives
@@ -152,7 +151,7 @@ def build_app(
     app[METRICS] = metrics
     app[sse.SEND_TIMEOUT] = config.server.client_send_timeout_s
     app[SHUTTING_DOWN] = asyncio.Event()
-    app[BODIES] = request_body.Bodies(
+    app[request_body.BODIES] = request_body.Bodies(
         config.server.max_body_bytes,
         config.server.client_body_timeout_s,
         config.server.max_pending_body_bytes,
@@ -598,7 +597,7 @@ async def _read(raw: bytes, read: Callable[..., _T], *args: Any) -> _T:
 
 async def _body(request: web.Request) -> bytes:
     """The request's body, whole and decoded (proxy/request_body.py)."""
-    return await request.app[BODIES].read(request)
+    return await request.app[request_body.BODIES].read(request)
 
 
 # vLLM's routes that change what an engine serves (with

@@ -58,6 +58,8 @@ RESTARTED_WORKER = "FERRY_RESTARTED_WORKER"
 FLEET_SNAPSHOT = "FERRY_FLEET_SNAPSHOT"
 # Set in each worker's environment: the file it touches as its heartbeat.
 HEARTBEAT = "FERRY_HEARTBEAT"
+# A poll this late means the parent was not running: heartbeats are timed anew.
+PAUSED_S = 2.0
 
 
 def supervise(
@@ -130,9 +132,16 @@ def supervise(
             if stopping:  # a SIGTERM while they start reaches only those started
                 break
             start(index)
+        polled = time.monotonic()
         while not stopping and workers:
             time.sleep(poll_s)
             now = time.monotonic()
+            if now - polled > PAUSED_S:
+                # The parent itself did not run (its whole group was frozen and
+                # thawed: docker pause, Ctrl-Z): the workers' silence meanwhile
+                # was not theirs. Timed again from now.
+                beats.clear()
+            polled = now
             for index, process in list(workers.items()):
                 if stopping:
                     continue

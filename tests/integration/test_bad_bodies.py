@@ -17,6 +17,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import wait_until
+
 MODELS = ("alpha", "beta")
 PATHS = (
     "/v1/completions",
@@ -507,9 +509,11 @@ def test_a_compressed_body_past_the_limit_is_not_inflated_on(
 def test_bodies_being_received_are_held_under_one_budget(standins: Any, ferry: Any) -> None:
     """Each client sent all but the last byte of a body under `max_body_bytes`
     and waited: twenty of them held 774 MB until their timeout. Past
-    `max_pending_body_bytes`, the body that would cross it gets a 503 (with
-    Retry-After); a body that comes whole meanwhile is served, and the budget
-    is free again once the held ones are gone."""
+    `max_pending_body_bytes`, the body whose bytes would cross it gets a 503
+    (with Retry-After); a body that comes whole meanwhile is served, and the
+    budget is free again once the held ones are gone."""
+    import select
+
     [(standin, site)] = standins(1, itl_s=0)
     limit = 64 * 1024
     proxy = ferry([site.url], server={"max_body_bytes": limit, "max_pending_body_bytes": 2 * limit})
@@ -518,27 +522,28 @@ def test_bodies_being_received_are_held_under_one_budget(standins: Any, ferry: A
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % limit
     )
-    held = []
+    held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
     try:
-        for _ in range(2):  # 120 KB of the 128 KB budget, held
-            conn = socket.create_connection((host, int(port)), timeout=10)
+        for conn in held:  # 3 x 60 KB against 128 KB: one of them crosses it
             conn.sendall(head + b" " * (limit - 4 * 1024))
-            held.append(conn)
-        time.sleep(0.3)  # (read by Ferry)
-        small = {"model": "standin", "prompt": "x", "max_tokens": 2}
-        assert httpx.post(proxy.url + "/v1/completions", json=small).status_code == 200
-        third = socket.create_connection((host, int(port)), timeout=10)
-        held.append(third)
-        third.sendall(head + b" " * (limit - 4 * 1024))
-        answer = third.recv(4096)
+        answered, _, _ = select.select(held, [], [], 10)
+        assert len(answered) == 1, answered
+        answer = answered[0].recv(4096)
         assert answer.startswith(b"HTTP/1.1 503"), answer
         assert b"Retry-After: 1" in answer and b"being received at once" in answer
+        small = {"model": "standin", "prompt": "x", "max_tokens": 2}
+        assert httpx.post(proxy.url + "/v1/completions", json=small).status_code == 200
+        others = [conn for conn in held if conn not in answered]
+        assert select.select(others, [], [], 0.2)[0] == []  # they still wait
     finally:
         for conn in held:
             conn.close()
-    time.sleep(0.3)  # (their handlers end: the budget is given back)
     big = {"model": "standin", "prompt": "x" * (limit - 1024), "max_tokens": 2}
-    assert httpx.post(proxy.url + "/v1/completions", json=big).status_code == 200
+
+    def served() -> bool:  # once the held ones' handlers have ended
+        return httpx.post(proxy.url + "/v1/completions", json=big).status_code == 200
+
+    wait_until(served, timeout=10)
     assert len(standin.answers) == 2
 
 

@@ -417,6 +417,21 @@ def test_admin_requires_the_token_and_drains(standins: Any, ferry: Any) -> None:
     assert post(proxy.url + "/admin/instances/zz/drain", b"", auth)[0] == 404
 
 
+def test_an_admin_body_is_read_as_a_client_s_gzip_included(standins: Any, ferry: Any) -> None:
+    """With Ferry taking bodies as they come, the admin API read a gzip one as
+    its compressed bytes: "must be a JSON object"."""
+    import gzip
+
+    (_, a), (_, b) = standins(2, itl_s=0.001)
+    proxy = ferry([a.url], admin_token="t")
+    added = gzip.compress(json.dumps({"name": "i1", "url": b.url}).encode())
+    headers = {"Authorization": "Bearer t", "Content-Encoding": "gzip"}
+    status, row, _ = post(proxy.url + "/admin/instances", added, headers)
+    assert status == 201 and row["name"] == "i1", row
+    status, error, _ = post(proxy.url + "/admin/instances", b"junk", headers)
+    assert status == 400 and "does not decode as gzip" in error["error"]["message"]
+
+
 def test_admin_is_off_without_a_token(standins: Any, ferry: Any) -> None:
     [(_, site)] = standins(1)
     status, payload, _ = get(ferry([site.url]).url + "/admin/instances")

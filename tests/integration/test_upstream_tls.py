@@ -235,3 +235,25 @@ def test_tls_files_ferry_cannot_use_are_a_config_error(case: str, pki: Pki, tmp_
         assert "encrypted" in message
     if case in ("missing", "key-alone"):
         assert "tls_" in message
+
+
+def test_a_reload_reads_again_the_files_of_every_context_made_of_them(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """An admin API instance's context (the file's CA, its own `tls_verify`)
+    kept the CA it was made with after a reload had read the rotated file."""
+    import shutil
+
+    from proxy import tls
+
+    def issuer(made: ssl.SSLContext) -> str:
+        (cert,) = made.get_ca_certs()
+        return dict(x[0] for x in cert["subject"])["commonName"]
+
+    ca = tmp_path / "ca.pem"
+    shutil.copy(pki.ca, ca)
+    derived = tls.context((str(ca), None, None, False))
+    assert issuer(derived) == "ca"
+    shutil.copy(pki.stranger_ca, ca)  # rotated
+    config(["https://127.0.0.1:1"], tls_ca_file=str(ca))  # a reload reads the file
+    assert issuer(tls.context((str(ca), None, None, False))) == "stranger"

@@ -98,3 +98,29 @@ def test_a_large_body_is_written_for_an_instance_off_the_event_loop() -> None:
     loop_thread = threading.get_ident()
     assert asyncio.run(encode(OFF_LOOP_BYTES)) == b'{"a":1}' and seen == [loop_thread]
     assert asyncio.run(encode(OFF_LOOP_BYTES + 1)) == b'{"a":1}' and seen[1] != loop_thread
+
+
+def test_a_body_of_too_many_gzip_members_is_400() -> None:
+    """Each member was inflated after a copy of the rest of the body: 4 MB of
+    tiny members took 20 s of a worker thread (32 MiB, twenty minutes)."""
+    from proxy.request_body import MAX_MEMBERS
+
+    member = gzip.compress(b"x")
+    assert decode(member * MAX_MEMBERS, GZIP, 1 << 20) == b"x" * MAX_MEMBERS
+    with pytest.raises(BadRequest) as refused:
+        decode(member * (MAX_MEMBERS + 1), GZIP, 1 << 20)
+    assert refused.value.status == 400 and "gzip members" in refused.value.message
+
+
+def test_a_body_inflated_past_its_time_is_408() -> None:
+    import time
+
+    with pytest.raises(BadRequest) as refused:
+        decode(gzip.compress(BODY), GZIP, 1 << 20, deadline=time.monotonic() - 1)
+    assert refused.value.status == 408
+
+
+def test_bytes_after_a_gzip_file_s_padding_are_400() -> None:
+    with pytest.raises(BadRequest) as refused:
+        decode(gzip.compress(BODY) + b"\0\0junk", GZIP, 1 << 20)
+    assert refused.value.status == 400 and "past its gzip stream" in refused.value.message

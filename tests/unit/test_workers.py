@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -145,3 +146,48 @@ def test_a_worker_that_cannot_start_again_is_given_up(tmp_path: Path, then: str,
     assert supervise_flaky(counter, then, stop_after_runs=None) == 1
     with open(counter) as f:
         assert len(f.read()) == runs
+
+
+def beater(seconds: str, every: str) -> None:
+    """A worker that beats its heartbeat `every` seconds (Ferry's: every second)."""
+    from proxy.workers import HEARTBEAT
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    deadline = time.monotonic() + float(seconds)
+    while time.monotonic() < deadline:
+        os.utime(os.environ[HEARTBEAT])
+        time.sleep(float(every))
+
+
+def test_workers_frozen_with_their_parent_are_not_killed_as_silent(tmp_path: Path) -> None:
+    """The whole group stopped (docker pause, Ctrl-Z) and thawed: the parent
+    counted its own pause as its workers' silence and killed them, streams and
+    all."""
+    script = (
+        "import logging, sys\n"
+        "from proxy.workers import supervise\n"
+        "from tests.unit.test_workers import beater\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        # Beats 2.5 s apart against a 4 s timeout: thawed, a worker's next beat
+        # may be 2.5 s away, while the parent looks at once.
+        "sys.exit(supervise(2, beater, ('60', '2.5'), stop_timeout_s=5, timeout_s=4,"
+        " poll_s=0.05))\n"
+    )
+    log = tmp_path / "supervisor.log"
+    with log.open("wb") as out:
+        parent = subprocess.Popen(
+            [sys.executable, "-c", script], stderr=out, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while log.read_text().count("started (pid") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3)  # both beating
+        os.killpg(parent.pid, signal.SIGSTOP)
+        time.sleep(6)  # past timeout_s
+        os.killpg(parent.pid, signal.SIGCONT)
+        time.sleep(3)
+        assert "silent for" not in log.read_text(), log.read_text()
+    finally:
+        parent.terminate()
+        parent.wait(20)
