@@ -709,9 +709,9 @@ def parse_instance(
 
 
 def _check_tls(inst: InstanceConfig, where: str, own: Mapping[str, Any], runtime: bool) -> None:
-    """An instance's TLS settings, its files read now (see proxy/tls.py). The
+    """An instance's TLS settings, its files checked now (see proxy/tls.py). The
     admin API names no file on Ferry's host: its instances take the file's
-    `instance_defaults`, whose contexts were made as the file was read."""
+    `instance_defaults`, checked as the file was read."""
     if not isinstance(inst.tls_verify, bool):
         raise ConfigError(f"{where}.tls_verify: must be true or false")
     for key in TLS_KEYS:
@@ -728,9 +728,9 @@ def _check_tls(inst: InstanceConfig, where: str, own: Mapping[str, Any], runtime
     if inst.tls_server_name is not None:
         _check_dns_name(inst.tls_server_name, f"{where}.tls_server_name")
     settings = inst.tls_settings
-    if settings is not None:
+    if settings is not None and not runtime:  # (the admin API's: the file's, checked)
         try:
-            tls.context(settings, fresh=not runtime)
+            tls.load(settings)
         except (OSError, ssl.SSLError, ValueError) as exc:
             raise ConfigError(f"{where}: its TLS files cannot be used: {exc}") from None
 

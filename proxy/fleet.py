@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable, Container
 from typing import Any
 
+from proxy import tls
 from proxy.cluster import Cluster
 from proxy.config import (
     ConfigError,
@@ -290,7 +291,9 @@ class Fleet:
                 409, "ferry was started without a configuration file", "no_config_file"
             )
         async with self._reloading:  # one at a time: the file read last is applied last
-            return self.apply(await asyncio.to_thread(_parse, self.load))
+            applied = self.apply(await asyncio.to_thread(_parse, self.load))
+            await asyncio.to_thread(tls.reread)  # (rotated certificates, from now on)
+            return applied
 
     def apply(self, new: FerryConfig) -> dict[str, Any]:
         """Make the running fleet match `new`; returns what changed."""

@@ -28,7 +28,7 @@ from migration_shim import wire
 from proxy.cluster import Cluster, InstanceState
 from proxy.config import InstanceConfig
 from proxy.metrics import FerryMetrics
-from proxy.upstream import OutOfFiles, ShortageLog, out_of_files, read_whole
+from proxy.upstream import OutOfFiles, ShortageLog, out_of_files, read_whole, tls_of
 
 log = logging.getLogger("ferry.scraper")
 
@@ -205,7 +205,7 @@ class Scraper:
         async with self.session.get(
             state.url + path,
             headers=state.config.auth_headers(),
-            **state.config.tls(),
+            **tls_of(state.config),
             timeout=self.timeout,
         ) as resp:
             if resp.status != 200:
@@ -234,7 +234,7 @@ class Scraper:
             async with self.session.get(
                 state.url + "/v1/models",
                 headers=state.config.auth_headers(),
-                **state.config.tls(),
+                **tls_of(state.config),
                 timeout=self.timeout,
             ) as resp:
                 if resp.status != 200:
@@ -263,7 +263,7 @@ class Scraper:
             async with self.session.get(
                 state.url + wire.INFO,
                 headers=state.config.auth_headers(),
-                **state.config.tls(),
+                **tls_of(state.config),
                 timeout=self.timeout,
             ) as resp:
                 if resp.status == 200:
@@ -328,7 +328,7 @@ class Scraper:
             async with self.session.get(
                 state.url + "/health",
                 headers=state.config.auth_headers(),
-                **state.config.tls(),
+                **tls_of(state.config),
                 timeout=self.timeout,
             ):
                 return  # any status: the process answers

@@ -5,41 +5,29 @@ would. Its `tls_ca_file` trusts that bundle instead (a private CA), its
 `tls_cert_file`/`tls_key_file` present a client certificate (mutual TLS), and
 `tls_verify: false` checks nothing (a test fleet's self-signed servers).
 
-Contexts are made when the configuration is read (`context(..., fresh=True)`),
-where a file that cannot be read is a configuration error, and kept by their
-settings: a call finds its instance's with a dict lookup, and reads no file on
-the event loop. A reload reads the files again (a refused one too: the files
-are what they are), so a rotated certificate is taken by the connections
-opened after it.
+Contexts are kept by their settings: a call finds its instance's with a dict
+lookup. One is made at its first call, and made again, from the files as they
+are then, when a reload is applied (`reread`): a rotated certificate is taken
+by the connections opened after it. Reading a configuration makes each of its
+contexts once to check its files (`load`), and keeps none: a reload that is
+refused changes nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import ssl
+
+log = logging.getLogger("ferry.tls")
 
 Settings = tuple[str | None, str | None, str | None, bool]  # CA, cert, key, verify
 
 _made: dict[Settings, ssl.SSLContext] = {}
 
 
-def context(settings: Settings, *, fresh: bool = False) -> ssl.SSLContext:
-    """The client context for `settings`; `fresh` reads its files again, and
-    those of every other context made of one of them (an admin API instance's:
-    the file's files, its own `tls_verify`). Raises OSError or ssl.SSLError
-    where a file cannot be read as PEM."""
-    made = None if fresh else _made.get(settings)
-    if made is None:
-        made = _made[settings] = _make(settings)
-        files = {f for f in settings[:3] if f}
-        if fresh and files:
-            for other in [s for s in _made if s != settings and files & set(s[:3])]:
-                with contextlib.suppress(OSError, ssl.SSLError, ValueError):
-                    _made[other] = _make(other)  # (else it keeps the files it had)
-    return made
-
-
-def _make(settings: Settings) -> ssl.SSLContext:
+def load(settings: Settings) -> ssl.SSLContext:
+    """A client context made from `settings`' files as they are now. Raises
+    OSError, ssl.SSLError or ValueError where one cannot be read as PEM."""
     ca_file, cert_file, key_file, verify = settings
     made = ssl.create_default_context(cafile=ca_file)  # the system's roots without one
     if not verify:
@@ -49,6 +37,25 @@ def _make(settings: Settings) -> ssl.SSLContext:
         # An encrypted key is refused, not asked for on the terminal (OpenSSL's way).
         made.load_cert_chain(cert_file, key_file, password=_no_password)
     return made
+
+
+def context(settings: Settings) -> ssl.SSLContext:
+    """The context in use for `settings`, made now if none is (its first call,
+    in a worker started again, say); raises as `load` does."""
+    made = _made.get(settings)
+    if made is None:
+        made = _made[settings] = load(settings)
+    return made
+
+
+def reread() -> None:
+    """Make every context in use again from its files, now that a reload is
+    applied; one whose files cannot be read now keeps the files it had."""
+    for settings in list(_made):
+        try:
+            _made[settings] = load(settings)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            log.warning("TLS files %s not read again, kept as they were: %s", settings[:3], exc)
 
 
 def _no_password() -> bytes:

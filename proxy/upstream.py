@@ -29,6 +29,7 @@ import os
 import re
 import resource
 import socket
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
@@ -41,7 +42,7 @@ from multidict import CIMultiDict
 
 from proxy import sse
 from proxy.cluster import Cluster
-from proxy.config import ServerConfig
+from proxy.config import InstanceConfig, ServerConfig
 from proxy.ledger import LedgerEntry
 from proxy.policy import Priority
 from proxy.ttft_stages import TTFTStages
@@ -172,6 +173,22 @@ class ShortageLog:
         if now - self._at >= OUT_OF_FILES_LOG_S:
             self._at = now
             self.logger.warning(message, *args)
+
+
+def tls_of(config: InstanceConfig) -> dict[str, Any]:
+    """aiohttp's TLS arguments for a call to the instance. Its TLS files read
+    at the call (its first, or in a worker started again) that cannot be read
+    (moved or spoiled since the file was checked) fail the call as a refused
+    connection would: the instance is unhealthy, and says why."""
+    try:
+        return config.tls()
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise TLSFilesUnusable(f"its TLS files cannot be used: {exc}") from None
+
+
+class TLSFilesUnusable(aiohttp.ClientOSError):
+    """An instance's TLS files could not be read for a call (`tls_of`): one of
+    `sse.CONNECT_ERRORS`, as a connection that failed."""
 
 
 class InstanceStopped(aiohttp.ServerTimeoutError):
@@ -391,7 +408,7 @@ class Upstreams:
         other failure closes the call and is raised. `stages` (a client's first
         call) is marked as the call starts and has its connection."""
         config = self.cluster.instances[call.instance].config
-        auth, tls = config.auth_headers(), config.tls()
+        auth = config.auth_headers()
         if auth:  # the instance's own credentials replace the client's
             names = {k.lower() for k in auth}
             headers = {k: v for k, v in (headers or {}).items() if k.lower() not in names}
@@ -401,6 +418,7 @@ class Upstreams:
         timeout = self.stream_timeout if stream else self.whole_timeout
         url = self.url(call.instance) + path
         try:
+            tls = tls_of(config)
             async with self.waits(call.instance):
                 try:
                     call.response = await self.session.request(
@@ -455,7 +473,7 @@ class Upstreams:
                 state.url + path,
                 json=body,
                 headers=state.config.auth_headers(),
-                **state.config.tls(),
+                **tls_of(state.config),
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 if resp.status == 404:

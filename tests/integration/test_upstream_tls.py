@@ -237,23 +237,77 @@ def test_tls_files_ferry_cannot_use_are_a_config_error(case: str, pki: Pki, tmp_
         assert "tls_" in message
 
 
-def test_a_reload_reads_again_the_files_of_every_context_made_of_them(
-    pki: Pki, tmp_path: Path
+def test_an_applied_reload_reads_the_tls_files_again_and_a_refused_one_does_not(
+    pki: Pki, sites: Any, loop_thread: Any, tmp_path: Path
 ) -> None:
-    """An admin API instance's context (the file's CA, its own `tls_verify`)
-    kept the CA it was made with after a reload had read the rotated file."""
+    """A rotated CA is used from the next applied reload on, by every context
+    made of it (an admin API instance's too: the file's CA, its own
+    `tls_verify`). A refused reload put the files it had read into use all the
+    same; it changes nothing now."""
     import shutil
 
+    from loadtest.standin_server import StandIn
     from proxy import tls
 
-    def issuer(made: ssl.SSLContext) -> str:
-        (cert,) = made.get_ca_certs()
+    def issuer(settings: Any) -> str:
+        (cert,) = tls.context(settings).get_ca_certs()
         return dict(x[0] for x in cert["subject"])["commonName"]
 
+    _, site = sites.start(StandIn(itl_s=0.001), ssl_context=pki.server_context())
     ca = tmp_path / "ca.pem"
     shutil.copy(pki.ca, ca)
-    derived = tls.context((str(ca), None, None, False))
-    assert issuer(derived) == "ca"
-    shutil.copy(pki.stranger_ca, ca)  # rotated
-    config(["https://127.0.0.1:1"], tls_ca_file=str(ca))  # a reload reads the file
-    assert issuer(tls.context((str(ca), None, None, False))) == "stranger"
+    raw: dict[str, Any] = {
+        "instances": [{"name": "i0", "url": site.url}],
+        "instance_defaults": {"tls_ca_file": str(ca)},
+        "scheduler": {"scrape_interval_s": 0.05, "seed": 1},
+        "admin_token": "t",
+    }
+    proxy = Ferry(loop_thread, parse_config(raw, env={}), lambda: parse_config(raw, env={}))
+    admin = {"Authorization": "Bearer t"}
+    try:
+        wait_until(lambda: instance(proxy)["healthy"] and instance(proxy)["models"])
+        derived = (str(ca), None, None, False)
+        port = site.url.rsplit(":", 1)[1]  # (by another name: another server to Ferry)
+        added = {"name": "i1", "url": f"https://localhost:{port}", "tls_verify": False}
+        assert call_json(proxy.url + "/admin/instances", "POST", added, admin)[0] == 201
+        wait_until(lambda: instance(proxy, "i1")["healthy"])
+        mine = (str(ca), None, None, True)
+        assert issuer(mine) == issuer(derived) == "ca"
+        shutil.copy(pki.stranger_ca, ca)  # rotated; and the file refused for another reason
+        raw["instances"].append({"name": "bad", "url": "https://127.0.0.1:1", "tls_ca_file": 7})
+        status, _ = call_json(proxy.url + "/admin/reload", "POST", {}, admin)
+        assert status == 400
+        assert issuer(mine) == issuer(derived) == "ca"  # nothing changed
+        raw["instances"].pop()
+        status, _ = call_json(proxy.url + "/admin/reload", "POST", {}, admin)
+        assert status == 200
+        assert issuer(mine) == issuer(derived) == "stranger"
+    finally:
+        proxy.close()
+
+
+def test_tls_files_gone_when_first_used_make_the_instance_unhealthy_not_a_crash(
+    pki: Pki, sites: Any, loop_thread: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A `--workers` worker started again takes the file as checked at the start,
+    and makes its contexts at their first call: a CA file deleted since made
+    every scrape raise, unhandled, and the worker die again and again."""
+    import shutil
+
+    from loadtest.standin_server import StandIn
+
+    _, site = sites.start(StandIn(itl_s=0.001), ssl_context=pki.server_context())
+    ca = tmp_path / "ca.pem"
+    shutil.copy(pki.ca, ca)
+    checked = config([site.url], tls_ca_file=str(ca))
+    ca.unlink()  # after the check, before the first call
+    proxy = Ferry(loop_thread, checked)
+    try:
+        wait_until(lambda: not instance(proxy)["healthy"])
+        assert "TLS files cannot be used" in str(instance(proxy)["last_error"])
+        shutil.copy(pki.ca, ca)  # back: the next look makes its context
+        wait_until(lambda: instance(proxy)["healthy"] and instance(proxy)["models"])
+        assert complete(proxy) == " tok" * 5
+    finally:
+        proxy.close()
+    assert "Traceback" not in caplog.text and "never retrieved" not in caplog.text

@@ -124,3 +124,33 @@ def test_bytes_after_a_gzip_file_s_padding_are_400() -> None:
     with pytest.raises(BadRequest) as refused:
         decode(gzip.compress(BODY) + b"\0\0junk", GZIP, 1 << 20)
     assert refused.value.status == 400 and "past its gzip stream" in refused.value.message
+
+
+def test_bodies_being_inflated_hold_of_the_budget_what_they_may_inflate_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two dozen clients each sending 30 KB of gzip (32 MB of spaces) made Ferry
+    hold 3 GB: the budget counted the bytes sent only."""
+    import asyncio
+    import math
+    import threading
+
+    import proxy.request_body as request_body
+
+    gate = threading.Event()
+    monkeypatch.setattr(request_body, "decode", lambda *_: gate.wait(5) and b"{}")
+    bodies = request_body.Bodies(1 << 20, 10.0, 2 << 20, 1)
+
+    async def scenario() -> None:
+        body = b"\x1f" * 2000  # may inflate to 2 MB: holds the limit, 1 MiB
+        held = [asyncio.create_task(bodies._inflated(body, GZIP, math.inf)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        assert bodies.held == 2 << 20
+        with pytest.raises(BadRequest) as busy:
+            await bodies._inflated(b"\x1f" * 10, GZIP, math.inf)  # 10 KB more: past it
+        assert busy.value.status == 503 and busy.value.headers == {"Retry-After": "1"}
+        gate.set()
+        assert await asyncio.gather(*held) == [b"{}", b"{}"]
+        assert bodies.held == 0
+
+    asyncio.run(scenario())
