@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -31,10 +32,11 @@ class VLLMServer:
     # Where it publishes KV cache events and replays them (None: it does not).
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    scheme: str = "http"  # https: started with a certificate (`start_vllm`'s `tls`)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -81,6 +83,7 @@ def start_vllm(
     shim_kv_port: int | None = None,
     via_ferry: bool = False,
     kv_events_ports: tuple[int, int] | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> VLLMServer:
     """Launch one server and return at once; call `wait_ready` before using it.
 
@@ -91,6 +94,7 @@ def start_vllm(
     receiving KV blocks on that port; `via_ferry` starts the server the way
     users do, with `ferry vllm`, instead of spelling out the shim's flags.
     `kv_events_ports` (events, replay) turns its KV cache events on (zmq).
+    `tls` (a certificate and its key) serves https.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
@@ -132,6 +136,8 @@ def start_vllm(
             "replay_endpoint": f"tcp://*:{kv_events_ports[1]}",
         }
         cmd += ["--kv-events-config", json.dumps(config)]
+    if tls is not None:
+        cmd += ["--ssl-certfile", str(tls[0]), "--ssl-keyfile", str(tls[1])]
     # The machine's cores, not the caller's: a benchmark that pinned itself to
     # the load generator's core first must still put the server on `cpus`.
     if cpus and shutil.which("taskset") and (os.cpu_count() or 1) > 1:
@@ -142,7 +148,8 @@ def start_vllm(
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    return VLLMServer(port, process, log_path, events, replay)
+    scheme = "http" if tls is None else "https"
+    return VLLMServer(port, process, log_path, events, replay, scheme)
 
 
 def metric(url: str, line_start: str) -> float:
@@ -165,7 +172,11 @@ def wait_ready(servers: list[VLLMServer], timeout_s: float = 600) -> None:
                 tail = server.log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"vLLM on port {server.port} exited:\n{tail}")
             try:
-                with urllib.request.urlopen(server.url + "/v1/models", timeout=2):
+                # (Up is all this asks: an https one's certificate is not checked.)
+                unchecked = ssl._create_unverified_context() if server.scheme == "https" else None
+                with urllib.request.urlopen(
+                    server.url + "/v1/models", timeout=2, context=unchecked
+                ):
                     pending.remove(server)
             except urllib.error.HTTPError as exc:
                 exc.close()

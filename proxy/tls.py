@@ -29,7 +29,11 @@ def load(settings: Settings) -> ssl.SSLContext:
     """A client context made from `settings`' files as they are now. Raises
     OSError, ssl.SSLError or ValueError where one cannot be read as PEM."""
     ca_file, cert_file, key_file, verify = settings
-    made = ssl.create_default_context(cafile=ca_file)  # the system's roots without one
+    made = _Context(ssl.PROTOCOL_TLS_CLIENT)  # as ssl.create_default_context makes it
+    if ca_file:
+        made.load_verify_locations(ca_file)
+    else:
+        made.load_default_certs()
     if not verify:
         made.check_hostname = False
         made.verify_mode = ssl.CERT_NONE
@@ -56,6 +60,14 @@ def reread() -> None:
             _made[settings] = load(settings)
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.warning("TLS files %s not read again, kept as they were: %s", settings[:3], exc)
+
+
+class _Context(ssl.SSLContext):
+    """aiohttp's connection errors name the context (`ssl:<...SSLContext object
+    at 0x7f...>`, in a 503's message and /admin/instances): by what it is."""
+
+    def __repr__(self) -> str:
+        return "tls_*"
 
 
 def _no_password() -> bytes:

@@ -3,7 +3,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import ssl
+import subprocess
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +16,7 @@ from hypothesis import settings
 from loadtest.paged_standin import DEFAULT_PROFILE, PagedStandIn
 from loadtest.redis_server import redis_binary, start_redis
 from loadtest.standin_server import StandIn
-from tests.helpers import Ferry, LoopThread, Site, Sites, ferry_config, free_port
+from tests.helpers import Ferry, LoopThread, Site, Sites, debian_tool, ferry_config, free_port
 
 _REDIS_PREFIXES = itertools.count(1)
 
@@ -105,3 +109,55 @@ def _redis_client_installed() -> bool:
     except ImportError:
         return False
     return True
+
+
+@dataclass
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    stranger_ca: Path  # a CA that signed none of them
+
+    def server_context(self, clients_from: Path | None = None) -> ssl.SSLContext:
+        """The stand-in's side; `clients_from`: it asks for a client certificate
+        that CA signed (mutual TLS)."""
+        made = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        made.load_cert_chain(self.server_cert, self.server_key)
+        if clients_from is not None:
+            made.verify_mode = ssl.CERT_REQUIRED
+            made.load_verify_locations(clients_from)
+        return made
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A CA, a server certificate for 127.0.0.1 and engine.test, a client one
+    (made by openssl for the session), and another CA that signed none."""
+    openssl = debian_tool("openssl", "openssl")
+    tmp = tmp_path_factory.mktemp("pki")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=tmp, check=True, capture_output=True, timeout=60)
+
+    def ca(name: str) -> Path:
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+            f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem")  # fmt: skip
+        return tmp / f"{name}.pem"
+
+    def signed(name: str, extensions: str) -> tuple[Path, Path]:
+        (tmp / f"{name}.ext").write_text(extensions)
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+            "-keyout", f"{name}.key", "-out", f"{name}.csr")  # fmt: skip
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext",
+            "-out", f"{name}.pem")  # fmt: skip
+        return tmp / f"{name}.pem", tmp / f"{name}.key"
+
+    root = ca("ca")
+    server = signed(
+        "server", "subjectAltName=IP:127.0.0.1,DNS:engine.test\nextendedKeyUsage=serverAuth\n"
+    )
+    client = signed("client", "extendedKeyUsage=clientAuth\n")
+    return Pki(root, *server, *client, stranger_ca=ca("stranger"))

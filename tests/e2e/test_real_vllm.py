@@ -258,3 +258,41 @@ def _health(url: str) -> bool:
             return resp.status == 200
     except OSError:
         return False
+
+
+def test_a_vllm_served_over_https_is_scraped_and_served_with_its_private_ca(
+    ferry: Any, tiny_model: Path, tmp_path: Path, pki: Any
+) -> None:
+    """vLLM started with --ssl-certfile/--ssl-keyfile (a certificate of a CA made
+    for the test): Ferry checks it against `tls_ca_file`, reads its metrics and
+    models over https, and relays a stream token for token as a direct call."""
+    import httpx
+
+    from loadtest.vllm_servers import start_vllm, wait_ready
+
+    server = start_vllm(tiny_model, free_port(), tmp_path, tls=(pki.server_cert, pki.server_key))
+    try:
+        wait_ready([server])
+        assert server.url.startswith("https://")
+        proxy = ferry([server.url], instance_defaults={"tls_ca_file": str(pki.ca)}, admin_token="t")
+        auth = {"Authorization": "Bearer t"}
+
+        def scraped() -> bool:
+            with httpx.Client() as client:
+                (row,) = client.get(proxy.url + "/admin/instances", headers=auth).json()
+            snapshot = row["snapshot"] or {}
+            return row["healthy"] and bool(row["models"]) and snapshot.get("kv_blocks_total", 0) > 0
+
+        wait_until(scraped, timeout=30)  # its load read over https: KV blocks known
+        args = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+        import ssl
+
+        checked = httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca)))
+        direct = openai.OpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, http_client=checked
+        ).completions.create(**args)
+        chunks = api(proxy.url).completions.create(**args, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.choices[0].text
+        checked.close()
+    finally:
+        server.stop()

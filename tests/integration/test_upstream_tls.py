@@ -3,9 +3,7 @@ servers behind TLS with certificates made by openssl for the test, not vLLM)."""
 
 from __future__ import annotations
 
-import ssl
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,57 +11,8 @@ import openai
 import pytest
 
 from proxy.config import ConfigError, parse_config
-from tests.helpers import Ferry, call_json, debian_tool, wait_until
-
-
-@dataclass
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    stranger_ca: Path  # a CA that signed none of them
-
-    def server_context(self, clients_from: Path | None = None) -> ssl.SSLContext:
-        """The stand-in's side; `clients_from`: it asks for a client certificate
-        that CA signed (mutual TLS)."""
-        made = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        made.load_cert_chain(self.server_cert, self.server_key)
-        if clients_from is not None:
-            made.verify_mode = ssl.CERT_REQUIRED
-            made.load_verify_locations(clients_from)
-        return made
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    openssl = debian_tool("openssl", "openssl")
-    tmp = tmp_path_factory.mktemp("pki")
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], cwd=tmp, check=True, capture_output=True, timeout=60)
-
-    def ca(name: str) -> Path:
-        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-            f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem")  # fmt: skip
-        return tmp / f"{name}.pem"
-
-    def signed(name: str, extensions: str) -> tuple[Path, Path]:
-        (tmp / f"{name}.ext").write_text(extensions)
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr")  # fmt: skip
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext",
-            "-out", f"{name}.pem")  # fmt: skip
-        return tmp / f"{name}.pem", tmp / f"{name}.key"
-
-    root = ca("ca")
-    server = signed(
-        "server", "subjectAltName=IP:127.0.0.1,DNS:engine.test\nextendedKeyUsage=serverAuth\n"
-    )
-    client = signed("client", "extendedKeyUsage=clientAuth\n")
-    return Pki(root, *server, *client, stranger_ca=ca("stranger"))
+from tests.conftest import Pki
+from tests.helpers import Ferry, call_json, wait_until
 
 
 def config(urls: list[str], **tls: Any) -> Any:
@@ -126,7 +75,8 @@ def test_an_https_instance_whose_certificate_is_not_trusted_is_not_used(
             client.completions.create(model="standin", prompt="x", max_tokens=5)
         assert failed.value.status_code in (502, 503)
         assert not standin.seen_bodies  # no request went over a connection it could not check
-        assert "certificate" in str(instance(proxy)["last_error"]).lower()
+        said = str(instance(proxy)["last_error"])
+        assert "certificate" in said.lower()
     finally:
         proxy.close()
 
@@ -149,6 +99,21 @@ def test_the_certificate_is_checked_against_the_server_name_given(
         else:
             wait_until(lambda: not instance(proxy)["healthy"])
             assert "other.test" in str(instance(proxy)["last_error"])
+    finally:
+        proxy.close()
+
+
+def test_a_failed_connection_names_the_tls_settings_not_an_object(loop_thread: Any) -> None:
+    """aiohttp's message named the context as Python shows any object
+    (`ssl:<ssl.SSLContext object at 0x7f...>`), in a 503 and in /admin."""
+    from tests.helpers import free_port
+
+    closed = f"https://127.0.0.1:{free_port()}"
+    proxy = Ferry(loop_thread, config([closed], tls_verify=False))
+    try:
+        wait_until(lambda: not instance(proxy)["healthy"])
+        said = str(instance(proxy)["last_error"])
+        assert "ssl:tls_*" in said and "object at" not in said, said
     finally:
         proxy.close()
 
