@@ -144,7 +144,7 @@ def add_routes(
             try:
                 return await change(request)
             except FleetError as exc:
-                return error_response(exc.status, str(exc), code=exc.code)
+                return error_response(exc.status, str(exc), code=exc.code, headers=exc.headers)
 
         return handler
 
@@ -211,8 +211,9 @@ def _flag(request: web.Request, name: str) -> bool:
 async def _json_body(request: web.Request) -> Any:
     try:
         raw = await request.app[request_body.BODIES].read(request)  # (a client's are read so)
-    except BadRequest as exc:
-        raise FleetError(exc.status, exc.message, "invalid_request") from None
+    except BadRequest as exc:  # (400, 408, 413, 415; 503 with its Retry-After)
+        code = "invalid_request" if exc.status < 500 else "busy"
+        raise FleetError(exc.status, exc.message, code, exc.headers) from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:

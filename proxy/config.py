@@ -111,13 +111,6 @@ class InstanceConfig:
         settings = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_verify)
         return None if settings == (None, None, None, True) else settings
 
-    def tls(self) -> dict[str, Any]:
-        """aiohttp's TLS arguments for a call to it: `ssl=True` checks an https
-        server against the system's roots (and means nothing to an http one)."""
-        settings = self.tls_settings
-        made = True if settings is None else tls.context(settings)
-        return {"ssl": made, "server_hostname": self.tls_server_name}
-
 
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig:

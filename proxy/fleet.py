@@ -112,9 +112,11 @@ def patch_times(entry: dict[str, Any]) -> dict[str, Any]:
 class FleetError(Exception):
     """A change that cannot be made; `status` and `code` are the API's answer."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(
+        self, status: int, message: str, code: str, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status, self.code, self.headers = status, code, headers  # (a 503's Retry-After)
 
 
 class Fleet:
@@ -292,7 +294,9 @@ class Fleet:
             )
         async with self._reloading:  # one at a time: the file read last is applied last
             applied = self.apply(await asyncio.to_thread(_parse, self.load))
-            await asyncio.to_thread(tls.reread)  # (rotated certificates, from now on)
+            serving = [s.config.tls_settings for s in self.cluster.instances.values()]
+            # (Rotated certificates, from now on.)
+            await asyncio.to_thread(tls.reread, [s for s in serving if s is not None])
             return applied
 
     def apply(self, new: FerryConfig) -> dict[str, Any]:

@@ -8,7 +8,7 @@ while it was inflated. Ferry's server takes bodies as they came
 past `max_body_bytes`.
 
 A body is held in memory until it is whole. `max_body_bytes` bounds one; the
-budget (`server.max_pending_body_bytes`) bounds them all: twenty clients each
+budget (`server.max_pending_body_bytes`, each process's) bounds them all: twenty clients each
 sending all but the last byte of a 30 MB body held 774 MB until their timeout.
 Those being inflated count what they may inflate to. Past the budget, the
 body whose bytes would cross it is answered 503.
@@ -98,10 +98,17 @@ class Bodies:
         if self.held + most > self.budget:
             raise self._busy()
         self.held += most
-        try:
-            return await asyncio.to_thread(decode, body, wbits, self.limit, deadline)
-        finally:
-            self.held -= most
+        loop = asyncio.get_running_loop()
+        inflating = loop.run_in_executor(None, decode, body, wbits, self.limit, deadline)
+        # Given back when the thread is done, not when the request is: a client
+        # that hangs up cancels its handler, and the thread inflates on.
+        inflating.add_done_callback(lambda done: self._given_back(most, done))
+        return await asyncio.shield(inflating)
+
+    def _given_back(self, most: int, done: asyncio.Future[bytes]) -> None:
+        self.held -= most
+        if not done.cancelled():
+            done.exception()  # (retrieved: a request that left has no use for it)
 
 
 def decode(body: bytes, wbits: int, limit: int, deadline: float = math.inf) -> bytes:
@@ -139,8 +146,8 @@ def decode(body: bytes, wbits: int, limit: int, deadline: float = math.inf) -> b
             at += len(piece) - len(inflate.unused_data)
         else:
             members += 1
-            if wbits <= zlib.MAX_WBITS:
-                break  # one deflate stream
+            if wbits <= zlib.MAX_WBITS and at < len(view):  # one deflate stream, no more
+                raise BadRequest("request body has bytes past its deflate stream")
             if at < len(view) and view[at] == 0:  # zeros pad a gzip file to its end
                 if view[at:].tobytes().strip(b"\0"):
                     raise BadRequest("request body has bytes past its gzip stream")

@@ -205,7 +205,7 @@ class Scraper:
         async with self.session.get(
             state.url + path,
             headers=state.config.auth_headers(),
-            **tls_of(state.config),
+            **(await tls_of(state.config)),
             timeout=self.timeout,
         ) as resp:
             if resp.status != 200:
@@ -234,7 +234,7 @@ class Scraper:
             async with self.session.get(
                 state.url + "/v1/models",
                 headers=state.config.auth_headers(),
-                **tls_of(state.config),
+                **(await tls_of(state.config)),
                 timeout=self.timeout,
             ) as resp:
                 if resp.status != 200:
@@ -263,7 +263,7 @@ class Scraper:
             async with self.session.get(
                 state.url + wire.INFO,
                 headers=state.config.auth_headers(),
-                **tls_of(state.config),
+                **(await tls_of(state.config)),
                 timeout=self.timeout,
             ) as resp:
                 if resp.status == 200:
@@ -328,7 +328,7 @@ class Scraper:
             async with self.session.get(
                 state.url + "/health",
                 headers=state.config.auth_headers(),
-                **tls_of(state.config),
+                **(await tls_of(state.config)),
                 timeout=self.timeout,
             ):
                 return  # any status: the process answers

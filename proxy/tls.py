@@ -5,24 +5,29 @@ would. Its `tls_ca_file` trusts that bundle instead (a private CA), its
 `tls_cert_file`/`tls_key_file` present a client certificate (mutual TLS), and
 `tls_verify: false` checks nothing (a test fleet's self-signed servers).
 
-Contexts are kept by their settings: a call finds its instance's with a dict
-lookup. One is made at its first call, and made again, from the files as they
-are then, when a reload is applied (`reread`): a rotated certificate is taken
-by the connections opened after it. Reading a configuration makes each of its
-contexts once to check its files (`load`), and keeps none: a reload that is
-refused changes nothing.
+Contexts are kept by their settings, and made in a worker thread (reading the
+system's roots takes tens of milliseconds): a call finds its instance's with
+a dict lookup (proxy/upstream.py `tls_of`). When a reload is applied, those of
+the instances then served are made again where their files changed
+(`reread`): a rotated certificate is taken by the connections opened after
+it, and an unchanged one keeps its pooled connections (aiohttp pools them by
+context). Reading a configuration makes each of its contexts once to check
+its files (`load`), and keeps none: a reload that is refused changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import ssl
+from collections.abc import Iterable
 
 log = logging.getLogger("ferry.tls")
 
 Settings = tuple[str | None, str | None, str | None, bool]  # CA, cert, key, verify
+_Stamp = tuple[tuple[int, int] | None, ...]  # its files' (mtime, size)
 
-_made: dict[Settings, ssl.SSLContext] = {}
+_made: dict[Settings, tuple[ssl.SSLContext, _Stamp]] = {}
 
 
 def load(settings: Settings) -> ssl.SSLContext:
@@ -43,23 +48,50 @@ def load(settings: Settings) -> ssl.SSLContext:
     return made
 
 
+def cached(settings: Settings) -> ssl.SSLContext | None:
+    """The context in use for `settings`, if one was made."""
+    kept = _made.get(settings)
+    return None if kept is None else kept[0]
+
+
 def context(settings: Settings) -> ssl.SSLContext:
-    """The context in use for `settings`, made now if none is (its first call,
-    in a worker started again, say); raises as `load` does."""
-    made = _made.get(settings)
+    """The context in use for `settings`, made now if none is (in a thread:
+    it reads files); raises as `load` does."""
+    made = cached(settings)
     if made is None:
-        made = _made[settings] = load(settings)
+        stamp = _stamp(settings)
+        made = load(settings)
+        _made[settings] = made, stamp
     return made
 
 
-def reread() -> None:
-    """Make every context in use again from its files, now that a reload is
-    applied; one whose files cannot be read now keeps the files it had."""
+def reread(serving: Iterable[Settings]) -> None:
+    """Now that a reload is applied: keep the contexts of the instances
+    `serving`, each made again if its files changed (one whose files cannot be
+    read now keeps those it had), and drop the others."""
+    wanted = set(serving)
     for settings in list(_made):
+        if settings not in wanted:
+            del _made[settings]
+            continue
+        stamp = _stamp(settings)
+        if stamp == _made[settings][1]:
+            continue
         try:
-            _made[settings] = load(settings)
+            _made[settings] = load(settings), stamp
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.warning("TLS files %s not read again, kept as they were: %s", settings[:3], exc)
+
+
+def _stamp(settings: Settings) -> _Stamp:
+    def of(path: str | None) -> tuple[int, int] | None:
+        try:
+            found = os.stat(path) if path else None
+        except OSError:
+            return None
+        return None if found is None else (found.st_mtime_ns, found.st_size)
+
+    return tuple(of(path) for path in settings[:3])
 
 
 class _Context(ssl.SSLContext):

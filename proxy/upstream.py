@@ -40,7 +40,7 @@ from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
-from proxy import sse
+from proxy import sse, tls
 from proxy.cluster import Cluster
 from proxy.config import InstanceConfig, ServerConfig
 from proxy.ledger import LedgerEntry
@@ -175,15 +175,25 @@ class ShortageLog:
             self.logger.warning(message, *args)
 
 
-def tls_of(config: InstanceConfig) -> dict[str, Any]:
-    """aiohttp's TLS arguments for a call to the instance. Its TLS files read
-    at the call (its first, or in a worker started again) that cannot be read
-    (moved or spoiled since the file was checked) fail the call as a refused
+async def tls_of(config: InstanceConfig) -> dict[str, Any]:
+    """aiohttp's TLS arguments for a call to the instance (`ssl=True`: an https
+    server checked against the system's roots). Its context is made at its first
+    call, in a thread (proxy/tls.py). TLS files that cannot be read then (moved
+    or spoiled since the file was checked) fail the call as a refused
     connection would: the instance is unhealthy, and says why."""
+    settings = config.tls_settings
+    made: ssl.SSLContext | bool = True
+    if settings is not None:
+        made = tls.cached(settings) or await _made_in_a_thread(settings)
+    return {"ssl": made, "server_hostname": config.tls_server_name}
+
+
+async def _made_in_a_thread(settings: tls.Settings) -> ssl.SSLContext:
     try:
-        return config.tls()
+        return await asyncio.to_thread(tls.context, settings)
     except (OSError, ssl.SSLError, ValueError) as exc:
-        raise TLSFilesUnusable(f"its TLS files cannot be used: {exc}") from None
+        code = exc.errno if isinstance(exc, OSError) else None  # (EMFILE: out of files)
+        raise TLSFilesUnusable(code, f"its TLS files cannot be used: {exc}") from exc
 
 
 class TLSFilesUnusable(aiohttp.ClientOSError):
@@ -418,11 +428,11 @@ class Upstreams:
         timeout = self.stream_timeout if stream else self.whole_timeout
         url = self.url(call.instance) + path
         try:
-            tls = tls_of(config)
+            secure = await tls_of(config)
             async with self.waits(call.instance):
                 try:
                     call.response = await self.session.request(
-                        method, url, data=data, headers=headers, params=params, **tls,
+                        method, url, data=data, headers=headers, params=params, **secure,
                         timeout=timeout, trace_request_ctx=stages, allow_redirects=False,
                     )  # fmt: skip
                 except aiohttp.ClientConnectorError:
@@ -433,7 +443,7 @@ class Upstreams:
                     # failure of that kind says nothing about the instance. Once
                     # more on another connection before calling it unreachable.
                     call.response = await self.session.request(
-                        method, url, data=data, headers=headers, params=params, **tls,
+                        method, url, data=data, headers=headers, params=params, **secure,
                         timeout=timeout, allow_redirects=False,
                     )  # fmt: skip
         except sse.CONNECT_ERRORS as exc:
@@ -473,7 +483,7 @@ class Upstreams:
                 state.url + path,
                 json=body,
                 headers=state.config.auth_headers(),
-                **tls_of(state.config),
+                **(await tls_of(state.config)),
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 if resp.status == 404:

@@ -238,6 +238,9 @@ def test_an_applied_reload_reads_the_tls_files_again_and_a_refused_one_does_not(
         wait_until(lambda: instance(proxy, "i1")["healthy"])
         mine = (str(ca), None, None, True)
         assert issuer(mine) == issuer(derived) == "ca"
+        kept = tls.cached(mine)
+        assert call_json(proxy.url + "/admin/reload", "POST", {}, admin)[0] == 200
+        assert tls.cached(mine) is kept  # files unchanged: its pooled connections stay
         shutil.copy(pki.stranger_ca, ca)  # rotated; and the file refused for another reason
         raw["instances"].append({"name": "bad", "url": "https://127.0.0.1:1", "tls_ca_file": 7})
         status, _ = call_json(proxy.url + "/admin/reload", "POST", {}, admin)

@@ -48,7 +48,7 @@ def test_discovered_instances_take_the_template() -> None:
     assert inst.auth_headers() == {"Authorization": "Bearer sk-1"}
     assert source.instance("fd00::7").url == "http://[fd00::7]:8000"
     # Over https its certificate is checked against the name it was found under.
-    assert inst.tls()["server_hostname"] == "vllm-headless.ns.svc.cluster.local"
+    assert inst.tls_server_name == "vllm-headless.ns.svc.cluster.local"
 
 
 def test_a_discovery_template_may_name_its_certificate_s_server() -> None:

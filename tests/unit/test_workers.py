@@ -148,29 +148,36 @@ def test_a_worker_that_cannot_start_again_is_given_up(tmp_path: Path, then: str,
         assert len(f.read()) == runs
 
 
-def beater(seconds: str, every: str) -> None:
-    """A worker that beats its heartbeat `every` seconds (Ferry's: every second)."""
+def beater(ready: str, every: str) -> None:
+    """A worker that beats its heartbeat every `every` seconds (Ferry's: every
+    second), and says so once (a file in the folder `ready`). It waits in
+    tenths: thawed after a stop, its next beat is as far away as it was, where
+    one long sleep would have run out meanwhile and beaten at once."""
     from proxy.workers import HEARTBEAT
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    deadline = time.monotonic() + float(seconds)
-    while time.monotonic() < deadline:
+    for beat in range(600):
         os.utime(os.environ[HEARTBEAT])
-        time.sleep(float(every))
+        if beat == 0:
+            Path(ready, str(os.getpid())).touch()
+        for _ in range(round(float(every) * 10)):
+            time.sleep(0.1)
 
 
 def test_workers_frozen_with_their_parent_are_not_killed_as_silent(tmp_path: Path) -> None:
     """The whole group stopped (docker pause, Ctrl-Z) and thawed: the parent
     counted its own pause as its workers' silence and killed them, streams and
     all."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
     script = (
         "import logging, sys\n"
         "from proxy.workers import supervise\n"
         "from tests.unit.test_workers import beater\n"
         "logging.basicConfig(level=logging.INFO)\n"
-        # Beats 2.5 s apart against a 4 s timeout: thawed, a worker's next beat
-        # may be 2.5 s away, while the parent looks at once.
-        "sys.exit(supervise(2, beater, ('60', '2.5'), stop_timeout_s=5, timeout_s=4,"
+        # Beats 2 s apart against a 5 s timeout: thawed, the parent looks at
+        # once, and a worker's next beat is up to 2 s away.
+        f"sys.exit(supervise(2, beater, ({str(ready)!r}, '2'), stop_timeout_s=5, timeout_s=5,"
         " poll_s=0.05))\n"
     )
     log = tmp_path / "supervisor.log"
@@ -179,12 +186,13 @@ def test_workers_frozen_with_their_parent_are_not_killed_as_silent(tmp_path: Pat
             [sys.executable, "-c", script], stderr=out, start_new_session=True
         )
     try:
-        deadline = time.monotonic() + 30
-        while log.read_text().count("started (pid") < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(3)  # both beating
+        assert len(list(ready.iterdir())) == 2, log.read_text()  # both beating
+        time.sleep(0.5)
         os.killpg(parent.pid, signal.SIGSTOP)
-        time.sleep(6)  # past timeout_s
+        time.sleep(7)  # past timeout_s
         os.killpg(parent.pid, signal.SIGCONT)
         time.sleep(3)
         assert "silent for" not in log.read_text(), log.read_text()
