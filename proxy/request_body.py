@@ -99,7 +99,11 @@ class Bodies:
             raise self._busy()
         self.held += most
         loop = asyncio.get_running_loop()
-        inflating = loop.run_in_executor(None, decode, body, wbits, self.limit, deadline)
+        try:
+            inflating = loop.run_in_executor(None, decode, body, wbits, self.limit, deadline)
+        except BaseException:  # (no thread to be had: at exit)
+            self.held -= most
+            raise
         # Given back when the thread is done, not when the request is: a client
         # that hangs up cancels its handler, and the thread inflates on.
         inflating.add_done_callback(lambda done: self._given_back(most, done))

@@ -20,14 +20,16 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import threading
 from collections.abc import Iterable
 
 log = logging.getLogger("ferry.tls")
 
 Settings = tuple[str | None, str | None, str | None, bool]  # CA, cert, key, verify
-_Stamp = tuple[tuple[int, int] | None, ...]  # its files' (mtime, size)
+_Stamp = tuple[tuple[int, ...] | None, ...]  # its files' inode, size and times
 
 _made: dict[Settings, tuple[ssl.SSLContext, _Stamp]] = {}
+_changing = threading.Lock()  # the threads that make contexts (the event loop only reads)
 
 
 def load(settings: Settings) -> ssl.SSLContext:
@@ -59,9 +61,10 @@ def context(settings: Settings) -> ssl.SSLContext:
     it reads files); raises as `load` does."""
     made = cached(settings)
     if made is None:
-        stamp = _stamp(settings)
-        made = load(settings)
-        _made[settings] = made, stamp
+        with _changing:
+            stamp = _stamp(settings)
+            made = load(settings)
+            _made[settings] = made, stamp
     return made
 
 
@@ -70,26 +73,31 @@ def reread(serving: Iterable[Settings]) -> None:
     `serving`, each made again if its files changed (one whose files cannot be
     read now keeps those it had), and drop the others."""
     wanted = set(serving)
-    for settings in list(_made):
-        if settings not in wanted:
-            del _made[settings]
-            continue
-        stamp = _stamp(settings)
-        if stamp == _made[settings][1]:
-            continue
-        try:
-            _made[settings] = load(settings), stamp
-        except (OSError, ssl.SSLError, ValueError) as exc:
-            log.warning("TLS files %s not read again, kept as they were: %s", settings[:3], exc)
+    # (One at a time: a reload whose client left goes on in its thread.)
+    with _changing:
+        for settings, (_, was) in list(_made.items()):
+            if settings not in wanted:
+                del _made[settings]
+                continue
+            stamp = _stamp(settings)
+            if stamp == was:
+                continue
+            try:
+                _made[settings] = load(settings), stamp
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                log.warning("TLS files %s not read again, kept as they were: %s", settings[:3], exc)
 
 
 def _stamp(settings: Settings) -> _Stamp:
-    def of(path: str | None) -> tuple[int, int] | None:
+    def of(path: str | None) -> tuple[int, ...] | None:
         try:
             found = os.stat(path) if path else None
         except OSError:
             return None
-        return None if found is None else (found.st_mtime_ns, found.st_size)
+        if found is None:
+            return None
+        # (ctime too: a copy that keeps its mtime, `cp -p`, is still a change.)
+        return found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns
 
     return tuple(of(path) for path in settings[:3])
 

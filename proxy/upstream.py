@@ -192,8 +192,8 @@ async def _made_in_a_thread(settings: tls.Settings) -> ssl.SSLContext:
     try:
         return await asyncio.to_thread(tls.context, settings)
     except (OSError, ssl.SSLError, ValueError) as exc:
-        code = exc.errno if isinstance(exc, OSError) else None  # (EMFILE: out of files)
-        raise TLSFilesUnusable(code, f"its TLS files cannot be used: {exc}") from exc
+        # (Its cause kept: `out_of_files` finds an EMFILE there.)
+        raise TLSFilesUnusable(f"its TLS files cannot be used: {exc}") from exc
 
 
 class TLSFilesUnusable(aiohttp.ClientOSError):
