@@ -8,10 +8,10 @@ while it was inflated. Ferry's server takes bodies as they came
 past `max_body_bytes`.
 
 A body is held in memory until it is whole. `max_body_bytes` bounds one; the
-budget (`server.max_pending_body_bytes`, each process's) bounds them all: twenty clients each
-sending all but the last byte of a 30 MB body held 774 MB until their timeout.
-Those being inflated count what they may inflate to. Past the budget, the
-body whose bytes would cross it is answered 503.
+budget (`server.max_pending_body_bytes`, each process's) bounds them all:
+twenty clients each sending all but the last byte of a 30 MB body held 774 MB
+until their timeout. Those being inflated count what they may inflate to.
+Past the budget, the body whose bytes would cross it is answered 503.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ class Bodies:
 
     async def read(self, request: web.Request) -> bytes:
         """The request's body, whole and decoded: 408 for one that takes longer
-        than `timeout_s` to come and inflate, 413 past `limit` bytes (as sent or inflated),
-        415 for an encoding Ferry does not take, 400 for one that does not
-        decode, and 503 while the bodies being received hold the whole budget."""
+        than `timeout_s` to come and inflate, 413 past `limit` bytes (as sent or
+        inflated), 415 for an encoding Ferry does not take, 400 for one that
+        does not decode, and 503 while the bodies being received hold the whole
+        budget."""
         if (kept := request.get(_BODY)) is not None:
             return kept
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()

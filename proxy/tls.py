@@ -62,9 +62,11 @@ def context(settings: Settings) -> ssl.SSLContext:
     made = cached(settings)
     if made is None:
         with _changing:
-            stamp = _stamp(settings)
-            made = load(settings)
-            _made[settings] = made, stamp
+            made = cached(settings)  # (another thread's, made while this one waited)
+            if made is None:
+                stamp = _stamp(settings)
+                made = load(settings)
+                _made[settings] = made, stamp
     return made
 
 
