@@ -17,36 +17,31 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
-# Debian's prometheus package: the tests check /metrics with promtool and run the
-# Grafana dashboard's queries on a real Prometheus. Installed as root (CI is);
-# anyone else is told how, and those tests skip where CI is not set.
+# Debian's packages that tests run or use, installed as root (CI is); anyone else
+# is told how, and those tests skip where CI is not set (with it, they fail).
+define debian_package
+	@if [ "$$(id -u)" = 0 ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends $(1) >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(1) >/dev/null; }; \
+	else echo "note: 'sudo apt-get install $(1)' for $(2)"; fi
+endef
+
+# prometheus: the tests check /metrics with promtool and run the Grafana
+# dashboard's queries on a real Prometheus.
 PROMETHEUS := /usr/bin/prometheus
 $(PROMETHEUS):
-	@if [ "$$(id -u)" = 0 ]; then \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
-	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; \
-	else echo "note: 'sudo apt-get install prometheus' for the metrics and dashboard tests"; fi
+	$(call debian_package,prometheus,the metrics and dashboard tests)
 
-# Debian's redis-server: the tests of several processes sharing one view start a
-# real one. Installed as root, as prometheus is; those tests skip without it
-# unless CI is set (then they fail).
+# redis-server: the tests of several processes sharing one view start a real one.
 REDIS_SERVER := /usr/bin/redis-server
 $(REDIS_SERVER):
-	@if [ "$$(id -u)" = 0 ]; then \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1 || \
-	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }; \
-	else echo "note: 'sudo apt-get install redis-server' for the shared-view tests"; fi
+	$(call debian_package,redis-server,the shared-view tests)
 
-# Debian's openssl: the tests of https instances make their certificates with it.
+# openssl: the tests of https instances make their certificates with it.
 OPENSSL := /usr/bin/openssl
 $(OPENSSL):
-	@if [ "$$(id -u)" = 0 ]; then \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -qq --no-install-recommends openssl >/dev/null 2>&1 || \
-	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends openssl >/dev/null; }; \
-	else echo "note: 'sudo apt-get install openssl' for the https instance tests"; fi
+	$(call debian_package,openssl,the https instance tests)
 
 setup: $(STAMP) $(PROMETHEUS) $(REDIS_SERVER) $(OPENSSL)
 
