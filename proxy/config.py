@@ -723,7 +723,7 @@ def _check_tls(inst: InstanceConfig, where: str, own: Mapping[str, Any], runtime
     settings = inst.tls_settings
     if settings is not None and not runtime:  # (the admin API's: the file's, checked)
         try:
-            tls.load(settings)
+            tls.check(settings)
         except (OSError, ssl.SSLError, ValueError) as exc:
             raise ConfigError(f"{where}: its TLS files cannot be used: {exc}") from None
 

@@ -12,11 +12,12 @@ the instances then served are made again where their files changed
 (`reread`): a rotated certificate is taken by the connections opened after
 it, and an unchanged one keeps its pooled connections (aiohttp pools them by
 context). Reading a configuration makes each of its contexts once to check
-its files (`load`), and keeps none: a reload that is refused changes nothing.
+its files (`check`), and keeps none: a reload that is refused changes nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import ssl
@@ -48,6 +49,18 @@ def load(settings: Settings) -> ssl.SSLContext:
         # An encrypted key is refused, not asked for on the terminal (OpenSSL's way).
         made.load_cert_chain(cert_file, key_file, password=_no_password)
     return made
+
+
+def check(settings: Settings) -> None:
+    """Raise as `load` does where `settings`' files cannot be used. Checked once
+    while the files stay as they were: the instances that share settings (an
+    `instance_defaults` given to a hundred) are not each a read of them."""
+    _checked(settings, _stamp(settings))
+
+
+@functools.lru_cache(maxsize=256)
+def _checked(settings: Settings, stamp: _Stamp) -> None:
+    load(settings)  # (a failure is not cached: it raises)
 
 
 def cached(settings: Settings) -> ssl.SSLContext | None:
