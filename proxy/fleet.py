@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Container
 from typing import Any
 
-from proxy import tls
+from proxy import blocking_io, tls
 from proxy.cluster import Cluster
 from proxy.config import (
     ConfigError,
@@ -293,10 +293,10 @@ class Fleet:
                 409, "ferry was started without a configuration file", "no_config_file"
             )
         async with self._reloading:  # one at a time: the file read last is applied last
-            applied = self.apply(await asyncio.to_thread(_parse, self.load))
+            applied = self.apply(await blocking_io.call(_parse, self.load))
             serving = [s.config.tls_settings for s in self.cluster.instances.values()]
             # (Rotated certificates, from now on.)
-            await asyncio.to_thread(tls.reread, [s for s in serving if s is not None])
+            await blocking_io.call(tls.reread, [s for s in serving if s is not None])
             return applied
 
     def apply(self, new: FerryConfig) -> dict[str, Any]:

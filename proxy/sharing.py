@@ -73,6 +73,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, WatchError
 
+from proxy import blocking_io
 from proxy.cancellation import cancelling
 from proxy.cluster import Cluster
 from proxy.config import SharingConfig
@@ -953,6 +954,6 @@ async def _write_snapshot(path: str, text: str) -> None:
         os.replace(partial, path)
 
     try:
-        await asyncio.to_thread(write)
+        await blocking_io.call(write)
     except OSError as exc:
         log.warning("cannot write the workers' fleet state %s: %s", path, exc)

@@ -40,7 +40,7 @@ from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
-from proxy import sse, tls
+from proxy import blocking_io, sse, tls
 from proxy.cluster import Cluster
 from proxy.config import InstanceConfig, ServerConfig
 from proxy.ledger import LedgerEntry
@@ -190,7 +190,7 @@ async def tls_of(config: InstanceConfig) -> dict[str, Any]:
 
 async def _made_in_a_thread(settings: tls.Settings) -> ssl.SSLContext:
     try:
-        return await asyncio.to_thread(tls.context, settings)
+        return await blocking_io.call(tls.context, settings)
     except (OSError, ssl.SSLError, ValueError) as exc:
         # (Its cause kept: `out_of_files` finds an EMFILE there.)
         raise TLSFilesUnusable(f"its TLS files cannot be used: {exc}") from exc

@@ -355,6 +355,47 @@ def test_a_sighup_while_ferry_starts_is_a_reload_once_it_runs(
         proc.wait(30)
 
 
+def test_a_reload_whose_read_never_returns_does_not_keep_ferry_from_exiting(
+    standins: Any, tmp_path: Path
+) -> None:
+    """The file is swapped for a FIFO nobody writes (as a hung network mount
+    would leave a read): the reload waits in its read forever. Read in asyncio's
+    default executor, that thread was joined at exit, and Ferry never exited on
+    SIGTERM whatever its grace."""
+    [(_, site)] = standins(1)
+    port = free_port()
+    path = tmp_path / "ferry.yaml"
+    server = {"port": port, "shutdown_delay_s": 0, "shutdown_grace_s": 1}
+    path.write_text(json.dumps({"instances": [{"name": "a", "url": site.url}], "server": server}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_until(lambda: status(f"http://127.0.0.1:{port}/readyz") == 200, timeout=30)
+        path.unlink()
+        os.mkfifo(path)
+        proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "wait_for_partner" in _waits(proc.pid), timeout=10)  # opening it
+        proc.terminate()
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def _waits(pid: int) -> set[str]:
+    """What the process's threads wait on in the kernel (a FIFO's open:
+    `wait_for_partner`)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # ended meanwhile
+            found.add((task / "wchan").read_text())
+    return found
+
+
 def test_port_0_says_the_port_it_took(standins: Any) -> None:
     """`--port 0` lets the system pick: the start line named port 0."""
     [(_, site)] = standins(1)
