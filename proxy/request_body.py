@@ -10,16 +10,25 @@ past `max_body_bytes`.
 A body is held in memory until it is whole. `max_body_bytes` bounds one; the
 budget (`server.max_pending_body_bytes`, each process's) bounds them all:
 twenty clients each sending all but the last byte of a 30 MB body held 774 MB
-until their timeout. Those being inflated count what they may inflate to.
-Past the budget, the body whose bytes would cross it is answered 503.
+until their timeout. A body being inflated counts what it has inflated so far
+as well as what came. Past the budget, the body whose bytes would cross it is
+answered 503.
+
+Bodies are inflated by a pool of their own, INFLATE_THREADS threads each
+process: on the loop's default pool, where aiohttp resolves names and Ferry
+parses large bodies, a flood of gzip bombs held every thread, and a 100 KB
+request waited up to 1.6 s for one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
@@ -32,8 +41,8 @@ _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate":
 SLICE_BYTES = 64 * 1024
 # Gzip members one body may be made of (a tar of files has a few).
 MAX_MEMBERS = 64
-# The most that deflate inflates a byte to (its longest match per bit or so).
-MAX_RATIO = 1032
+# Threads inflating bodies at once, each process (zlib lets go of the GIL).
+INFLATE_THREADS = 2
 
 
 class Bodies:
@@ -43,7 +52,10 @@ class Bodies:
     def __init__(self, limit: int, timeout_s: float, budget: int, retry_after_s: int) -> None:
         self.limit, self.timeout_s, self.budget = limit, timeout_s, budget
         self.retry_after_s = retry_after_s
-        self.held = 0
+        self.held = 0  # (the event loop's)
+        self.inflated = 0  # (the inflating threads', under _inflating)
+        self._inflating = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
     async def read(self, request: web.Request) -> bytes:
         """The request's body, whole and decoded: 408 for one that takes longer
@@ -69,7 +81,7 @@ class Bodies:
                     self.held += len(chunk)
                     if size > self.limit:
                         raise BadRequest(f"request body is over {self.limit} bytes", status=413)
-                    if self.held > self.budget:
+                    if self.held + self.inflated > self.budget:
                         raise self._busy()
                     chunks.append(chunk)
         except TimeoutError:
@@ -92,37 +104,65 @@ class Bodies:
 
     async def _inflated(self, body: bytes, wbits: int, deadline: float) -> bytes:
         """`body` inflated in a thread (16 KB of gzip is 16 MB of spaces), by
-        `deadline` (a thread cannot be called back). Meanwhile it holds of the
-        budget what it may inflate to: 30 KB of gzip each, two dozen clients
-        made Ferry hold 3 GB."""
-        most = min(self.limit, len(body) * MAX_RATIO)
-        if self.held + most > self.budget:
-            raise self._busy()
-        self.held += most
+        `deadline` (a thread cannot be called back). What it inflates to counts
+        against the budget as it comes, until the thread is done; `body` itself
+        (the caller's) counts until then too."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(INFLATE_THREADS, thread_name_prefix="ferry-inflate")
+        taken = [0]
+
+        def take(size: int) -> None:  # (in the inflating thread)
+            with self._inflating:
+                if self.held + self.inflated + size > self.budget:
+                    raise self._busy()
+                self.inflated += size
+                taken[0] += size
+
+        def inflate() -> bytes:
+            try:
+                return decode(body, wbits, self.limit, deadline, take)
+            finally:
+                with self._inflating:
+                    self.inflated -= taken[0]
+
         loop = asyncio.get_running_loop()
-        try:
-            inflating = loop.run_in_executor(None, decode, body, wbits, self.limit, deadline)
-        except BaseException:  # (no thread to be had: at exit)
-            self.held -= most
-            raise
         # Given back when the thread is done, not when the request is: a client
-        # that hangs up cancels its handler, and the thread inflates on.
-        inflating.add_done_callback(lambda done: self._given_back(most, done))
+        # that hangs up cancels its handler, and the thread inflates on. So
+        # does the compressed body it was given.
+        self.held += len(body)
+        try:
+            inflating = loop.run_in_executor(self._pool, inflate)
+        except BaseException:  # (no thread to be had: at exit)
+            self.held -= len(body)
+            raise
+        inflating.add_done_callback(lambda done: self._given_back(len(body), done))
         return await asyncio.shield(inflating)
 
-    def _given_back(self, most: int, done: asyncio.Future[bytes]) -> None:
-        self.held -= most
+    def _given_back(self, size: int, done: asyncio.Future[bytes]) -> None:
+        self.held -= size
         if not done.cancelled():
             done.exception()  # (retrieved: a request that left has no use for it)
 
+    def close(self) -> None:
+        """Stop the inflating threads (at exit; those inflating finish first)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
-def decode(body: bytes, wbits: int, limit: int, deadline: float = math.inf) -> bytes:
+
+def decode(
+    body: bytes,
+    wbits: int,
+    limit: int,
+    deadline: float = math.inf,
+    take: Callable[[int], None] = lambda size: None,
+) -> bytes:
     """`body` inflated, never past `limit` bytes (413); 400 where it does not
     decode or is cut short, and 408 past `deadline` (time.monotonic()). It is
     fed to zlib a slice at a time, so its work follows the bytes it takes, not
     their square. Several gzip members are one body, as gzip reads them (at most
     MAX_MEMBERS); a `deflate` body is read with zlib's wrapper (RFC 9110) or
-    without."""
+    without. `take(n)` is told of each n bytes it holds (it may raise to stop
+    it), the whole again before the pieces are joined into one."""
     view = memoryview(body)
     out: list[bytes] = []
     size = at = members = 0
@@ -147,6 +187,7 @@ def decode(body: bytes, wbits: int, limit: int, deadline: float = math.inf) -> b
             size += len(part)
             if size > limit or inflate.unconsumed_tail:
                 raise BadRequest(f"request body inflates past {limit} bytes", status=413)
+            take(len(part))
             out.append(part)
             at += len(piece) - len(inflate.unused_data)
         else:
@@ -157,6 +198,7 @@ def decode(body: bytes, wbits: int, limit: int, deadline: float = math.inf) -> b
                 if view[at:].tobytes().strip(b"\0"):
                     raise BadRequest("request body has bytes past its gzip stream")
                 break
+    take(size)  # (the pieces and their join, for a moment)
     return b"".join(out)
 
 

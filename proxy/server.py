@@ -257,6 +257,7 @@ def build_app(
             await migrator.stop()
             await scraper.stop()
             await events.stop()
+            app[request_body.BODIES].close()
 
     app[SHARING] = admin.SharingStatus()
     app.cleanup_ctx.append(lifecycle)
