@@ -105,6 +105,14 @@ def _keep_headers(exc: web.HTTPException) -> dict[str, str]:
     return {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
 
 
+# The longest header line a client may send (a 20 KB JWT or cookie is taken by
+# vLLM's server; aiohttp's default is 8 KiB), and the longest request line: one
+# byte shorter, because aiohttp refuses either with the same LineTooLong,
+# naming the limit it passed, and a long URL is a 414 where headers are a 431.
+MAX_HEADER_LINE_BYTES = 64 * 1024
+MAX_REQUEST_LINE_BYTES = MAX_HEADER_LINE_BYTES - 1
+
+
 class OpenAIErrorsRunner(web.AppRunner):
     """An AppRunner whose connections answer what aiohttp refuses before any
     middleware runs (a malformed request line or header, a broken chunked
@@ -132,9 +140,12 @@ class _RequestHandler(RequestHandler):
     ) -> web.StreamResponse:
         # aiohttp's logs it (and raises where an answer has begun).
         super().handle_error(request, status, exc, message)
-        if status == 400 and (
+        if status == 400 and isinstance(exc, LineTooLong) and exc.args[1] == MAX_REQUEST_LINE_BYTES:
+            status = 414
+            message = f"request line over {MAX_REQUEST_LINE_BYTES} bytes: the URL is too long"
+        elif status == 400 and (
             isinstance(exc, LineTooLong) or "Too many headers" in str(exc or "")
-        ):  # (the request line shares the line limit: a 64 KiB URL is no real one)
+        ):
             status = 431
             message = "request headers too large: a line past the limit, or too many of them"
         if status >= 500 or not message:

@@ -50,6 +50,8 @@ from proxy.cluster import Cluster
 from proxy.config import FerryConfig, SchedulerConfig, ServerConfig, redacted
 from proxy.discovery import Discovery
 from proxy.errors import (
+    MAX_HEADER_LINE_BYTES,
+    MAX_REQUEST_LINE_BYTES,
     OpenAIErrorsRunner,
     error_response,
     openai_errors,
@@ -88,7 +90,6 @@ HEARTBEAT_S = 1.0  # how often a worker tells its supervisor that it runs
 # which vLLM's uvicorn closes one (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so that Ferry
 # does not send a request on a connection the engine is closing.
 UPSTREAM_KEEPALIVE_S = 4.0
-MAX_HEADER_LINE_BYTES = 64 * 1024  # a client's request line or one header
 MAX_HEADER_BYTES = 64 * 1024  # all of a request's headers (Envoy's 60 KiB, about)
 SHUTDOWN_CUT_S = 1.0  # aiohttp's shutdown timeout, once Ferry's grace is over
 # Each stream holds two file descriptors (the client's connection and the
@@ -376,9 +377,8 @@ def app_runner(app: web.Application, server: ServerConfig) -> web.AppRunner:
         # Bodies as they came: Ferry inflates them off the event loop, bounded
         # (proxy/request_body.py).
         auto_decompress=False,
-        # aiohttp refuses a header line past 8 KiB, where vLLM's server takes a
-        # 20 KB JWT or cookie; Envoy allows 60 KiB of headers in all.
-        max_line_size=MAX_HEADER_LINE_BYTES,
+        # (Envoy allows 60 KiB of headers in all.)
+        max_line_size=MAX_REQUEST_LINE_BYTES,
         max_field_size=MAX_HEADER_LINE_BYTES,
     )
 

@@ -26,7 +26,8 @@ from aiohttp import web
 
 from migration_shim import launcher
 from proxy.config import FerryConfig, parse_config
-from proxy.server import CLUSTER, MAX_HEADER_LINE_BYTES, app_runner, build_app
+from proxy.errors import MAX_HEADER_LINE_BYTES, MAX_REQUEST_LINE_BYTES
+from proxy.server import CLUSTER, app_runner, build_app
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -83,7 +84,7 @@ async def start_site(
         handler_cancellation=handler_cancellation,
         access_log=None,
         keepalive_timeout=keepalive_timeout,
-        max_line_size=MAX_HEADER_LINE_BYTES,
+        max_line_size=MAX_REQUEST_LINE_BYTES,
         max_field_size=MAX_HEADER_LINE_BYTES,
     )
     await runner.setup()

@@ -444,6 +444,13 @@ def test_headers_too_large_in_all_are_refused(standins: Any, ferry: Any) -> None
         answer = httpx.post(proxy.url + "/v1/completions", json={}, headers=many)
         assert answer.status_code == 431, answer.text
         assert "headers too large" in answer.json()["error"]["message"]
+    # The request line has the same limit, and aiohttp the same refusal: it
+    # was a 431 too.
+    with socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))) as client:
+        client.sendall(b"GET /v1/models?x=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = client.makefile("rb").read()
+    assert answer.split(b" ", 2)[1] == b"414", answer[:100]
+    assert b"URL is too long" in answer
     fine = {"Authorization": "Bearer " + "a" * 60_000}  # one long header: as before
     answer = httpx.post(
         proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"}, headers=fine
