@@ -240,4 +240,8 @@ def _kill_if_silent(
             silent,
         )
         process.kill()
-        process.join(5)
+        # Reaped, and started again, by the supervisor's loop. Not waited for
+        # here: one stuck in the kernel (uninterruptible I/O) dies only once out
+        # of it, and a wait would stop the parent, its other workers' watch with
+        # it. Killed again after another timeout, if it is still there.
+        seen[index] = (beaten, now)

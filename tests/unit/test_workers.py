@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.workers import EXIT_CONFIG, MAX_FAILED_RESTARTS, supervise
+from proxy.workers import EXIT_CONFIG, MAX_FAILED_RESTARTS, _kill_if_silent, supervise
 
 
 def sleeper(ready: str) -> None:
@@ -199,3 +199,30 @@ def test_workers_frozen_with_their_parent_are_not_killed_as_silent(tmp_path: Pat
     finally:
         parent.terminate()
         parent.wait(20)
+
+
+def test_a_silent_worker_that_does_not_die_at_once_does_not_stop_the_watch(
+    tmp_path: Path,
+) -> None:
+    """A worker stuck in the kernel dies only once out of it: the parent waited
+    5 s for it, its other workers unwatched, then killed it again at every look."""
+
+    class Stuck:
+        pid, kills = 4242, 0
+
+        def kill(self) -> None:
+            self.kills += 1
+
+        def join(self, timeout: float | None = None) -> None:
+            time.sleep(timeout or 0)
+
+    heartbeat = tmp_path / "heartbeat-0"
+    heartbeat.touch()
+    stuck, seen = Stuck(), {0: (heartbeat.stat().st_mtime, time.monotonic() - 11)}
+    started = time.monotonic()
+    _kill_if_silent(0, stuck, str(heartbeat), 10, seen)  # type: ignore[arg-type]
+    _kill_if_silent(0, stuck, str(heartbeat), 10, seen)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1 and stuck.kills == 1
+    seen[0] = (seen[0][0], time.monotonic() - 11)  # silent for another timeout
+    _kill_if_silent(0, stuck, str(heartbeat), 10, seen)  # type: ignore[arg-type]
+    assert stuck.kills == 2
