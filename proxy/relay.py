@@ -282,21 +282,21 @@ class Relay:
                     )
                 else:
                     try:
-                        raw = await self.upstreams.read_whole(call)
+                        answer = await self.upstreams.read_whole(call)
                     except sse.STREAM_ERRORS as exc:
                         raise NothingRelayed(_describe(exc)) from exc
                     encoded = "Content-Encoding" in upstream.headers  # passed on as it is
-                    if body is not None and not encoded and not _json_object(raw):
+                    if body is not None and not encoded and not _json_object(answer):
                         # Not an answer (a gateway's page, a body cut short):
                         # another instance can give one.
                         raise NothingRelayed("answered 200 with a body that is not a JSON object")
-                    if body is not None and not encoded and len(raw) <= PARSED_ANSWER_BYTES:
+                    if body is not None and not encoded and len(answer) <= PARSED_ANSWER_BYTES:
                         # A server error sent with a 200: a 5xx answer, as
                         # when a stream opens with one (ErrorFirst).
-                        if (fault := _server_error(raw)) is not None:
+                        if (fault := _server_error(answer)) is not None:
                             raise ErrorFirst(fault)
                     response, outcome = await self._whole(
-                        upstream, call, wants_ids, passthrough=body is None, raw=raw
+                        upstream, call, wants_ids, passthrough=body is None, raw=answer
                     )
                     if isinstance(response, web.Response):
                         call.close()  # the instance is done: its load leaves the ledger
