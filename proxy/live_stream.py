@@ -276,6 +276,10 @@ class LiveStream:
                 elif order is not None:
                     self._order = None
                     self._forgo(order)  # broken first: failover takes it over
+                if self._generated_all():  # it broke after its last token: nothing to resume
+                    self.splicer.finished = True
+                    await self._end(self.splicer.closing())
+                    return "ok"
                 if self.resumes >= self.max_resumes:
                     await self._fail(self._out_of_resumes())
                     return "stream_broken"
@@ -489,8 +493,7 @@ class LiveStream:
         if splicer.prompt_ids is None and self.timing.first_token_seen:
             self.metrics.migrations.labels(order.reason, "no_prompt_ids").inc()
             return "failed"
-        limit = self._limit()
-        if splicer.ended or (limit is not None and limit - len(splicer.generated) <= 0):
+        if self._generated_all():
             splicer.finished = True  # the source had sent its last token
             await self._end(splicer.closing())
             return "done"
@@ -520,17 +523,23 @@ class LiveStream:
             # Its KV copied there and its source stopped, it goes where the KV
             # waits even if a drain began there meanwhile, not start over.
             staged = order.load is not None and order.load["dest"] == preferred
-            dest = self.placement.destination(
-                self.request.model,
-                tokens,
-                self.request.priority,
-                tried,
-                preferred,
-                cached,
-                rescue=order.reason == "failover",
-                reach=self.reach(),
-                staged=staged and (order.source_stopped or self._source_stopped),
-            )
+            # Not back where it broke while another takes it; a failover goes
+            # there rather than losing the stream (`_cut_over` left those in).
+            dest = None
+            for exclude in (tried | self.failed_on, tried):
+                dest = self.placement.destination(
+                    self.request.model,
+                    tokens,
+                    self.request.priority,
+                    exclude,
+                    preferred,
+                    cached,
+                    rescue=order.reason == "failover",
+                    reach=self.reach(),
+                    staged=staged and (order.source_stopped or self._source_stopped),
+                )
+                if dest is not None or self.failed_on <= tried:
+                    break
             if dest is None:
                 self.metrics.migrations.labels(order.reason, "no_destination").inc()
                 break
@@ -562,6 +571,12 @@ class LiveStream:
             self.metrics.migrations.labels(order.reason, "destination_failed").inc()
         self.timing.uncut()
         return "failed"
+
+    def _generated_all(self) -> bool:
+        """Whether the source sent the stream's last token (a finish reason, or
+        the budget's last): a continuation would have nothing to generate."""
+        limit = self._limit()
+        return self.splicer.ended or (limit is not None and limit <= len(self.splicer.generated))
 
     def _release_unused(self, order: MoveOrder, tried: set[str]) -> None:
         """Free the KV a full-mode copy staged for this cut-over on a destination

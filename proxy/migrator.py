@@ -339,16 +339,15 @@ class Migrator:
         source = stream.instance if source is None else source
         if not stream.accepts_orders or stream.splicer.unmovable is not None:
             return False
-        if reason != "failover" and not self._moves_off(source):
+        if not self._still_wanted(reason, source) or stream.instance != source:
             return False
-        if stream.instance != source:
-            return False
-        # Where it broke before is no place to send it by choice (LiveStream.failed_on).
-        avoid = {source} | stream.failed_on if reason != "failover" else {source}
+        # Where it broke before is no place to send it (LiveStream.failed_on):
+        # a failover goes back to one only where no other takes it (its cut-over).
+        avoid = {source} | stream.failed_on
         if destination is not None and (
-            destination not in self.placement.migration_instances() or destination in avoid
+            not self.placement.takes_moves(destination) or destination in avoid
         ):
-            destination = None  # removed, drained or reconfigured while the move waited
+            destination = None  # removed, drained, ejected or reconfigured while it waited
         if destination is None:  # resolve now, so the destination can be pre-warmed
             destination = self.placement.destination(
                 stream.request.model,
@@ -370,7 +369,18 @@ class Migrator:
             return await self._move_kv(stream, source, destination, reason)
         if self.prewarm and prewarm:
             await self._prewarm(stream, destination)
+            if not self._still_wanted(reason, source):
+                return False
         return await stream.order_move(destination, reason, source=source)
+
+    def _still_wanted(self, reason: str, source: str) -> bool:
+        """Whether a move for `reason` off `source` is still wanted: a drain
+        called off (undrained) while its move waited for a slot or its pre-warm
+        moves nothing; one whose migration was switched off moves nothing by
+        choice. A failover is always wanted."""
+        if reason == "failover":
+            return True
+        return self._moves_off(source) and (reason != "drain" or source in self.evacuating)
 
     async def _move_kv(
         self, stream: LiveStream, source: str, destination: str, reason: str

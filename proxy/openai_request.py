@@ -48,7 +48,9 @@ _FIELD_KINDS: dict[str, tuple[type, str]] = {
 }
 # Counts Ferry reads itself. vLLM reads them as pydantic does (2, 2.0 and "2"
 # are all 2): Ferry takes the same, made an int in place.
-_COUNTS = ("n", "best_of")
+# (`seed` too: a continuation draws on from the seed plus the tokens generated,
+# which a seed read as the string "42" would not.)
+_COUNTS = ("n", "best_of", "seed")
 # vLLM 0.32 dropped `best_of`: it ignores one it cannot read, so Ferry reads it
 # only where it is a count, and refuses nothing for it.
 _IGNORED_COUNTS = frozenset({"best_of"})

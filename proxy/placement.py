@@ -94,6 +94,12 @@ class Placement:
             if state.config.migration != "off" and state.healthy and not state.draining
         }
 
+    def takes_moves(self, name: str) -> bool:
+        """Whether `name` may be a move's destination now: a migration instance
+        (`migration_instances`) not ejected. An ejected one stays a source: its
+        streams may move off it."""
+        return name in self.migration_instances() and not self.cluster.ejected_for(name)
+
     def view_of(self, names: set[str]) -> ClusterView:
         """The live view over the instances in `names` (a move's possible sources
         and destinations)."""
@@ -126,7 +132,7 @@ class Placement:
         exclude = exclude | self.short_contexts(model, reach)
         usable = self.migration_instances()
         if preferred and preferred not in exclude:
-            if preferred in usable:
+            if self.takes_moves(preferred):
                 return preferred
             if staged and any(v.name == preferred for v in self._draining(model, exclude)):
                 return preferred

@@ -1041,7 +1041,7 @@ def test_a_move_that_starts_after_its_stream_ended_gives_up_at_once(
     other = "i1" if name == "i0" else "i0"
 
     async def move_now() -> bool:
-        return await asyncio.wait_for(migrator.move(live, other, "drain"), 2)
+        return await asyncio.wait_for(migrator.move(live, other, "rebalance"), 2)
 
     assert proxy.loop.run(move_now()) is False
     assert proxy.loop.call(lambda: live.accepts_orders) is False
@@ -1050,7 +1050,7 @@ def test_a_move_that_starts_after_its_stream_ended_gives_up_at_once(
 def test_a_move_whose_destination_left_while_it_waited_chooses_again(
     standins: Any, ferry: Any
 ) -> None:
-    """A drain plans each move's destination, then the move may wait for a slot;
+    """A drain or a rebalance plans each move's destination, then the move may wait for a slot;
     an instance removed meanwhile is no destination (it raised KeyError in the
     pre-warm): the move chooses again and the stream goes on there."""
     _, proxy, migrator, stream, name = _under_way(standins, ferry, 3, prewarm=True)
@@ -1058,7 +1058,7 @@ def test_a_move_whose_destination_left_while_it_waited_chooses_again(
     _admin(proxy, f"/admin/instances/{gone}", "DELETE")
     wait_until(lambda: gone not in proxy.loop.call(lambda: set(proxy.cluster.instances)))
     [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
-    assert proxy.loop.run(migrator.move(live, gone, "drain", prewarm=True)) is True
+    assert proxy.loop.run(migrator.move(live, gone, "rebalance", prewarm=True)) is True
     assert "".join(c.choices[0].text for c in stream) == " tok" * 294
     assert proxy.loop.call(lambda: live.instance) == kept
 
@@ -1584,3 +1584,108 @@ def test_a_finished_stream_leaves_no_cycle_for_the_collector(standins: Any, ferr
         gc.garbage.clear()
         gc.enable()
     assert cycled == []
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "llumnix"])
+@pytest.mark.parametrize("healthy", [0, 1, 2])
+def test_failover_tries_an_instance_it_has_not_broken_on_before_one_it_has(
+    standins: Any, ferry: Any, healthy: int, policy: str
+) -> None:
+    """Two of three instances break every stream: a failover went back to the
+    first one it broke on (i0 -> i2 -> i0), ran out of resumes and failed the
+    stream, the healthy one never tried."""
+    sites = standins(3, itl_s=0.005)
+    for n, (standin, _) in enumerate(sites):
+        standin.break_after = None if n == healthy else 3
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": policy, "migration_max_resumes": 2},
+    )
+    for _ in range(3):  # (llumnix's first pick among equals is random)
+        stream = api(proxy.url).completions.create(
+            model="standin", prompt="x", max_tokens=30, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream) == " tok" * 30
+
+
+@pytest.mark.parametrize("resumes", [0, 2])
+def test_a_source_lost_after_its_last_token_with_no_resume_left_still_ends_whole(
+    standins: Any, ferry: Any, resumes: int
+) -> None:
+    """Nothing is left to resume, so no resume is needed: with none left (none
+    allowed, or every one used) the client got an error event in place of its
+    usage and [DONE]."""
+    sites = standins(3, itl_s=0.001)
+    for standin, _ in sites:
+        standin.break_after = 2 if resumes else 4  # the last call breaks after the last token
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin", "migration_max_resumes": resumes},
+    )
+    tokens = 2 * (resumes + 1) if resumes else 4
+    chunks = list(
+        api(proxy.url).completions.create(
+            model="standin",
+            prompt="x",
+            max_tokens=tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * tokens
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [tokens]
+
+
+def test_a_move_does_not_go_to_a_destination_ejected_while_it_waited(
+    standins: Any, ferry: Any
+) -> None:
+    """A drain or a rebalance names each move's destination, then the move may
+    wait (a slot, a pre-warm, the next token): one ejected meanwhile took the
+    stream anyway, with a healthy third instance free."""
+    _, proxy, migrator, stream, name = _under_way(standins, ferry, 3)
+    ejected, kept = [f"i{n}" for n in range(3) if f"i{n}" != name]
+
+    def eject() -> bool:
+        return any(proxy.cluster.record_call_failure(ejected, "test") for _ in range(10))
+
+    assert proxy.loop.call(eject)
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    assert proxy.loop.run(migrator.move(live, ejected, "rebalance")) is True
+    assert proxy.loop.call(lambda: live.instance) == kept
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
+
+
+def test_a_drain_called_off_while_its_move_waited_moves_nothing(standins: Any, ferry: Any) -> None:
+    """An operator drains, then undrains at once: the move the drain had
+    submitted (waiting on its pre-warm) still ran, a migration nobody wanted."""
+    sites, proxy, migrator, stream, name = _under_way(standins, ferry, 2, prewarm=True)
+    other = "i1" if name == "i0" else "i0"
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    _admin(proxy, f"/admin/instances/{name}/drain")
+    _admin(proxy, f"/admin/instances/{name}/undrain")
+    assert proxy.loop.run(migrator.move(live, other, "drain", prewarm=True)) is False
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
+    assert proxy.loop.call(lambda: live.instance) == name
+    assert not [b for b in sites[int(other[1])][0].seen_bodies if b.get("stream")]
+
+
+def test_a_seed_sent_as_a_string_moves_on_at_the_join(standins: Any, ferry: Any) -> None:
+    """vLLM reads "seed": "42" as 42; the continuation carried "42" as it was,
+    and drew the numbers the stream began with (the seed is moved on by the
+    tokens generated, so that it does not)."""
+    sites = standins(2, itl_s=0.005)
+    sites[0][0].break_after = 5
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    body = {"model": "standin", "prompt": "x", "max_tokens": 20, "stream": True}
+    sent = httpx.post(
+        proxy.url + "/v1/completions", json={**body, "temperature": 0.8, "seed": "42"}
+    )
+    assert sent.status_code == 200 and sent.text.count(" tok") == 20
+    assert sites[0][0].seen_bodies[-1]["seed"] == 42
+    assert sites[1][0].seen_bodies[-1]["seed"] == 47
