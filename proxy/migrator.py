@@ -265,7 +265,10 @@ class Migrator:
     def _drain_moved(self, task: asyncio.Task[bool]) -> None:
         request_id = self._drain_moves.pop(task)
         refused = task.cancelled() or task.exception() is not None or not task.result()
-        if refused and request_id in self.streams:
+        stream = self.streams.get(request_id)
+        # (Not one whose drain was called off meanwhile, which is why it did not
+        # move: drained again, it would be passed over for good.)
+        if refused and stream is not None and stream.instance in self.evacuating:
             self._drain_refused.add(request_id)
 
     def leave_hung(self, instance: str) -> int:

@@ -161,8 +161,8 @@ def decode(
     fed to zlib a slice at a time, so its work follows the bytes it takes, not
     their square. Several gzip members are one body, as gzip reads them (at most
     MAX_MEMBERS); a `deflate` body is read with zlib's wrapper (RFC 9110) or
-    without. `take(n)` is told of each n bytes it holds (it may raise to stop
-    it), the whole again before the pieces are joined into one."""
+    without. `take(n)` is told of each n bytes it inflates (it may raise to
+    stop it); their join into one is a copy made as it returns."""
     view = memoryview(body)
     out: list[bytes] = []
     size = at = members = 0
@@ -198,7 +198,6 @@ def decode(
                 if view[at:].tobytes().strip(b"\0"):
                     raise BadRequest("request body has bytes past its gzip stream")
                 break
-    take(size)  # (the pieces and their join, for a moment)
     return b"".join(out)
 
 

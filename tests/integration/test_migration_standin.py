@@ -1662,10 +1662,12 @@ def test_a_drain_called_off_while_its_move_waited_moves_nothing(standins: Any, f
     submitted (waiting on its pre-warm) still ran, a migration nobody wanted."""
     sites, proxy, migrator, stream, name = _under_way(standins, ferry, 2, prewarm=True)
     other = "i1" if name == "i0" else "i0"
+    sites[int(other[1])][0].headers_delay_s = 0.8  # the pre-warm waits
     [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
-    _admin(proxy, f"/admin/instances/{name}/drain")
+    _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")
+    assert proxy.loop.call(lambda: bool(migrator._drain_moves))  # waiting on its pre-warm
     _admin(proxy, f"/admin/instances/{name}/undrain")
-    assert proxy.loop.run(migrator.move(live, other, "drain", prewarm=True)) is False
+    assert proxy.loop.run(migrator.move(live, other, "drain", prewarm=False)) is False
     assert "".join(c.choices[0].text for c in stream) == " tok" * 294
     assert proxy.loop.call(lambda: live.instance) == name
     assert not [b for b in sites[int(other[1])][0].seen_bodies if b.get("stream")]
@@ -1689,3 +1691,23 @@ def test_a_seed_sent_as_a_string_moves_on_at_the_join(standins: Any, ferry: Any)
     assert sent.status_code == 200 and sent.text.count(" tok") == 20
     assert sites[0][0].seen_bodies[-1]["seed"] == 42
     assert sites[1][0].seen_bodies[-1]["seed"] == 47
+
+
+def test_a_stream_whose_drain_was_called_off_moves_when_drained_again(
+    standins: Any, ferry: Any
+) -> None:
+    """The drain's move, waiting on its pre-warm when the undrain came, was
+    counted refused after the undrain had cleared the refusals: drained again
+    (or removed), the instance's rounds passed that stream over for good."""
+    sites, proxy, migrator, stream, name = _under_way(standins, ferry, 2, prewarm=True)
+    other = "i1" if name == "i0" else "i0"
+    sites[int(other[1])][0].headers_delay_s = 0.8  # the pre-warm waits
+    [live] = proxy.loop.call(lambda: list(migrator.streams.values()))
+    _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")
+    _admin(proxy, f"/admin/instances/{name}/undrain")
+    assert proxy.loop.call(lambda: bool(migrator._drain_moves))  # waiting on its pre-warm
+    wait_until(lambda: proxy.loop.call(lambda: not migrator._drain_moves), timeout=5)
+    assert proxy.loop.call(lambda: live.instance) == name  # the move was called off
+    _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")
+    wait_until(lambda: proxy.loop.call(lambda: live.instance) == other, timeout=10)
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
