@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
@@ -113,6 +114,22 @@ MAX_HEADER_LINE_BYTES = 64 * 1024
 MAX_REQUEST_LINE_BYTES = MAX_HEADER_LINE_BYTES - 1
 
 
+# How a request line's refusal begins: its URL (aiohttp's C parser quotes the
+# URL), or its method and a space (the Python one quotes the line). A header
+# line begins with its name and a colon, neither of these.
+_REQUEST_LINE_START = re.compile(rb"/|\*|[A-Za-z][A-Za-z0-9+.-]*://|[!#$%&'*+.^_`|~0-9A-Za-z-]+ ")
+
+
+def _request_line(exc: LineTooLong) -> bool:
+    """Whether aiohttp refused the request line (not a header line) as too long:
+    refused at the request line's limit, quoting a line that begins as one. (The
+    Python parser holds a header line still coming to the request line's limit.)"""
+    line, limit = exc.args[0], exc.args[1]
+    if isinstance(line, str):
+        line = line.encode("latin-1", "replace")
+    return limit == MAX_REQUEST_LINE_BYTES and bool(_REQUEST_LINE_START.match(line))
+
+
 class OpenAIErrorsRunner(web.AppRunner):
     """An AppRunner whose connections answer what aiohttp refuses before any
     middleware runs (a malformed request line or header, a broken chunked
@@ -140,7 +157,7 @@ class _RequestHandler(RequestHandler):
     ) -> web.StreamResponse:
         # aiohttp's logs it (and raises where an answer has begun).
         super().handle_error(request, status, exc, message)
-        if status == 400 and isinstance(exc, LineTooLong) and exc.args[1] == MAX_REQUEST_LINE_BYTES:
+        if status == 400 and isinstance(exc, LineTooLong) and _request_line(exc):
             status = 414
             message = f"request line over {MAX_REQUEST_LINE_BYTES} bytes: the URL is too long"
         elif status == 400 and (

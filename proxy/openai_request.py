@@ -158,19 +158,18 @@ def parse(
 
 
 def _count(value: Any) -> int | None:
-    """An integer as pydantic's lax mode reads one: 2, 2.0, "2", "2.0", or true
-    (1); None otherwise."""
+    """An integer as pydantic's lax mode reads one: 2, 2.0, "2", "2.0", "2_000",
+    or true (1); None otherwise. A string is read exactly (a seed of 19 digits
+    is not a float's nearest)."""
     if isinstance(value, str):
-        try:
-            value = float(value) if _DECIMAL.fullmatch(value.strip()) else None
-        except ValueError:
-            return None
+        found = _DECIMAL.fullmatch(value.strip())
+        return int(found[1]) if found else None
     if isinstance(value, float):
         return int(value) if value.is_integer() else None
     return int(value) if isinstance(value, int) else None
 
 
-_DECIMAL = re.compile(r"[-+]?\d+(\.0*)?")
+_DECIMAL = re.compile(r"([-+]?\d+(?:_\d+)*)(?:\.0*)?")
 
 
 def _read_flags(body: dict[str, Any], names: tuple[str, ...], where: str) -> None:

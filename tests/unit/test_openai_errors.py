@@ -9,9 +9,15 @@ import logging
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.errors import openai_errors
+from proxy.errors import (
+    MAX_HEADER_LINE_BYTES,
+    MAX_REQUEST_LINE_BYTES,
+    _request_line,
+    openai_errors,
+)
 
 
 async def broken(request: web.Request) -> web.StreamResponse:
@@ -61,3 +67,26 @@ def test_a_status_with_no_type_of_its_own_is_the_client_s_or_the_server_s(
     from proxy.errors import error_body
 
     assert error_body(status, "x")["error"]["type"] == kind
+
+
+@pytest.mark.parametrize(
+    ("quoted", "limit", "url"),
+    [
+        (b"/v1/models?x=aaaa...", MAX_REQUEST_LINE_BYTES, True),  # C parser: the URL
+        (b"http://ferry/v1/models?x=aa...", MAX_REQUEST_LINE_BYTES, True),
+        (b"GET /v1/models?x=aaaa...", MAX_REQUEST_LINE_BYTES, True),  # Python parser: the line
+        # The Python parser, a header line whose end has not come yet: it
+        # checks it at the request line's limit.
+        (b"x-long: aaaa...", MAX_REQUEST_LINE_BYTES, False),
+        (b"Authorization: Bearer aaaa...", MAX_REQUEST_LINE_BYTES, False),
+        (b"Bearer aaaa...", MAX_HEADER_LINE_BYTES, False),  # C parser: a header's value
+        (b"/path-like value...", MAX_HEADER_LINE_BYTES, False),
+    ],
+)
+def test_a_line_too_long_is_the_url_only_where_it_is_the_request_line(
+    quoted: bytes, limit: int, url: bool
+) -> None:
+    """A 414 for the request line, a 431 for a header line: aiohttp refuses
+    both with LineTooLong, and its Python parser holds a header line still
+    coming to the request line's limit (it answered 414 for a long header)."""
+    assert _request_line(LineTooLong(quoted, limit)) is url

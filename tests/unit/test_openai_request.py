@@ -155,6 +155,24 @@ def test_counts_are_read_as_vllm_reads_them(value: object, count: int) -> None:
     assert type(req.body["n"]) is int
 
 
+@pytest.mark.parametrize(
+    ("value", "seed"),
+    [
+        ("42", 42),
+        ("9223372036854775807", 9223372036854775807),  # int64's most: a float's is past it
+        ("9007199254740993", 9007199254740993),  # a float's nearest is ...992
+        ("1_000", 1000),
+        (" -7 ", -7),
+        (42.0, 42),
+    ],
+)
+def test_a_seed_is_read_exactly_as_vllm_reads_it(value: object, seed: int) -> None:
+    """A seed is moved on at a join (continuation.py): read as a string, it was
+    not; read through a float, a long one became another seed, or past int64."""
+    body = {"model": "m", "prompt": "x", "seed": value}
+    assert parse(json.dumps(body).encode(), "completions", None).body["seed"] == seed
+
+
 @pytest.mark.parametrize("body", [b'{"prompt": "x"}', b'{"model": "", "prompt": "x"}'])
 def test_a_body_may_name_no_model(body: bytes) -> None:
     """vLLM serves its own model to a request that names none (or ""): the
