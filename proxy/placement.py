@@ -132,7 +132,7 @@ class Placement:
         exclude = exclude | self.short_contexts(model, reach)
         usable = self.migration_instances()
         if preferred and preferred not in exclude:
-            if self.takes_moves(preferred):
+            if preferred in usable and not self.cluster.ejected_for(preferred):  # (takes_moves)
                 return preferred
             if staged and any(v.name == preferred for v in self._draining(model, exclude)):
                 return preferred
