@@ -12,7 +12,9 @@ between tokens, so the backend is never the bottleneck) on core 0 with the load
 generator; the proxy under test alone on core 1. `concurrency` client streams
 run closed-loop, each request 64 tokens; the client records TTFT per request
 and tokens received per second, and the proxy's CPU time (its processes', from
-/proc) per 1,000 tokens, which the machine's other load disturbs least. One run
+/proc) per 1,000 tokens, which the machine's other load disturbs least, split
+into the kernel's part (the sockets' reads and writes, the same work for any
+proxy relaying the same chunks) and the proxy's own, in user space. One run
 measures all three paths side by side, `--repeat` times in turn (on a shared
 machine the spread between repeats is the noise); the table gives each figure's
 median and its range over the repeats. `--profile DIR` records Ferry under
@@ -56,6 +58,7 @@ class Result:
     seconds: float
     errors: int
     cpu_s: float = 0.0  # the proxy's processes' CPU time during the run (0: direct)
+    kernel_s: float = 0.0  # the part of it spent in the kernel (system time)
 
     def p(self, q: float) -> float:
         ordered = sorted(self.ttfts)
@@ -76,20 +79,27 @@ class Result:
 
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of `pid` and its descendants, from Linux's /proc."""
-    total, pids = 0.0, [pid]
+    return sum(cpu_times(pid))
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system (kernel) CPU seconds of `pid` and its descendants."""
+    user = kernel = 0.0
+    pids = [pid]
     tick = os.sysconf("SC_CLK_TCK")
     while pids:
         p = pids.pop()
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            user += int(fields[11]) / tick
+            kernel += int(fields[12]) / tick
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     pids += [int(c) for c in f.read().split()]
         except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
             continue
-    return total
+    return user, kernel
 
 
 def pinned(cmd: list[str], cores: str) -> list[str]:
@@ -319,9 +329,12 @@ def measure(
                 if profile and name == "ferry" and n == repeat - 1:
                     spy = start_profile(ferry.pid, profile)
                 pid = pids.get(name)
-                cpu = cpu_seconds(pid) if pid else 0.0
+                user, kernel = cpu_times(pid) if pid else (0.0, 0.0)
                 result = asyncio.run(run_load(name, urls, concurrency, requests, max_tokens))
-                result.cpu_s = cpu_seconds(pid) - cpu if pid else 0.0
+                if pid:
+                    user_after, kernel_after = cpu_times(pid)
+                    result.kernel_s = kernel_after - kernel
+                    result.cpu_s = user_after - user + result.kernel_s
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)  # py-spy writes its file and exits
                     spy.wait(60)
@@ -393,6 +406,7 @@ def report(
             "tokens/s": [r.tokens_per_s for r, _ in per_run],
             "cpu": [r.cpu_ms_per_1k_tokens for r, _ in per_run],
             "cpu/req": [r.cpu_ms_per_request for r, _ in per_run],
+            "kernel": [1e6 * r.kernel_s / max(r.tokens, 1) for r, _ in per_run],
         }
         f = figures[name]
         errors = sum(r.errors for r, _ in per_run)
@@ -429,6 +443,18 @@ def report(
         f" {statistics.median(ferry['+p50']):.2f} ms, vllm-router"
         f" {statistics.median(router['+p50']):.2f} ms; runs where ferry's added p50 <="
         f" vllm-router's and its tokens/s >=: {wins}/{len(runs)}"
+    )
+    # The kernel's part (the sockets' reads and writes) is the same work for any
+    # proxy that relays the same chunks; the rest is the proxy's own code.
+    user = {
+        name: [a - b for a, b in zip(f["cpu"], f["kernel"], strict=True)]  # both us/token
+        for name, f in (("ferry", ferry), ("vllm-router", router))
+    }
+    print(
+        f"CPU us/token in the kernel: ferry {spread(ferry['kernel'], '.1f').strip()},"
+        f" vllm-router {spread(router['kernel'], '.1f').strip()}; in user space: ferry"
+        f" {spread(user['ferry'], '.1f').strip()}, vllm-router"
+        f" {spread(user['vllm-router'], '.1f').strip()}"
     )
 
 
