@@ -38,6 +38,7 @@ from proxy.config import (
 )
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
+from proxy.peer_load import NO_LOAD
 from proxy.scraper import Scraper
 
 log = logging.getLogger("ferry.fleet")
@@ -387,7 +388,9 @@ class Fleet:
         return state
 
     def _inflight(self, name: str) -> int:
-        return self.cluster.ledger.count(name)
+        """Streams on `name`, this process's and, with a shared view, the other
+        processes' (a removal waits for theirs too: they still stream on it)."""
+        return self.cluster.ledger.count(name) + self.cluster.peer_load.get(name, NO_LOAD).inflight
 
     def _changed(self) -> None:
         """Keep `config.instances` true to the running fleet, and retune."""

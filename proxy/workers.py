@@ -75,9 +75,10 @@ def supervise(
 ) -> int:
     """Run `target(*args)` in `count` processes until SIGTERM or SIGINT; returns
     the exit status (0 when every worker stopped cleanly). A worker killed by a
-    signal, or one that fails after running `min_uptime_s`, is started again; one
-    whose first start fails sooner (a port taken, Redis down) is not, nor is one
-    that exits cleanly or with EXIT_CONFIG. A restart that fails sooner is tried
+    signal, or one that fails after running `min_uptime_s` and serving (it beat
+    its heartbeat), is started again; one whose first start fails sooner, or
+    before it served (a port taken, Redis down), is not, nor is one that exits
+    cleanly or with EXIT_CONFIG. A restart that fails sooner is tried
     again, each wait twice the last, up to MAX_FAILED_RESTARTS in a row. One that
     has not beaten for `timeout_s` (0: no watch) is killed, then started again.
     When no worker is left, the parent exits 1."""
@@ -160,7 +161,9 @@ def supervise(
                     continue
                 code = process.exitcode or 0
                 killed = code < 0  # by a signal: kill -9, the OOM killer
-                brief = now - started_at[index] < min_uptime_s
+                # It never served (a slow start on a busy host can fail past
+                # min_uptime_s, at Redis down): a failed start all the same.
+                brief = now - started_at[index] < min_uptime_s or _never_beat(heartbeat(index))
                 failed_to_start = brief and (
                     index not in restarts or restarts[index] >= MAX_FAILED_RESTARTS
                 )
@@ -209,6 +212,15 @@ def supervise(
             signal.signal(sig, handler)
         os.environ.pop(FLEET_SNAPSHOT, None)
         shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def _never_beat(heartbeat: str) -> bool:
+    """Whether a worker never beat: it died before it served (`start` left its
+    file at time 0). A file gone says nothing: then its uptime alone decides."""
+    try:
+        return os.stat(heartbeat).st_mtime == 0
+    except OSError:
+        return False
 
 
 def _kill_if_silent(

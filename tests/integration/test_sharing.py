@@ -228,6 +228,29 @@ def test_each_process_sees_the_others_load_and_fleet_changes_apply_everywhere(
     wait_until(lambda: a.inflight() == 0 and b.inflight() == 0, timeout=10)
 
 
+def test_a_removal_through_one_process_waits_for_the_streams_of_every_process(
+    ferries: Any,
+) -> None:
+    """The process that took the removal forgot the instance once its own streams
+    were done, while another process still streamed on it: `ferry remove` said
+    "done" with streams running, and an undrain through that process was a 404."""
+    a, b = ferries(2)
+    wait_until(lambda: len(a.sharing()["peers"]) == 1 and len(b.sharing()["peers"]) == 1)
+    streams = Streams(b.url, 4, tokens=40)  # 2 s each, all through B
+    wait_until(lambda: a.rows()["i0"]["inflight"] > 0, timeout=5)
+    a.admin("/admin/instances/i0", "DELETE")
+    time.sleep(0.5)
+    row = a.rows().get("i0")
+    assert row is not None and row["removing"] and row["inflight"] > 0
+    # While it waits, the removal can still be called off through the process that took it.
+    a.admin("/admin/instances/i0/undrain", "POST")
+    wait_until(lambda: not b.rows()["i0"]["removing"], timeout=10)
+    a.admin("/admin/instances/i0", "DELETE")
+    streams.join()
+    assert not streams.errors and streams.texts == [" tok" * 40] * 4
+    wait_until(lambda: "i0" not in a.rows() and "i0" not in b.rows(), timeout=10)
+
+
 def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
     ferries: Any, standins: Any, redis_server: str, redis_prefix: str
 ) -> None:

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from proxy.workers import EXIT_CONFIG, MAX_FAILED_RESTARTS, _kill_if_silent, supervise
+from proxy.workers import (
+    EXIT_CONFIG,
+    HEARTBEAT,
+    MAX_FAILED_RESTARTS,
+    _kill_if_silent,
+    supervise,
+)
 
 
 def sleeper(ready: str) -> None:
@@ -75,6 +81,7 @@ def flaky(counter: str, then: str) -> None:
         sys.exit(EXIT_CONFIG)
     if run == 2 or (run > 1 and then == "always"):
         sys.exit(1)
+    os.utime(os.environ[HEARTBEAT])  # it serves, as Ferry's workers say by their first beat
     time.sleep(60)
 
 
@@ -148,13 +155,50 @@ def test_a_worker_that_cannot_start_again_is_given_up(tmp_path: Path, then: str,
         assert len(f.read()) == runs
 
 
+def slow_to_fail(counter: str) -> None:
+    """A worker whose start fails (exit 1) after `MIN_UPTIME_S`, before it ever
+    beat: a start on a loaded host that found Redis down."""
+    with open(counter, "a") as f:
+        f.write("x")
+    time.sleep(MIN_UPTIME_S + 0.5)
+    sys.exit(1)
+
+
+def test_a_worker_that_fails_before_it_served_is_not_restarted_however_long_it_took(
+    tmp_path: Path,
+) -> None:
+    """It was restarted as a worker that had crashed, and a restarted worker
+    serves alone where Redis is down: the workers ran with no shared view."""
+    counter = tmp_path / "runs"
+    returned = threading.Event()
+
+    def stop_later() -> None:  # (the old supervisor restarted it for ever)
+        if not returned.wait(4 * MIN_UPTIME_S + 5):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_later)
+    stopper.start()
+    try:
+        code = supervise(
+            1,
+            slow_to_fail,
+            (str(counter),),
+            stop_timeout_s=10,
+            restart_delay_s=0.1,
+            min_uptime_s=MIN_UPTIME_S,
+            poll_s=0.02,
+        )
+    finally:
+        returned.set()
+        stopper.join()
+    assert code == 1 and counter.read_text() == "x"
+
+
 def beater(ready: str, every: str) -> None:
     """A worker that beats its heartbeat every `every` seconds (Ferry's: every
     second), and says so once (a file in the folder `ready`). It waits in
     tenths: thawed after a stop, its next beat is as far away as it was, where
     one long sleep would have run out meanwhile and beaten at once."""
-    from proxy.workers import HEARTBEAT
-
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     for beat in range(600):
         os.utime(os.environ[HEARTBEAT])
