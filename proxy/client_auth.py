@@ -19,7 +19,7 @@ import hashlib
 import hmac
 from collections.abc import Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
 from proxy.config import FerryConfig
@@ -36,20 +36,37 @@ def middleware(keys: Callable[[], tuple[str, ...]]) -> Middleware:
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         allowed = keys()
-        path = request.path
-        if not allowed or path in OPEN_PATHS or path == "/admin" or path.startswith("/admin/"):
+        if not needs_key(request, allowed):
             return await handler(request)
         if not authorized(request.headers.get("Authorization", ""), allowed):
-            return error_response(
-                401,
-                "missing or wrong API key: send it as Authorization: Bearer <key>",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            answer = refused()
+            if hdrs.EXPECT in request.headers:
+                # Not told to continue (server.py's `_expect_continue`), the
+                # client may send its body or not: no telling where the next
+                # request would begin.
+                answer.force_close()
+            return answer
         request[CHECKED] = True
         return await handler(request)
 
     return check_key
+
+
+def needs_key(request: web.Request, allowed: tuple[str, ...]) -> bool:
+    """Whether `request` must carry one of the keys `allowed` (none: no key is asked)."""
+    path = request.path
+    return bool(allowed) and not (
+        path in OPEN_PATHS or path == "/admin" or path.startswith("/admin/")
+    )
+
+
+def refused() -> web.Response:
+    return error_response(
+        401,
+        "missing or wrong API key: send it as Authorization: Bearer <key>",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def authorized(header: str, keys: tuple[str, ...]) -> bool:

@@ -65,7 +65,9 @@ class Bodies:
         budget."""
         if (kept := request.get(_BODY)) is not None:
             return kept
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        # Two header lines are one list (RFC 9110), as "gzip, gzip" is: refused below.
+        encoding = ", ".join(request.headers.getall("Content-Encoding", ["identity"]))
+        encoding = encoding.strip().lower()
         if encoding not in ("identity", "") and encoding not in _WBITS:
             raise BadRequest(
                 f"Content-Encoding {encoding[:40]!r} is not taken; send gzip, deflate or none",

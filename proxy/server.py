@@ -123,11 +123,13 @@ def build_app(
     # and every request (a 404 too) gets its line.
     spans = tracing.Spans() if config.server.otel else None
     observe = access_log.middleware(metrics, config.server.access_log, spans)
+
     # Client keys are read from the running configuration (a reload rotates them);
     # until the fleet exists (start-up), from the one the app was built with.
-    keyed = client_auth.middleware(
-        lambda: app[FLEET].config.api_keys if FLEET in app else config.api_keys
-    )
+    def client_keys() -> tuple[str, ...]:
+        return app[FLEET].config.api_keys if FLEET in app else config.api_keys
+
+    keyed = client_auth.middleware(client_keys)
     in_flight = InFlight()
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
@@ -264,7 +266,7 @@ def build_app(
     app.cleanup_ctx.append(lifecycle)
     # The same with a trailing slash: sent on as it came, vLLM would answer
     # with a redirect to itself, past the proxy.
-    expect = _expect_continue(config.server.max_body_bytes)
+    expect = _expect_continue(config.server.max_body_bytes, client_keys)
     for slash in ("", "/"):
         for path, read in _READ_ROUTES.items():
             app.router.add_post(path + slash, read, expect_handler=expect)
@@ -334,14 +336,20 @@ def _over_limits(request: web.Request, max_body_bytes: int) -> web.Response | No
     return None
 
 
-def _expect_continue(max_body_bytes: int) -> Any:
+def _expect_continue(max_body_bytes: int, client_keys: Callable[[], tuple[str, ...]]) -> Any:
     """An `Expect: 100-continue` handler that says continue only to a request
-    `_request_limits` passes: a client told to continue sends the body that
-    the 413 then refuses. (aiohttp's says it to all, before any middleware.)"""
+    `_request_limits` and the client key pass: a client told to continue sends
+    the body that the 413 or the 401 then refuses. (aiohttp's says it to all,
+    before any middleware.)"""
 
     async def expect(request: web.Request) -> web.Response | None:
         if request.version != HttpVersion11 or _over_limits(request, max_body_bytes):
             return None  # the middleware answers, the body unread
+        allowed = client_keys()
+        if client_auth.needs_key(request, allowed) and not client_auth.authorized(
+            request.headers.get(hdrs.AUTHORIZATION, ""), allowed
+        ):
+            return None  # as above: the key's middleware answers 401
         expected = request.headers.get(hdrs.EXPECT, "")
         if expected.lower() != "100-continue":
             return error_response(417, f"unknown Expect: {expected!r}")

@@ -5,6 +5,7 @@ itself, and lets probes and scrapers in without one; against stand-in servers
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,40 @@ def test_a_client_without_a_valid_key_is_refused_in_openais_shape(keyed: tuple[A
         assert answer.status_code == 401
         assert answer.json()["error"]["type"] == "authentication_error"
     assert engine.seen_bodies == []  # nothing reached the engine
+
+
+def test_expect_continue_is_not_said_to_a_client_without_a_valid_key(
+    keyed: tuple[Any, Any],
+) -> None:
+    """aiohttp said `100 Continue` before the key was checked: a client with no
+    key was told to upload its body (30 MB here) only to be refused."""
+    engine, proxy = keyed
+    host, port = proxy.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "standin", "prompt": "x", "max_tokens": 1}).encode()
+
+    def ask(key: str | None, length: int) -> tuple[socket.socket, bytes]:
+        client = socket.create_connection((host, int(port)), timeout=5)
+        auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"%bExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (auth, length)
+        )
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += client.recv(65536)  # (times out where no answer comes)
+        return client, answer
+
+    for key in (None, "sk-wrong"):
+        client, answer = ask(key, 30_000_000)
+        with client:
+            assert answer.startswith(b"HTTP/1.1 401"), answer  # and no 100 before it
+            assert b"Connection: close" in answer  # the client may send the body or not
+    client, answer = ask(KEYS[0], len(body))
+    with client:
+        assert answer == b"HTTP/1.1 100 Continue\r\n\r\n"
+        client.sendall(body)
+        assert client.recv(65536).startswith(b"HTTP/1.1 200")
+    assert len(engine.answers) == 1
 
 
 def test_a_valid_key_is_ferrys_alone_and_the_engine_gets_its_own(keyed: tuple[Any, Any]) -> None:
