@@ -21,7 +21,6 @@ API refuses every call: an open drain button is worse than none.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from proxy import client_auth, request_body
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.fleet import Fleet, FleetError
-from proxy.openai_request import BadRequest
+from proxy.openai_request import BadRequest, read_object
 
 
 def _alone() -> dict[str, Any]:
@@ -208,13 +207,12 @@ def _flag(request: web.Request, name: str) -> bool:
     return request.query.get(name, "").lower() in ("1", "true", "yes")
 
 
-async def _json_body(request: web.Request) -> Any:
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    """The body as a client's is read: decoded, and a JSON object read strictly
+    (a key given twice is refused: which one would apply?)."""
     try:
-        raw = await request.app[request_body.BODIES].read(request)  # (a client's are read so)
+        raw = await request.app[request_body.BODIES].read(request)
+        return read_object(raw)
     except BadRequest as exc:  # (400, 408, 413, 415; 503 with its Retry-After)
         code = "invalid_request" if exc.status < 500 else "busy"
         raise FleetError(exc.status, exc.message, code, exc.headers) from None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise FleetError(400, "body: must be a JSON object", "invalid_request") from exc

@@ -18,12 +18,12 @@ from tests.helpers import Ferry, free_port, start_site, wait_until
 
 
 def post(
-    url: str, body: bytes, headers: dict[str, str] | None = None
+    url: str, body: bytes, headers: dict[str, str] | None = None, method: str = "POST"
 ) -> tuple[int, dict[str, Any], dict[str, str]]:
     request = urllib.request.Request(
         url,
         data=body,
-        method="POST",
+        method=method,
         headers={"Content-Type": "application/json", **(headers or {})},
     )
     return _send(request)
@@ -430,6 +430,21 @@ def test_an_admin_body_is_read_as_a_client_s_gzip_included(standins: Any, ferry:
     assert status == 201 and row["name"] == "i1", row
     status, error, _ = post(proxy.url + "/admin/instances", b"junk", headers)
     assert status == 400 and "does not decode as gzip" in error["error"]["message"]
+
+
+def test_an_admin_body_with_a_key_given_twice_is_refused(standins: Any, ferry: Any) -> None:
+    """Read with plain json.loads, the last of two keys applied, unsaid; a
+    client's body with one is refused, and so is an operator's now."""
+    [(_, a)] = standins(1, itl_s=0.001)
+    proxy = ferry([a.url], admin_token="t")
+    twice = b'{"labels": {"tier": "a"}, "labels": {"tier": "b"}}'
+    status, error, _ = post(
+        proxy.url + "/admin/instances/i0", twice, {"Authorization": "Bearer t"}, "PATCH"
+    )
+    assert status == 400 and "duplicate key 'labels'" in error["error"]["message"], error
+    assert error["error"]["type"] == "invalid_request_error"
+    status, error, _ = post(proxy.url + "/admin/instances", b"[]", {"Authorization": "Bearer t"})
+    assert status == 400 and "must be a JSON object" in error["error"]["message"], error
 
 
 def test_admin_is_off_without_a_token(standins: Any, ferry: Any) -> None:
