@@ -8,7 +8,7 @@ import re
 
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, LooseHeaders
 from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger("ferry.errors")
@@ -52,7 +52,7 @@ def error_response(
     *,
     code: str | None = None,
     param: str | None = None,
-    headers: dict[str, str] | None = None,
+    headers: LooseHeaders | None = None,
 ) -> web.Response:
     return web.Response(
         status=status,

@@ -524,10 +524,9 @@ class Relay:
         if status >= 400 and "Content-Encoding" not in upstream.headers and not _json_object(raw):
             message = f"instance {call.instance} answered HTTP {status}: {_message_of(raw)}"
             outcome = "upstream_429" if status == 429 else "upstream_4xx"
-            answer = error_response(status, message, code="upstream_error")
-            for header in ("Retry-After", "WWW-Authenticate"):
-                if header in upstream.headers:
-                    answer.headers[header] = upstream.headers[header]
+            headers = answer_headers(upstream)
+            headers["x-ferry-instance"] = call.instance
+            answer = error_response(status, message, code="upstream_error", headers=headers)
             return answer, outcome
         outcome = "ok" if status < 400 else "upstream_429" if status == 429 else "upstream_4xx"
         if status == 200 and not passthrough:

@@ -490,6 +490,21 @@ def test_an_instances_rate_limits_and_retry_hints_reach_the_client_and_no_more(
     assert b"data: [DONE]" in answers[1].content
 
 
+@pytest.mark.parametrize("method", ["GET", "HEAD", "PUT"])
+def test_a_405_of_the_engine_says_which_methods_its_route_takes(
+    standins: Any, ferry: Any, method: str
+) -> None:
+    """HTTP asks a 405 for its Allow header (RFC 9110 15.5.6): the engine's was
+    dropped with the headers Ferry does not relay. Its answer is not JSON, so
+    Ferry says it in OpenAI's shape, with the headers a JSON one would have."""
+    [(_, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url])
+    for path in ("/v1/completions", "/v1/chat/completions/", "/v1/embeddings"):
+        answer = httpx.request(method, proxy.url + path)
+        assert answer.status_code == 405 and answer.headers.get("allow") == "POST", answer.headers
+        assert answer.headers["x-ferry-instance"] == "i0"
+
+
 def test_sagemaker_invocations_are_read_as_the_request_their_body_is(
     standins: Any, ferry: Any
 ) -> None:
