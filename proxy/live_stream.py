@@ -251,6 +251,7 @@ class LiveStream:
         return response, outcome
 
     async def _run(self) -> str:
+        broken: tuple[str, str] | None = None  # a break a failover under way holds
         try:
             while True:
                 result = await self._relay()
@@ -291,8 +292,11 @@ class LiveStream:
                 # it, as when the one destination froze as it was handed over.
                 stopped = self._source_stopped or (order is not None and order.source_stopped)
                 self._order = failover = MoveOrder(preferred, "failover", source_stopped=stopped)
+                if not stopped and not gave_up:
+                    broken = (source, broke)
                 moved, _ = await self._cut_over(failover, refused)
                 self._order = None
+                broken = None
                 if moved == "done":
                     return "ok"
                 if moved != "moved":
@@ -308,6 +312,8 @@ class LiveStream:
         except ConnectionResetError:
             return "client_disconnect"
         finally:
+            if broken is not None:  # the client left during the failover: the break stands
+                self.blame(*broken)
             self._over = True
             if self._order is not None:
                 self._forgo(self._order)

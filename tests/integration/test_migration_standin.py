@@ -246,6 +246,35 @@ def test_an_instance_that_breaks_every_stream_is_ejected_though_each_resumes(
     assert "stream broken" in str(proxy.loop.call(lambda: proxy.cluster.instances["i0"].last_error))
 
 
+def test_a_source_that_broke_is_held_to_it_though_the_client_left_during_the_failover(
+    standins: Any, ferry: Any
+) -> None:
+    """The client left while the continuation waited for its headers: the stream
+    was counted a client's disconnect, and the break was held against no one."""
+    (broken, a), (slow, b) = standins(2, itl_s=0.001)
+    broken.break_after = 3
+    slow.headers_delay_s = 3.0
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration="lite",
+        scheduler={
+            "policy": "round_robin",
+            "eject_after_failures": 1,
+            "eject_base_s": 60,
+            "scrape_interval_s": 60,
+        },
+    )
+    body = {"model": "standin", "prompt": "hi", "max_tokens": 10, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=10) as answer:
+        chunks = answer.iter_raw()  # (kept: a generator closed ends the connection)
+        seen = b""
+        while seen.count(b'"text"') < 3:
+            seen += next(chunks)
+        wait_until(lambda: len(slow.seen_bodies) == 1, timeout=5)  # the continuation waits
+    wait_until(lambda: 'ferry_ejections_total{instance="i0"} 1.0' in metrics(proxy.url), timeout=5)
+    assert 'ferry_ejections_total{instance="i1"} 0.0' in metrics(proxy.url)  # not its fault
+
+
 def test_an_ejected_instance_takes_what_has_nowhere_else_to_go(standins: Any, ferry: Any) -> None:
     """Ejection left i0 out while i1 could serve; then i1 breaks a stream and is
     drained. The stream resumes on i0 and a new request is served there: with
