@@ -27,13 +27,14 @@ class BlocksStored:
     """Full blocks now cached: `hashes[i]` holds `token_ids[i*block_size:(i+1)*block_size]`,
     chained on `parent` (None: the first block of a sequence). `extra[i]` is not
     None where the block's hash also covers more than its tokens (a LoRA
-    adapter, a cache salt, multimodal input)."""
+    adapter, a cache salt, multimodal input); `lora` names the adapter."""
 
     hashes: tuple[EngineHash, ...]
     parent: EngineHash | None
     token_ids: tuple[int, ...]
     block_size: int
     extra: tuple[object, ...] | None = None
+    lora: str | None = None  # the LoRA adapter the blocks were computed with
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,11 @@ def _event(raw: dict[str, Any]) -> KVEvent | None:
         return AllCleared()
     if raw.get("medium") not in _ENGINE_MEDIA or kind not in ("BlockStored", "BlockRemoved"):
         return None
+    if raw.get("group_idx") not in (None, 0):
+        # A hybrid model's other KV cache groups publish blocks of their own,
+        # under the same hashes: followed too, one group's removal would drop
+        # another's block. The first group stands for the request's prefix.
+        return None
     try:
         hashes = tuple(_hash(h) for h in raw["block_hashes"])
         if kind == "BlockRemoved":
@@ -86,6 +91,7 @@ def _event(raw: dict[str, Any]) -> KVEvent | None:
         token_ids = tuple(raw["token_ids"])
         block_size = raw["block_size"]
         extra = raw.get("extra_keys")
+        lora = raw.get("lora_name")
     except (KeyError, TypeError) as exc:
         raise KVEventsDecodeError(f"{kind}: missing or bad field: {exc}") from exc
     if not (isinstance(block_size, int) and block_size > 0):
@@ -100,6 +106,7 @@ def _event(raw: dict[str, Any]) -> KVEvent | None:
         token_ids,
         block_size,
         None if extra is None else tuple(extra),
+        lora if isinstance(lora, str) else None,
     )
 
 

@@ -114,11 +114,17 @@ class EngineBlocks:
     lost_gaps: int = 0
     restarts: int = 0
     clears: int = 0  # the engine dropped its whole cache (a clear, a restart)
+    # Its LoRA adapters' names, as its stores say: their blocks' hashes cover the
+    # adapter, which Ferry's do not (see `cached_tokens`).
+    adapters: set[str] = field(default_factory=set)
 
     # -- the stream ----------------------------------------------------------------
     def reset(self) -> None:
-        """Connected again (or for the first time): start over."""
+        """Connected again (or for the first time): start over. The replay from
+        0 that follows learns the block size and hashing again: the engine may
+        be a new process, hashing as the old one did not."""
         self._clear()
+        self.block_size, self.hashing, self.seed = 0, "unknown", None
         self.next_seq = self.replay_floor = None
         self.synced = self.complete = False
 
@@ -152,7 +158,7 @@ class EngineBlocks:
         self.clears += 1
         self.reached = 0
         self._clear()
-        self.hashing, self.seed = "unknown", None
+        self.block_size, self.hashing, self.seed = 0, "unknown", None
         self.next_seq = self.replay_floor = None
         self.complete = False
 
@@ -222,6 +228,12 @@ class EngineBlocks:
 
     def _store(self, event: BlocksStored) -> None:
         size, ids = event.block_size, event.token_ids
+        if event.lora is not None:
+            self.adapters.add(event.lora)
+        if size < self.block_size:
+            # Part of a block (vLLM stores a hybrid model's partial blocks so):
+            # lookups hash whole blocks, and never reach it.
+            return
         self.block_size = size
         if event.parent is None and self.hashing == "unknown" and event.extra is None:
             if event.hashes:  # an engine may publish a store of no blocks

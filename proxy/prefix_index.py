@@ -47,9 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.kv_events import KVEventsFormat
+from proxy import openai_request
 from proxy.engine_blocks import EngineBlocks, LazyChain, token_block_hashes
 
-CHARS_PER_TOKEN = 4
+# A text chunk of `block_size` tokens is this many characters: the ratio the
+# prompt's own estimate uses (proxy/openai_request.py), so a prompt cached whole
+# is credited its whole estimate (at 4, three quarters of it).
+CHARS_PER_TOKEN = openai_request.CHARS_PER_TOKEN
 DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
 MAX_SESSION_CHARS = 256  # a session named longer is kept by its digest
 # A prompt's chunks hashed at most (128k tokens at 16 a block): longer ones are
@@ -238,6 +242,8 @@ class PrefixKey:
     prompt_tokens: int
     session: str | None = None
     token_ids: tuple[int, ...] | None = None
+    model: str | None = None
+    salted: bool = False  # a `cache_salt`: the engine's first block hashes it in
 
 
 @dataclass(slots=True)
@@ -277,7 +283,10 @@ class PrefixIndex:
         # (Ids read once: `prompt_text` would read them again.)
         text = _ids_text(ids) if ids else prompt_text(body, MAX_PROMPT_CHUNKS * self.chunk_chars)
         chunks = text_chunk_hashes(text, self.chunk_chars, _namespace(body))
-        return PrefixKey(tuple(chunks), prompt_tokens, session, ids)
+        model = body.get("model") if body is not None else None
+        model = model if isinstance(model, str) else None
+        salted = body is not None and body.get("cache_salt") is not None
+        return PrefixKey(tuple(chunks), prompt_tokens, session, ids, model, salted)
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int]:
         """Cached prompt tokens of `key` on each instance that has any (absent: 0):
@@ -289,7 +298,11 @@ class PrefixIndex:
         if key.token_ids is not None:
             memo: dict[object, LazyChain] = {}
             for name, engine in self.engines.items():
-                if engine.synced:
+                # The engine hashes a cache salt or a LoRA adapter into its
+                # blocks and Ferry does not: its blocks would credit the same
+                # ids of another tenant or the base model. The text index,
+                # keyed by both, says then.
+                if engine.synced and not key.salted and key.model not in engine.adapters:
                     cached.pop(name, None)
                     n = engine.cached_tokens(key.token_ids, memo)
                     if n:
@@ -447,10 +460,14 @@ class PrefixIndex:
             entry.tokens = BlockLRU(entry.tokens.capacity)
 
     def forget(self, name: str) -> None:
+        """`name` is gone, or its server is another now (a new URL): nothing of
+        its cache is known, and no session is held to it."""
         self.engines.pop(name, None)
         entry = self.instances.pop(name, None)
         if entry is not None:
             self._drop(name, list(entry.text))
+        for session in [s for s, held in self.sessions.items() if held == name]:
+            del self.sessions[session]
 
     def _drop(self, name: str, hashes: Iterable[int]) -> None:
         holders = self.holders

@@ -248,6 +248,37 @@ def test_a_restart_seen_on_reconnection_without_a_replay_endpoint_clears_the_rec
     assert cached(blocks, prompt(40, 0, 40)) == new.truth(prompt(40, 0, 40)) == 8
 
 
+def test_a_restart_seen_on_reconnection_learns_how_the_new_process_hashes() -> None:
+    """The old process hashed as Ferry does, the new one with another seed
+    (PYTHONHASHSEED): found on reconnection, the restart kept the old process's
+    hashing, and every lookup there found nothing while the engine held 36."""
+    old, blocks = ModelEngine(), EngineBlocks(FORMAT)
+    connected(blocks, old)
+    for _ in range(3):
+        deliver(blocks, old, old.store(prompt(40, 0, 40)))
+    assert blocks.hashing == "engine"
+    reached = blocks.reached
+    new = ModelEngine("another seed")
+    new.store(prompt(40, 0, 40))  # seq 0 of the new process, while Ferry was away
+    connected(blocks, new)
+    assert blocks.restarted_while_away(reached) and blocks.hashing == "tokens"
+    assert cached(blocks, prompt(40, 0, 40)) == new.truth(prompt(40, 0, 40)) == 36
+
+
+def test_a_partial_block_leaves_the_engines_block_size_alone() -> None:
+    """vLLM 0.32 publishes a hybrid model's partial blocks with their own, smaller
+    size: one such store made every later lookup hash blocks of that size."""
+    engine, blocks = ModelEngine(), EngineBlocks(FORMAT)
+    connected(blocks, engine)
+    deliver(blocks, engine, engine.store(prompt(40, 0, 40)))
+    assert cached(blocks, prompt(40, 0, 40)) == 36
+    other = prompt(9, 1, 9)
+    half = tuple(FORMAT.block_hashes(other, SIZE // 2, DEFAULT_SEED))[:1]
+    partial = BlocksStored(half, None, tuple(other[: SIZE // 2]), SIZE // 2)
+    deliver(blocks, engine, engine.publish([partial]))
+    assert blocks.block_size == SIZE and cached(blocks, prompt(40, 0, 40)) == 36
+
+
 def test_a_replays_overlap_is_not_taken_for_a_restart() -> None:
     engine, blocks = ModelEngine(), EngineBlocks(FORMAT)
     connected(blocks, engine)

@@ -154,8 +154,8 @@ def test_a_huge_prompt_is_keyed_by_its_start() -> None:
     """Keying and recording run on the event loop at dispatch: a 32 MB prompt's
     500,000 chunks held it for a second. Past MAX_PROMPT_CHUNKS a prompt is
     keyed by its start, whatever its shape, and two that share it match."""
-    index = PrefixIndex(block_size=4)  # 16-character chunks
-    chars = MAX_PROMPT_CHUNKS * 16
+    index = PrefixIndex(block_size=4)  # 12-character chunks
+    chars = MAX_PROMPT_CHUNKS * index.chunk_chars
     text = "".join(f"{n:015d}-" for n in range(MAX_PROMPT_CHUNKS + 100))
     ids = list(range(MAX_PROMPT_CHUNKS * 4 + 400))
     bodies = [
@@ -236,6 +236,54 @@ def precise_engine(index: PrefixIndex, name: str, ids: list[int], size: int) -> 
     engine.receive(0, [BlocksStored(hashes, None, tuple(ids[: len(hashes) * size]), size)])
 
 
+def test_a_salted_or_adapter_request_is_not_credited_the_engines_plain_blocks() -> None:
+    """The engine hashes a cache salt and a LoRA adapter into its blocks and Ferry
+    does not: the plain blocks of the same ids were credited to a request of
+    another tenant or adapter, which the engine would compute again. The text
+    index, keyed by both, answers for them."""
+    index = PrefixIndex(block_size=16)
+    ids = list(range(100))
+    precise_engine(index, "a", ids[:64], 16)
+    plain = {"model": "base", "prompt": ids}
+    assert index.cached_tokens(index.key(plain, 100)) == {"a": 64}
+    salted = {**plain, "cache_salt": "tenant-b"}
+    assert index.cached_tokens(index.key(salted, 100)) == {}
+    engine = index.engines["a"]
+    adapter = tuple(FORMAT.block_hashes([7] * 32, 16, DEFAULT_SEED))
+    engine.receive(1, [BlocksStored(adapter, None, (7,) * 32, 16, (("sql",),) * 2, "sql")])
+    assert index.cached_tokens(index.key({**plain, "model": "sql"}, 100)) == {}
+    index.record("a", index.key(salted, 100), capacity_blocks=100)  # Ferry placed it there
+    assert set(index.cached_tokens(index.key(salted, 100))) == {"a"}  # (by its text)
+
+
+def test_forgetting_an_instance_lets_go_of_its_sessions() -> None:
+    """Removed, or another server under its name now: its sessions stayed held
+    to it, on a cache that no longer has their prompts."""
+    index = PrefixIndex(block_size=16)
+    key = index.key({"prompt": "x" * 200}, 60, session="s1")
+    index.record("a", key, capacity_blocks=100)
+    index.record("b", index.key({"prompt": "y"}, 1, session="s2"), capacity_blocks=100)
+    assert index.affinity(key) == "a"
+    index.forget("a")
+    assert index.affinity(key) is None and index.sessions == {"s2": "b"}
+
+
+def test_a_text_prompt_cached_whole_is_credited_its_whole_estimate() -> None:
+    """Chunks counted 4 characters a token and prompts 3: a prompt cached whole
+    was credited three quarters of itself, and cache_aware's 0.3 of vllm-router
+    acted as 0.4."""
+    import json
+
+    from proxy.openai_request import parse
+
+    index = PrefixIndex(block_size=16)
+    body = {"model": "m", "prompt": "The quick brown fox. " * 40}
+    estimate = parse(json.dumps(body).encode(), "completions", None).prompt_estimate
+    index.record("a", index.key(body, estimate), capacity_blocks=100)
+    credited = index.cached_tokens(index.key(body, estimate))["a"]
+    assert estimate - 16 < credited <= estimate  # all of it but its last, partial chunk
+
+
 def test_a_precise_instance_answers_token_id_prompts_from_the_engine() -> None:
     index = PrefixIndex(block_size=16)
     ids = list(range(100))
@@ -254,7 +302,8 @@ def test_a_precise_instance_answers_token_id_prompts_from_the_engine() -> None:
     # A text prompt has no token ids: it stays keyed by text everywhere.
     text = {"prompt": "x" * 400}
     index.record("a", index.key(text, 100), capacity_blocks=100)
-    assert index.cached_tokens(index.key(text, 100)) == {"a": 96}  # 6 chunks of 64 chars
+    # 8 chunks of 48 characters (128 tokens), no more than the request's 100.
+    assert index.cached_tokens(index.key(text, 100)) == {"a": 100}
     # Moves read the engine too.
     assert index.cached_token_blocks(ids + [1, 2], 16, ["a", "b"]) == {"b": 64}
     row = index.describe("b")

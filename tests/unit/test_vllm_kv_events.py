@@ -92,6 +92,23 @@ def test_offloaded_tiers_and_unknown_events_are_skipped() -> None:
     assert events == [BlocksStored((2,), None, (1, 2), 2)]
 
 
+def test_only_the_first_kv_cache_groups_blocks_are_followed_and_adapters_named() -> None:
+    """A hybrid model publishes each KV cache group's blocks under the same
+    hashes: another group's removal would drop a block the first still holds."""
+    events = decode(
+        payload(
+            stored([1], None, [1, 2], 2, group_idx=1),
+            {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 1},
+            stored([2], None, [1, 2], 2, lora_name="sql-lora", extra_keys=[["sql-lora"]]),
+            {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU", "group_idx": 0},
+        )
+    )
+    assert events == [
+        BlocksStored((2,), None, (1, 2), 2, (["sql-lora"],), "sql-lora"),
+        BlocksRemoved((2,)),
+    ]
+
+
 def test_extra_keys_are_kept_only_when_some_block_has_them() -> None:
     (plain,) = decode(payload(stored([1], None, [1, 2], 2)))
     assert isinstance(plain, BlocksStored) and plain.extra is None
