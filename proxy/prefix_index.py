@@ -7,18 +7,21 @@ Ferry sent there, in an LRU bounded by the engine's cache size (kv_blocks_total
 from the scrape), and answers how long a new request's cached prefix is on each.
 
 Two keys, because Ferry has no token ids when it places a request:
-- **text chunks** (what dispatch reads): the prompt text, or the chat messages
-  rendered `role NUL content SOH`, cut into chunks of `block_size * 4` characters
-  (OpenAI's 4 characters a token) and hashed in a chain, like vllm-router's
-  `cache_aware` approximate tree over the request text. A chunk stands for one
-  KV block. Approximations: the chat template's tokens are not counted, and a
-  chunk boundary is not a block boundary, so the cached length in tokens is
-  matched chunks * block_size, capped at the request's estimate. Inserted when a
-  request is placed (before the engine has it), as vllm-router does.
-- **token blocks** (what a move reads, and dispatch when the prompt is token
-  ids): the prompt ids the engine reports (`return_token_ids`) hashed over full
-  blocks exactly as vLLM chains them, but with Python's `hash`, not vLLM's
-  sha256: it needs to match itself, not the engine.
+- **text chunks** (what dispatch reads): the prompt text (a prompt of token ids
+  as the ids' text), or the chat messages rendered `role NUL content SOH`, cut
+  into chunks of `block_size * CHARS_PER_TOKEN` characters (the 3 characters a
+  token the prompt's estimate counts) and hashed in a chain, like vllm-router's
+  `cache_aware` approximate tree over the request text. A chunk stands for
+  `block_size` tokens. Approximations: the chat template's tokens are not
+  counted, and a chunk boundary is not a block boundary, so the cached length
+  in tokens is matched chunks * block_size, capped at the request's estimate
+  and cut to whole blocks of the instance's engine (vLLM reuses whole blocks
+  only). Inserted when a request is placed (before the engine has it), as
+  vllm-router does.
+- **token blocks** (what a move reads): the prompt ids the engine reports
+  (`return_token_ids`) hashed over full blocks exactly as vLLM chains them, but
+  with Python's `hash`, not vLLM's sha256: it needs to match itself, not the
+  engine.
 
 **Precise mode**: an instance whose engine publishes KV events (its `kv_events:`
 endpoint) gets an `EngineBlocks` (proxy/engine_blocks.py), the engine's own set
@@ -251,6 +254,7 @@ class InstancePrefixes:
     text: BlockLRU
     tokens: BlockLRU
     mode: str = "approximate"  # approximate | off
+    block_size: int = 0  # the engine's, in tokens (0: not known)
 
 
 @dataclass(slots=True)
@@ -334,7 +338,15 @@ class PrefixIndex:
         for name in alive:
             matched[name] = n
         cap, size = key.prompt_tokens, self.block_size
-        return {name: min(cap, m * size) for name, m in matched.items()}
+        out = {}
+        for name, m in matched.items():
+            tokens = min(cap, m * size)
+            entry = self.instances.get(name)
+            if entry is not None and entry.block_size > 1:  # whole engine blocks only
+                tokens -= tokens % entry.block_size
+            if tokens:
+                out[name] = tokens
+        return out
 
     def affinity(self, key: PrefixKey) -> str | None:
         """The instance that last served the key's session."""
@@ -488,7 +500,9 @@ class PrefixIndex:
         entry = self.instances.get(name)
         if entry is None:
             entry = self.instances[name] = InstancePrefixes(BlockLRU(chunks), BlockLRU(blocks))
+            entry.block_size = block_size
         else:  # the engine's cache size changed, or its block size became known
+            entry.block_size = block_size
             if entry.text.capacity != chunks:
                 self._drop(name, entry.text.resize(chunks))
             if entry.tokens.capacity != blocks:

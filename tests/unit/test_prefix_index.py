@@ -113,8 +113,8 @@ def test_generated_tokens_push_old_prefixes_out() -> None:
 
 
 def test_cached_tokens_per_instance_and_affinity() -> None:
-    index = PrefixIndex(block_size=4)  # 16-character chunks
-    system = "You are a helpful assistant. " * 10  # 290 characters: 18 chunks
+    index = PrefixIndex(block_size=4)  # 12-character chunks
+    system = "You are a helpful assistant. " * 10  # 290 characters: 24 chunks
     first = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
     key = index.key(first, prompt_tokens=80, session="s1")
     index.record("a", key, capacity_blocks=1000)
@@ -125,8 +125,8 @@ def test_cached_tokens_per_instance_and_affinity() -> None:
     assert set(cached) == {"a"} and 60 <= cached["a"] <= 80
     assert index.affinity(index.key(second, 80, "s1")) == "a"
     assert index.affinity(index.key(second, 80, "s2")) is None
-    # Capped at the request's estimate.
-    assert index.cached_tokens(index.key(first, 10)) == {"a": 10}
+    # Capped at the request's estimate, in whole blocks of the engine's (4 tokens).
+    assert index.cached_tokens(index.key(first, 10)) == {"a": 8}
 
 
 def test_a_prompt_is_cached_for_its_own_adapter_and_salt_only() -> None:
@@ -302,8 +302,9 @@ def test_a_precise_instance_answers_token_id_prompts_from_the_engine() -> None:
     # A text prompt has no token ids: it stays keyed by text everywhere.
     text = {"prompt": "x" * 400}
     index.record("a", index.key(text, 100), capacity_blocks=100)
-    # 8 chunks of 48 characters (128 tokens), no more than the request's 100.
-    assert index.cached_tokens(index.key(text, 100)) == {"a": 100}
+    # 8 chunks of 48 characters (128 tokens), no more than the request's 100, in
+    # whole blocks.
+    assert index.cached_tokens(index.key(text, 100)) == {"a": 96}
     # Moves read the engine too.
     assert index.cached_token_blocks(ids + [1, 2], 16, ["a", "b"]) == {"b": 64}
     row = index.describe("b")
@@ -329,15 +330,15 @@ def test_a_text_index_holds_as_many_tokens_as_an_engine_of_large_blocks() -> Non
     Counted as 15 chunks of 16, the text index kept 240 tokens of prompts: a
     prompt of 15 chunks or more was never credited, and the first answer's
     block evicted a shorter one's start."""
-    index = PrefixIndex()  # chunks of 16 tokens (64 characters)
-    key = index.key({"prompt": "".join(f"{i:04d}" for i in range(240))}, 240)  # 15 chunks
+    index = PrefixIndex()  # chunks of 16 tokens (48 characters)
+    key = index.key({"prompt": "".join(f"{i:03d}" for i in range(240))}, 240)  # 15 chunks
     index.record("a", key, capacity_blocks=15, block_size=128)
     index.record_generated("a", 1, block_size=128)  # a one-token answer
-    assert index.cached_tokens(key) == {"a": 240}
+    assert index.cached_tokens(key) == {"a": 128}  # (whole blocks of 128: vLLM reuses no less)
     assert index.describe("a")["capacity_blocks"] == 15
-    other = index.key({"prompt": "".join(f"x{i:03d}" for i in range(320))}, 320)  # 20 chunks
+    other = index.key({"prompt": "".join(f"x{i:03d}" for i in range(320))}, 320)  # 26 chunks
     index.record("a", other, capacity_blocks=15, block_size=128)
-    assert index.cached_tokens(key) == {"a": 240} and index.cached_tokens(other) == {"a": 320}
+    assert index.cached_tokens(key) == {"a": 128} and index.cached_tokens(other) == {"a": 256}
 
 
 def test_a_long_session_name_is_kept_by_its_digest() -> None:
