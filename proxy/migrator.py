@@ -277,7 +277,14 @@ class Migrator:
         come counts from the arrival), and give up the relay's calls waiting that
         long on it (an answer, a stream's next bytes): each is tried elsewhere
         where nothing reached its client, and ends with an error event where
-        something did. Returns how many."""
+        something did. Returns how many. With no other instance to go to, they
+        wait on: given up, a call would be a 503 and a failover find nowhere,
+        where the instance thawed would answer them."""
+        if not any(
+            name != instance and state.healthy and not state.draining
+            for name, state in self.cluster.instances.items()
+        ):
+            return 0
         hung = [s for s in self.streams_on(instance) if s.timing.quiet_s() >= HUNG_AFTER_S]
         for stream in hung:
             if stream.claimed:

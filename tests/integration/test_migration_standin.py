@@ -17,7 +17,7 @@ import pytest
 from loadtest.standin_server import PROMPT_IDS
 from migration_shim import wire
 from proxy.server import MIGRATOR
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
 
 
 def api(url: str) -> openai.OpenAI:
@@ -513,6 +513,50 @@ def test_whole_requests_waiting_on_an_instance_that_fails_its_scrapes_go_elsewhe
     assert results == [" tok" * 5] * 2
     assert time.monotonic() - started < 5
     assert 'ferry_retries_total{reason="upstream_error"} 1.0' in metrics(proxy.url)
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_requests_on_a_frozen_instance_with_nowhere_else_to_go_wait_for_it(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """The other instance down, the calls waiting on the frozen one were given
+    up all the same: a 503 each (a stream not yet begun too), where the thaw
+    would have answered them, as it does the streams under way."""
+    [(frozen, a)] = standins(1, itl_s=0.01)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    proxy = ferry(
+        [a.url, dead],
+        instances_migration=migration,
+        scheduler={
+            "scrape_interval_s": 0.05,
+            "scrape_timeout_s": 0.2,
+            "unhealthy_after_failures": 2,
+        },
+    )
+    wait_until(lambda: proxy.view("i0").healthy and not proxy.view("i1").healthy, timeout=5)
+    frozen.ttft_s = 3.0  # answers once thawed
+    client = api(proxy.url)
+    results: list[str] = []
+
+    def ask(stream: bool) -> None:
+        if stream:
+            chunks = client.completions.create(
+                model="standin", prompt="hi", max_tokens=5, stream=True
+            )
+            results.append("".join(c.choices[0].text for c in chunks))
+        else:
+            answer = client.completions.create(model="standin", prompt="hi", max_tokens=5)
+            results.append(answer.choices[0].text)
+
+    askers = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    for asker in askers:
+        asker.start()
+    time.sleep(0.2)
+    freeze(frozen, 2.5)  # past HUNG_AFTER_S: the scrapes say it froze
+    wait_until(lambda: not proxy.view("i0").healthy, timeout=5)
+    for asker in askers:
+        asker.join(15)
+    assert results == [" tok" * 5] * 2
 
 
 @pytest.mark.parametrize("migration", ["off", "lite"])
