@@ -101,8 +101,12 @@ class StandIn:
         # tests: the model's context length, as vLLM lists it; once set, a chat
         # without a budget runs to its end, as in vLLM (else it gets 16 tokens)
         self.max_model_len: int | None = None
+        # tests: a text prompt is as many tokens as it has words (a chat: its
+        # messages' words), in its context and at /tokenize; else 3 (PROMPT_IDS)
+        self.words_are_tokens = False
         self.seen_bodies: list[dict[str, Any]] = []
         self.seen_headers: list[dict[str, str]] = []  # of each POST, in order
+        self.tokenized: list[dict[str, Any]] = []  # each /tokenize body, in order
         self.dead = False  # tests: `kill()` was called
         self.api_key: str | None = None  # tests: refuse calls without this bearer key
         # tests: a streamed /v1/responses waits for this after its first delta
@@ -266,7 +270,11 @@ class StandIn:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         self._refuse_if_told()
-        text = body.get("prompt")
+        self.tokenized.append(body)
+        if isinstance(body.get("messages"), list):
+            text = _words_of(body)
+        else:
+            text = body.get("prompt")
         if not isinstance(text, str):
             _refuse(400, "'prompt' must be a string", param="prompt")
         tokens = [TOKEN_ID] * len(text.split())  # one " tok" per word
@@ -398,6 +406,8 @@ class StandIn:
             prompt = body.get("prompt")
             ids_given = isinstance(prompt, list) and all(type(i) is int for i in prompt)
             prompt_len = len(prompt) if ids_given else len(PROMPT_IDS)
+            if self.words_are_tokens and not ids_given:
+                prompt_len = len(_words_of(body).split())
             if prompt_len > self.max_model_len:
                 message = (
                     f"This model's maximum context length is {self.max_model_len} tokens."
@@ -558,6 +568,15 @@ class StandIn:
 
 TOKEN_ID, TOKEN_TEXT = 7, " tok"  # the one token the stand-in generates
 PROMPT_IDS = [1, 2, 3]  # every prompt's ids, as the stand-in reports them
+
+
+def _words_of(body: dict[str, Any]) -> str:
+    """A prompt's text, or a chat's messages' text, one space between them."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
 # vLLM 0.32's pooling and scoring routes, answered in outline.
 POOLING_ROUTES = (
     "/pooling",

@@ -130,7 +130,13 @@ class Relay:
         retried: list[str] = []  # instances whose 5xx was tried again elsewhere (see _judge)
         key = self.placement.prefix_key(body, prompt_estimate, request.headers.get(SESSION_HEADER))
         asked = continuation.asked_budget(body, endpoint) if body is not None else None
-        reach = None if asked is None else prompt_estimate + asked
+        reach = None
+        if asked is not None and body is not None:
+            reach = prompt_estimate + asked
+            bound = len(raw) + asked + (CHAT_TEMPLATE_TOKENS if endpoint == "chat" else 0)
+            if model is not None and self._may_outreach(model, bound):
+                counted = await self._counted(model, body, endpoint)
+                reach = (prompt_estimate if counted is None else counted) + asked
         stages = None
         if stream and body is not None and parsed is not None:
             stages = TTFTStages(self.clock, arrived, parsed)
@@ -703,6 +709,38 @@ class Relay:
         outcome = await _ended(response)
         return response, "stream_broken" if fault is not None and fault() else outcome
 
+    def _may_outreach(self, model: str, bound: int) -> bool:
+        """Whether a request at most `bound` tokens long (its body's bytes, a
+        chat's template, and its budget: a token is a byte or more) may reach
+        past the context of some instances of `model` and not of others. The
+        estimate of its prompt
+        (a token every 3 characters of its text) undercounts text that is not
+        English prose (Chinese: a token a character or more) and a chat's
+        template: placed on it alone, a request went where vLLM cut its budget
+        short, with no error."""
+        lengths, shortest = self.cluster.contexts(model)
+        longest = max(lengths.values(), default=0)
+        return bound > shortest and shortest < longest
+
+    async def _counted(self, model: str, body: dict[str, Any], endpoint: str) -> int | None:
+        """The prompt's tokens as an instance of `model` counts them (vLLM's
+        `/tokenize`, chat template included); None where none can say."""
+        if endpoint == "chat":
+            ask = {k: body[k] for k in _TOKENIZE_CHAT_KEYS if k in body}
+        elif isinstance(body.get("prompt"), str):
+            ask = {"prompt": body["prompt"]}
+        else:
+            return None  # token ids are counted exactly already; a batch is not one prompt
+        instances = self.cluster.instances
+        counter = next((n for n, s in instances.items() if s.healthy and model in s.models), None)
+        if counter is None:
+            return None
+        answer = await self.upstreams.post_json(
+            counter, "/tokenize", {"model": model, **ask}, timeout_s=TOKENIZE_TIMEOUT_S
+        )
+        count = answer.get("count") if isinstance(answer, dict) else None
+        return count if type(count) is int and count >= 0 else None
+
     def _keep_alive(self) -> sse.KeepAliveWatch:
         return sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
 
@@ -725,6 +763,21 @@ class Relay:
             timing.token(call.instance)
         return seen
 
+
+# A chat template's tokens, at most, beyond its messages' bytes (Llama 3's adds a
+# system block of about 30).
+CHAT_TEMPLATE_TOKENS = 64
+# What of a chat request `/tokenize` counts (vLLM's TokenizeChatRequest).
+_TOKENIZE_CHAT_KEYS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
+TOKENIZE_TIMEOUT_S = 2.0  # past it, the estimate places the request
 
 # How long the end of a stream's body may come after its last event: vLLM's
 # comes at once; a server that leaves a finished stream open is not waited for.

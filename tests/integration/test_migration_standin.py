@@ -1382,6 +1382,43 @@ def test_a_request_goes_where_its_context_holds_the_budget_it_asks(
     assert sorted(a.choices[0].text.count("tok") for a in answers) == [37, 37, 47, 47]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prompt_the_estimate_undercounts_is_counted_where_contexts_differ(
+    standins: Any, ferry: Any, chat: bool
+) -> None:
+    """A prompt of 180 tokens in 360 characters (Chinese text, a small
+    vocabulary) was estimated at 120: with a budget of 30 it went where the
+    context is 200, and vLLM answered 20 tokens, "length", no error. Where the
+    contexts differ and its bytes say it may not fit, an instance counts it."""
+    (small, a), (big, b) = standins(2, itl_s=0.0)
+    small.max_model_len, big.max_model_len = 200, 4096
+    small.words_are_tokens = big.words_are_tokens = True
+    proxy = ferry([a.url, b.url], scheduler={"policy": "round_robin", "models_refresh_s": 0.2})
+    wait_until(lambda: proxy.loop.call(proxy.cluster.context_length, "i0", "standin") == 200)
+    client = api(proxy.url)
+    words = "w " * 180
+    for _ in range(4):
+        if chat:
+            messages = [{"role": "user", "content": words}]
+            answer = client.chat.completions.create(
+                model="standin",
+                messages=messages,
+                max_tokens=30,  # type: ignore[arg-type]
+            )
+            assert answer.choices[0].message.content == " tok" * 30
+        else:
+            text = client.completions.create(model="standin", prompt=words, max_tokens=30)
+            assert text.choices[0].text == " tok" * 30
+    assert small.served == 0 and big.served == 4
+    counted = small.tokenized + big.tokenized
+    assert len(counted) == 4 and all(c["model"] == "standin" for c in counted)
+    assert all(("messages" in c) == chat for c in counted)
+    # A short one may reach no context's end: not counted, placed as ever.
+    for _ in range(2):
+        client.completions.create(model="standin", prompt="w", max_tokens=5)
+    assert small.served == 1 and len(small.tokenized + big.tokenized) == 4
+
+
 def test_a_stream_moves_only_where_its_context_holds_all_it_may_reach(
     standins: Any, ferry: Any
 ) -> None:
