@@ -577,6 +577,8 @@ def _words_of(body: dict[str, Any]) -> str:
         return " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
     prompt = body.get("prompt")
     return prompt if isinstance(prompt, str) else ""
+
+
 # vLLM 0.32's pooling and scoring routes, answered in outline.
 POOLING_ROUTES = (
     "/pooling",

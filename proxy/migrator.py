@@ -277,15 +277,23 @@ class Migrator:
         come counts from the arrival), and give up the relay's calls waiting that
         long on it (an answer, a stream's next bytes): each is tried elsewhere
         where nothing reached its client, and ends with an error event where
-        something did. Returns how many. With no other instance to go to, they
-        wait on: given up, a call would be a 503 and a failover find nowhere,
-        where the instance thawed would answer them."""
-        if not any(
-            name != instance and state.healthy and not state.draining
+        something did. Returns how many. Those whose model no other instance
+        serves now wait on: given up, a call would be a 503 and a failover find
+        nowhere, where the instance thawed would answer them."""
+        others = [
+            state
             for name, state in self.cluster.instances.items()
-        ):
-            return 0
-        hung = [s for s in self.streams_on(instance) if s.timing.quiet_s() >= HUNG_AFTER_S]
+            if name != instance and state.healthy and not state.draining
+        ]
+
+        def elsewhere(model: str | None) -> bool:
+            return any(model is None or model in state.models for state in others)
+
+        hung = [
+            s
+            for s in self.streams_on(instance)
+            if s.timing.quiet_s() >= HUNG_AFTER_S and elsewhere(s.request.model)
+        ]
         for stream in hung:
             if stream.claimed:
                 # A move under way may wait on this instance for the stream's KV
@@ -295,7 +303,7 @@ class Migrator:
                 continue
             log.info("stream %s quiet on unhealthy %s: failing over", stream.request.name, instance)
             self.submit(stream, None, "failover", prewarm=False)
-        waits = self.upstreams.waits.give_up(instance, HUNG_AFTER_S)
+        waits = self.upstreams.waits.give_up(instance, HUNG_AFTER_S, elsewhere)
         if waits:
             log.info("%d call(s) waiting on unhealthy %s given up", waits, instance)
         return len(hung) + waits

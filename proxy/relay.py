@@ -641,7 +641,7 @@ class Relay:
         content = upstream.content
         keep_alive = keep_alive or self._keep_alive()
 
-        waiting = self.upstreams.waits(call.instance)
+        waiting = self.upstreams.waits(call.instance, call.entry.model)
 
         def read(data: bytes) -> bytes:
             waiting.heard()

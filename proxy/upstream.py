@@ -212,10 +212,10 @@ class Waiting:
     Once the answer is whole (`whole_in`), the wait for the end of its body is
     bounded, and the block is left quietly when it is over."""
 
-    __slots__ = ("_deadline", "_waits", "instance", "since", "whole")
+    __slots__ = ("_deadline", "_waits", "instance", "model", "since", "whole")
 
-    def __init__(self, waits: Waits, instance: str) -> None:
-        self._waits, self.instance = waits, instance
+    def __init__(self, waits: Waits, instance: str, model: str | None) -> None:
+        self._waits, self.instance, self.model = waits, instance, model
         self._deadline = asyncio.timeout(None)
         self.since = 0.0
         self.whole = False
@@ -271,15 +271,18 @@ class Waits:
         self.clock = clock
         self.on: dict[str, set[Waiting]] = {}
 
-    def __call__(self, instance: str) -> Waiting:
-        return Waiting(self, instance)
+    def __call__(self, instance: str, model: str | None = None) -> Waiting:
+        return Waiting(self, instance, model)
 
-    def give_up(self, instance: str, waited_s: float) -> int:
-        """End the waits on `instance` that began `waited_s` ago or more; how many.
-        Each is ended once: it leaves the register now, not when its task runs."""
+    def give_up(
+        self, instance: str, waited_s: float, elsewhere: Callable[[str | None], bool]
+    ) -> int:
+        """End the waits on `instance` that began `waited_s` ago or more, for a
+        model that can go `elsewhere`; how many. Each is ended once: it leaves
+        the register now, not when its task runs."""
         waiting = self.on.get(instance, set())
         now = self.clock()
-        stale = [w for w in waiting if now - w.since >= waited_s]
+        stale = [w for w in waiting if now - w.since >= waited_s and elsewhere(w.model)]
         for wait in stale:
             waiting.discard(wait)
             wait.give_up()
@@ -431,7 +434,7 @@ class Upstreams:
         url = self.url(call.instance) + path
         try:
             secure = await tls_of(config)
-            async with self.waits(call.instance):
+            async with self.waits(call.instance, call.entry.model):
                 try:
                     call.response = await self.session.request(
                         method, url, data=data, headers=headers, params=params, **secure,
@@ -469,7 +472,7 @@ class Upstreams:
     async def read_whole(self, call: Call) -> bytes:
         """The call's whole answer (`read_whole`), given up if its instance stops."""
         assert call.response is not None
-        async with self.waits(call.instance):
+        async with self.waits(call.instance, call.entry.model):
             return await read_whole(call.response, self.max_answer_bytes)
 
     async def post_json(

@@ -519,13 +519,15 @@ def test_whole_requests_waiting_on_an_instance_that_fails_its_scrapes_go_elsewhe
 def test_requests_on_a_frozen_instance_with_nowhere_else_to_go_wait_for_it(
     standins: Any, ferry: Any, migration: str
 ) -> None:
-    """The other instance down, the calls waiting on the frozen one were given
-    up all the same: a 503 each (a stream not yet begun too), where the thaw
-    would have answered them, as it does the streams under way."""
+    """The other instance of their model down, the calls waiting on the frozen
+    one were given up all the same: a 503 each (a stream not yet begun too),
+    where the thaw would have answered them, as it does the streams under way.
+    (A third instance, healthy, serves another model.)"""
     [(frozen, a)] = standins(1, itl_s=0.01)
+    [(_, other)] = standins(1, itl_s=0.01, model="other")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proxy = ferry(
-        [a.url, dead],
+        [a.url, dead, other.url],
         instances_migration=migration,
         scheduler={
             "scrape_interval_s": 0.05,
@@ -533,7 +535,12 @@ def test_requests_on_a_frozen_instance_with_nowhere_else_to_go_wait_for_it(
             "unhealthy_after_failures": 2,
         },
     )
-    wait_until(lambda: proxy.view("i0").healthy and not proxy.view("i1").healthy, timeout=5)
+    wait_until(
+        lambda: (
+            proxy.view("i0").healthy and not proxy.view("i1").healthy and proxy.view("i2").healthy
+        ),
+        timeout=5,
+    )
     frozen.ttft_s = 3.0  # answers once thawed
     client = api(proxy.url)
     results: list[str] = []
