@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,8 @@ class Relay:
         self.migrator = migrator
         self.metrics = metrics
         self.clock = clock
+        # Instances that could not count a prompt (`_counted`), until when they are not asked.
+        self._uncounted: dict[str, float] = {}
         self.retry_after = str(retry_after_s)
         self.retries = retries
         self.max_resumes = max_resumes
@@ -134,7 +137,7 @@ class Relay:
         if asked is not None and body is not None:
             reach = prompt_estimate + asked
             bound = len(raw) + asked + (CHAT_TEMPLATE_TOKENS if endpoint == "chat" else 0)
-            if model is not None and self._may_outreach(model, bound):
+            if model is not None and self._may_outreach(model, asked + 1, bound):
                 counted = await self._counted(model, body, endpoint)
                 reach = (prompt_estimate if counted is None else counted) + asked
         stages = None
@@ -709,18 +712,19 @@ class Relay:
         outcome = await _ended(response)
         return response, "stream_broken" if fault is not None and fault() else outcome
 
-    def _may_outreach(self, model: str, bound: int) -> bool:
-        """Whether a request at most `bound` tokens long (its body's bytes, a
-        chat's template, and its budget: a token is a byte or more) may reach
-        past the context of some instances of `model` and not of others. The
-        estimate of its prompt
-        (a token every 3 characters of its text) undercounts text that is not
+    def _may_outreach(self, model: str, least: int, bound: int) -> bool:
+        """Whether a request of `least` to `bound` tokens (its budget and one
+        token of prompt; its body's bytes, a chat's template and its budget: a
+        token is a byte or more) may or may not fit the context of an instance
+        of `model`, so that its count decides. The estimate of its prompt (a
+        token every 3 characters of its text) undercounts text that is not
         English prose (Chinese: a token a character or more) and a chat's
         template: placed on it alone, a request went where vLLM cut its budget
         short, with no error."""
         lengths, shortest = self.cluster.contexts(model)
-        longest = max(lengths.values(), default=0)
-        return bound > shortest and shortest < longest
+        if bound <= shortest:  # (the common case: it fits every one)
+            return False
+        return any(least <= length < bound for length in lengths.values())
 
     async def _counted(self, model: str, body: dict[str, Any], endpoint: str) -> int | None:
         """The prompt's tokens as an instance of `model` counts them (vLLM's
@@ -731,15 +735,27 @@ class Relay:
             ask = {"prompt": body["prompt"]}
         else:
             return None  # token ids are counted exactly already; a batch is not one prompt
-        instances = self.cluster.instances
-        counter = next((n for n, s in instances.items() if s.healthy and model in s.models), None)
-        if counter is None:
+        cluster, now = self.cluster, self.clock()
+        counters = [
+            name
+            for name, state in cluster.instances.items()
+            if state.healthy
+            and not state.draining
+            and state.config.engine == "vllm"  # (the engine with /tokenize)
+            and model in state.models
+            and not cluster.ejected_for(name)
+            and self._uncounted.get(name, 0.0) <= now
+        ]
+        if not counters:
             return None
-        answer = await self.upstreams.post_json(
+        counter = min(counters, key=cluster.ledger.count)  # the least busy
+        answer = await self.upstreams.post_bytes(
             counter, "/tokenize", {"model": model, **ask}, timeout_s=TOKENIZE_TIMEOUT_S
         )
-        count = answer.get("count") if isinstance(answer, dict) else None
-        return count if type(count) is int and count >= 0 else None
+        count = _count_in(answer) if answer is not None else None
+        if count is None:  # it cannot count: not asked again for a while
+            self._uncounted[counter] = now + UNCOUNTED_S
+        return count
 
     def _keep_alive(self) -> sse.KeepAliveWatch:
         return sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
@@ -778,6 +794,16 @@ _TOKENIZE_CHAT_KEYS = (
     "tools",
 )
 TOKENIZE_TIMEOUT_S = 2.0  # past it, the estimate places the request
+UNCOUNTED_S = 30.0  # an instance that could not count is not asked for so long
+# `/tokenize`'s answer begins with its count (vLLM's field order); the token ids
+# after it (a megabyte for a long prompt) are not parsed on the event loop.
+_COUNT = re.compile(rb'^\s*\{\s*"count"\s*:\s*(\d+)\s*[,}]')
+
+
+def _count_in(answer: bytes) -> int | None:
+    found = _COUNT.match(answer[:64])
+    return int(found.group(1)) if found else None
+
 
 # How long the end of a stream's body may come after its last event: vLLM's
 # comes at once; a server that leaves a finished stream open is not waited for.

@@ -475,6 +475,29 @@ class Upstreams:
         async with self.waits(call.instance, call.entry.model):
             return await read_whole(call.response, self.max_answer_bytes)
 
+    async def post_bytes(
+        self, instance: str, path: str, body: dict[str, Any], timeout_s: float = 10.0
+    ) -> bytes | None:
+        """A control call's answer as it came, where it succeeded (2xx, and at
+        most `max_answer_bytes`); None otherwise (logged where it failed)."""
+        state = self.cluster.instances.get(instance)
+        if state is None:
+            return None
+        try:
+            async with self.session.post(
+                state.url + path,
+                json=body,
+                headers=state.config.auth_headers(),
+                **(await tls_of(state.config)),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                if not 200 <= resp.status < 300:
+                    return None
+                return await read_whole(resp, self.max_answer_bytes)
+        except (TimeoutError, aiohttp.ClientError, sse.AnswerTooLarge) as exc:
+            log.warning("POST %s%s failed: %s: %s", instance, path, type(exc).__name__, exc)
+            return None
+
     async def post_json(
         self, instance: str, path: str, body: dict[str, Any], timeout_s: float = 10.0
     ) -> Any:

@@ -1424,6 +1424,9 @@ def test_a_prompt_the_estimate_undercounts_is_counted_where_contexts_differ(
     for _ in range(2):
         client.completions.create(model="standin", prompt="w", max_tokens=5)
     assert small.served == 1 and len(small.tokenized + big.tokenized) == 4
+    # One whose budget alone is past the shorter context: no count decides it.
+    client.completions.create(model="standin", prompt=words, max_tokens=300)
+    assert big.served == 6 and len(small.tokenized + big.tokenized) == 4
 
 
 def test_a_stream_moves_only_where_its_context_holds_all_it_may_reach(
