@@ -171,7 +171,7 @@ def add_routes(
 
     async def delete_instance(request: web.Request) -> web.Response:
         name, migrate = request.match_info["name"], _flag(request, "migrate")
-        moving = fleet().remove(name, migrate=migrate)
+        moving = fleet().remove(name, migrate=migrate, everywhere=True)
         fleet().announce({"op": "remove", "name": name, "migrate": migrate})
         return web.json_response({**row(name), "migrating": moving}, status=202)
 

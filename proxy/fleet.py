@@ -170,7 +170,7 @@ class Fleet:
         elif kind == "patch":
             self.patch(op["name"], op["changes"])
         elif kind == "remove":
-            self.remove(op["name"], migrate=bool(op["migrate"]))
+            self.remove(op["name"], migrate=bool(op["migrate"]), everywhere=True)
         elif kind == "drain":
             self.drain(op["name"], migrate=bool(op["migrate"]))
         elif kind == "undrain":
@@ -242,15 +242,24 @@ class Fleet:
         log.info("instance %s changed: %s", name, ", ".join(sorted(changes)) or "nothing")
         return new
 
-    def remove(self, name: str, *, migrate: bool) -> int:
-        """Drain `name` and forget it once empty; returns how many streams move."""
+    def remove(self, name: str, *, migrate: bool, everywhere: bool = False) -> int:
+        """Drain `name` and forget it once empty; returns how many streams move.
+        `everywhere`: the fleet's removal (the admin API's, made in every
+        process), which waits for the other processes' streams on it too; a
+        removal of this process's alone (a reload, giving way to a peer's add
+        of the name) waits for its own: the others still use the instance."""
         moving = self.drain(name, migrate=migrate)
         self.cluster.instances[name].leaving = True
         if name not in self._removals:
-            task = asyncio.create_task(self._remove_when_empty(name), name=f"remove-{name}")
+            task = asyncio.create_task(
+                self._remove_when_empty(name, everywhere), name=f"remove-{name}"
+            )
             self._removals[name] = task
         log.info(
-            "instance %s removing: %d in flight, %d moving", name, self._inflight(name), moving
+            "instance %s removing: %d in flight, %d moving",
+            name,
+            self._inflight(name, everywhere),
+            moving,
         )
         return moving
 
@@ -387,10 +396,11 @@ class Fleet:
             raise FleetError(404, f"no instance named {name!r}", "instance_not_found")
         return state
 
-    def _inflight(self, name: str) -> int:
-        """Streams on `name`, this process's and, with a shared view, the other
-        processes' (a removal waits for theirs too: they still stream on it)."""
-        return self.cluster.ledger.count(name) + self.cluster.peer_load.get(name, NO_LOAD).inflight
+    def _inflight(self, name: str, everywhere: bool) -> int:
+        """Streams on `name`: this process's, and with `everywhere` the other
+        processes' too (as the shared view has them)."""
+        mine = self.cluster.ledger.count(name)
+        return mine + (self.cluster.peer_load.get(name, NO_LOAD).inflight if everywhere else 0)
 
     def _changed(self) -> None:
         """Keep `config.instances` true to the running fleet, and retune."""
@@ -398,8 +408,8 @@ class Fleet:
         self.config = dataclasses.replace(self.config, instances=instances)
         self.retune(self.config)
 
-    async def _remove_when_empty(self, name: str) -> None:
-        while self._inflight(name):
+    async def _remove_when_empty(self, name: str, everywhere: bool) -> None:
+        while self._inflight(name, everywhere):
             await asyncio.sleep(self.poll_s)
         await self.scraper.unwatch(name)
         self.cluster.remove(name)
