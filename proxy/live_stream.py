@@ -296,13 +296,15 @@ class LiveStream:
                     broken = (source, broke)
                 moved, _ = await self._cut_over(failover, refused)
                 self._order = None
-                broken = None
                 if moved == "done":
+                    broken = None
                     return "ok"
                 if moved != "moved":
                     why = self.splicer.unmovable or "no instance could continue"
-                    await self._fail(f"failover: {why}")
+                    await self._fail(f"failover: {why}")  # (a client gone: held below)
+                    broken = None
                     return "stream_broken"  # the relay holds it against source
+                broken = None
                 if not stopped:
                     self.failed_on.add(source)
                     if gave_up:
@@ -313,6 +315,7 @@ class LiveStream:
             return "client_disconnect"
         finally:
             if broken is not None:  # the client left during the failover: the break stands
+                # (Held here: the relay counts the stream a client's disconnect.)
                 self.blame(*broken)
             self._over = True
             if self._order is not None:
