@@ -337,7 +337,9 @@ class PrefixIndex:
             n += 1
         for name in alive:
             matched[name] = n
-        cap, size = key.prompt_tokens, self.block_size
+        # vLLM computes a prompt's last token whatever it holds: of a prompt of
+        # n tokens it reuses whole blocks within the first n - 1.
+        cap, size = max(0, key.prompt_tokens - 1), self.block_size
         out = {}
         for name, m in matched.items():
             tokens = min(cap, m * size)

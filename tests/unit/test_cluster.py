@@ -320,7 +320,7 @@ def test_an_instance_back_from_an_outage_has_nothing_credited() -> None:
     say nothing of it): the prefixes Ferry recorded there were credited still."""
     cluster = make_cluster("a")
     cluster.prefixes.enabled = True
-    key = cluster.prefixes.key({"prompt": "".join(f"{i:04d}" for i in range(64))}, 64)
+    key = cluster.prefixes.key({"prompt": "".join(f"{i:04d}" for i in range(64))}, 65)
     cluster.prefixes.record("a", key, 100)
     assert cluster.prefixes.cached_tokens(key) == {"a": 64}
     for _ in range(3):

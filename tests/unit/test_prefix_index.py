@@ -98,8 +98,8 @@ def test_generated_tokens_push_old_prefixes_out() -> None:
     """Answers fill the engine's cache too: after a request that generated more
     than the cache holds, the prompts recorded before it count less, their
     tails first (an engine evicts a prefix's tail before its start)."""
-    index = PrefixIndex(block_size=4)  # 16-character chunks
-    key = index.key({"prompt": "x" * 160}, 40)  # 10 chunks
+    index = PrefixIndex(block_size=4)  # 12-character chunks
+    key = index.key({"prompt": "x" * 120}, 41)  # 10 chunks (of a prompt of 41 tokens, 40 reused)
     index.record("a", key, capacity_blocks=30)
     index.record_generated("a", 4 * 15, block_size=4)  # 15 blocks: 25 of 30 taken
     assert index.cached_tokens(key) == {"a": 40}
@@ -132,11 +132,11 @@ def test_cached_tokens_per_instance_and_affinity() -> None:
 def test_a_prompt_is_cached_for_its_own_adapter_and_salt_only() -> None:
     """vLLM's block hashes take in the LoRA adapter and the `cache_salt`."""
     index = PrefixIndex(block_size=4)
-    body = {"model": "base", "prompt": "x" * 160}
-    index.record("a", index.key(body, 40), capacity_blocks=1000)
-    assert index.cached_tokens(index.key(dict(body), 40)) == {"a": 40}
-    assert index.cached_tokens(index.key({**body, "model": "sql-lora"}, 40)) == {}
-    assert index.cached_tokens(index.key({**body, "cache_salt": "tenant-2"}, 40)) == {}
+    body = {"model": "base", "prompt": "x" * 120}
+    index.record("a", index.key(body, 41), capacity_blocks=1000)
+    assert index.cached_tokens(index.key(dict(body), 41)) == {"a": 40}
+    assert index.cached_tokens(index.key({**body, "model": "sql-lora"}, 41)) == {}
+    assert index.cached_tokens(index.key({**body, "cache_salt": "tenant-2"}, 41)) == {}
 
 
 def test_capacity_comes_from_the_engine_cache() -> None:
