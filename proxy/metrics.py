@@ -228,8 +228,9 @@ class FerryMetrics:
         )
         self.kv_usage = Gauge(
             "ferry_instance_kv_usage_ratio",
-            "KV cache in use, 0..1: source=engine as the engine's last scrape says,"
-            " source=ledger Ferry's own requests' blocks as its ledger counts them.",
+            "KV cache in use as a share of the cache: source=engine as the engine's"
+            " last scrape says (0..1), source=ledger Ferry's own requests' blocks as"
+            " its ledger counts them, queued ones included (past 1 when requests wait).",
             ["instance", "source"],
             registry=r,
         )

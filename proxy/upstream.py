@@ -293,9 +293,8 @@ class Waits:
 
 # An instance's answer headers that go on to the client: retry hints and rate
 # limits (a gateway's before the engine, OpenAI's `x-ratelimit-*`), what a 405
-# and a 401 must say (the methods a route takes, the engine's own challenge to
-# a client's key, which Ferry sends on only without client keys), and other
-# `x-` headers of the engine's own. Not the rest: the body's framing and
+# and a 401 must say (the methods a route takes, the engine's own challenge),
+# and other `x-` headers of the engine's own. Not the rest: the body's framing and
 # hop-by-hop ones are Ferry's to set, and what would speak for Ferry's origin
 # (CORS, cookies, HSTS, Alt-Svc) is not an instance's to say: vLLM allows every
 # origin by default, which would open a Ferry without client keys to any page a

@@ -18,8 +18,11 @@ class Priority(enum.IntEnum):
 
     @classmethod
     def parse(cls, text: str) -> Priority:
+        word = text.strip()
         try:
-            return cls[text.strip().upper()]
+            if not word.isascii():  # ("hıgh".upper() is "HIGH")
+                raise KeyError(word)
+            return cls[word.upper()]
         except KeyError:
             raise ValueError(f"priority must be one of high, normal, low (got {text!r})") from None
 

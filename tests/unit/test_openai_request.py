@@ -47,6 +47,8 @@ def test_parses_completions_and_chat() -> None:
         (b'{"model": "m", "prompt": "x"}', "completions", "urgent", "x-ferry-priority"),
         (b'{"model": "m", "prompt": "x"}', "completions", "high, low", "not several"),
         (b'{"model": "m", "prompt": "x"}', "completions", "high,", "x-ferry-priority"),
+        # A dotless i upper-cases to I: "hıgh" was taken for high.
+        (b'{"model": "m", "prompt": "x"}', "completions", "h\u0131gh", "x-ferry-priority"),
     ],
 )
 def test_bad_requests_are_explained(
