@@ -68,6 +68,9 @@ MIGRATION_OUTCOMES = (
     "no_prompt_ids",
     "not_migratable",
 )
+# proxy/relay.py: the outcomes of a call that count against its instance (outlier
+# ejection); a client's own 4xx and a client hanging up never do.
+INSTANCE_FAILURES = ("connect_error", "upstream_error", "upstream_5xx", "stream_broken")
 # TTFT stages: parsing and dispatch take microseconds, the engine's part seconds.
 _STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4) + _LATENCY_BUCKETS
 _DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
@@ -409,6 +412,8 @@ class FerryMetrics:
             self.draining.labels(view.name).set(1 if view.draining else 0)
             self.ejected.labels(view.name).set(1 if cluster.ejected_for(view.name) else 0)
             self.ejections.labels(view.name)  # at 0 until the first (see the migrations)
+            for outcome in INSTANCE_FAILURES:  # (the dashboard's failed calls, the same way)
+                self.requests.labels(view.name, outcome)
             age = now - state.snapshot_at if state.snapshot_at is not None else float("inf")
             self.scrape_age.labels(view.name).set(age)
         if self._sharing is not None:

@@ -31,7 +31,7 @@ from proxy import access_log, client_auth, continuation, sse, tap, token_ids
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.live_stream import LiveStream, Request
-from proxy.metrics import FerryMetrics
+from proxy.metrics import INSTANCE_FAILURES, FerryMetrics
 from proxy.migrator import Migrator
 from proxy.openai_request import OFF_LOOP_BYTES, PRIORITY_HEADER
 from proxy.placement import Placement
@@ -57,9 +57,7 @@ _NOT_FORWARDED = frozenset(
         access_log.REQUEST_ID, *access_log.TRACE_HEADERS, PRIORITY_HEADER,
     }
 )  # fmt: skip
-# Outcomes that count against the instance (outlier ejection); a client's own
-# 4xx and a client hanging up never do.
-_INSTANCE_FAILURES = frozenset({"connect_error", "upstream_error", "upstream_5xx", "stream_broken"})
+_INSTANCE_FAILURES = frozenset(INSTANCE_FAILURES)
 
 
 class Relay:

@@ -478,6 +478,10 @@ def test_models_health_metrics_and_passthrough(standins: Any, ferry: Any) -> Non
     ):
         assert name in text, name
     assert 'ferry_requests_total{instance="i1",outcome="ok"} 1.0' in text
+    # The failures each instance may count exist from the start, at 0: a
+    # dashboard's increase() misses the first of a series born at 1.
+    for outcome in ("connect_error", "upstream_error", "upstream_5xx", "stream_broken"):
+        assert f'ferry_requests_total{{instance="i0",outcome="{outcome}"}} 0.0' in text
 
 
 def test_full_mode_without_the_shim_runs_lite_and_says_why(standins: Any, ferry: Any) -> None:
