@@ -31,7 +31,7 @@ import resource
 import socket
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -479,29 +479,33 @@ class Upstreams:
     ) -> bytes | None:
         """A control call's answer as it came, where it succeeded (2xx, and at
         most `max_answer_bytes`); None otherwise (logged where it failed)."""
-        state = self.cluster.instances.get(instance)
-        if state is None:
-            return None
-        try:
-            async with self.session.post(
-                state.url + path,
-                json=body,
-                headers=state.config.auth_headers(),
-                **(await tls_of(state.config)),
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                if not 200 <= resp.status < 300:
-                    return None
-                return await read_whole(resp, self.max_answer_bytes)
-        except (TimeoutError, aiohttp.ClientError, sse.AnswerTooLarge) as exc:
-            log.warning("POST %s%s failed: %s: %s", instance, path, type(exc).__name__, exc)
-            return None
+
+        async def read(resp: aiohttp.ClientResponse) -> bytes | None:
+            if not 200 <= resp.status < 300:
+                return None
+            return await read_whole(resp, self.max_answer_bytes)
+
+        return await self._post(instance, path, body, timeout_s, read)
 
     async def post_json(
         self, instance: str, path: str, body: dict[str, Any], timeout_s: float = 10.0
     ) -> Any:
         """A control call; its JSON answer, or None when it failed (logged) or
         the instance is gone (removed while its caller waited on something else)."""
+
+        async def read(resp: aiohttp.ClientResponse) -> Any:
+            return None if resp.status == 404 else await resp.json(content_type=None)
+
+        return await self._post(instance, path, body, timeout_s, read)
+
+    async def _post(
+        self,
+        instance: str,
+        path: str,
+        body: dict[str, Any],
+        timeout_s: float,
+        read: Callable[[aiohttp.ClientResponse], Awaitable[Any]],
+    ) -> Any:
         state = self.cluster.instances.get(instance)
         if state is None:
             return None
@@ -513,9 +517,7 @@ class Upstreams:
                 **(await tls_of(state.config)),
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
-                if resp.status == 404:
-                    return None
-                return await resp.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                return await read(resp)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # (a body too large too)
             log.warning("POST %s%s failed: %s: %s", instance, path, type(exc).__name__, exc)
             return None
