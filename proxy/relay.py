@@ -722,6 +722,8 @@ class Relay:
         lengths, shortest = self.cluster.contexts(model)
         if bound <= shortest:  # (the common case: it fits every one)
             return False
+        if shortest == max(lengths.values(), default=0):  # one context: no choice to make
+            return False
         return any(least <= length < bound for length in lengths.values())
 
     async def _counted(self, model: str, body: dict[str, Any], endpoint: str) -> int | None:
