@@ -372,7 +372,8 @@ class LiveStream:
                 pump.cancel()  # the move waited for this token (`order_move`): cut now
 
         def attach(response: web.StreamResponse) -> None:
-            tap.attach_to(content, response, sse.client_transport(response), relay, wrote)
+            transport = sse.client_transport(response)
+            tap.attach_to(content, response, transport, relay, wrote, upstream)
 
         if self._response is not None:  # (else once it opens)
             attach(self._response)

@@ -681,7 +681,7 @@ class Relay:
                             # From here chunks go out from the connection's callback
                             # while the client keeps up (proxy/tap.py), and come here otherwise.
                             transport = sse.client_transport(response)
-                            tap.attach_to(content, response, transport, read, wrote)
+                            tap.attach_to(content, response, transport, read, wrote, upstream)
                         await sse.write(response, out)
                     wrote(out)
                     data = await content.readany()

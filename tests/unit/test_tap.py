@@ -9,7 +9,10 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.client_proto import ResponseHandler
 from aiohttp.streams import StreamReader
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy import tap
 
@@ -293,5 +296,261 @@ def test_a_stream_the_tap_ended_hands_its_connection_back() -> None:
         finally:
             await runner.cleanup()
         assert len(ports) == 2 and ports[0] == ports[1]
+
+    asyncio.run(main())
+
+
+# Where the tap reads the instance's HTTP chunks itself (`tap._Frames`).
+
+
+class Upstream:
+    """An instance's answer, as attach_to reads its framing."""
+
+    def __init__(self, **headers: str) -> None:
+        self.headers = {"Transfer-Encoding": "chunked", **headers}
+
+
+class Socket:
+    """The instance's connection under aiohttp's protocol."""
+
+    def __init__(self) -> None:
+        self.protocols: list[Any] = []
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocols.append(protocol)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def framed_answer(payloads: list[bytes]) -> bytes:
+    return b"".join(tap.http_chunk(p) for p in payloads) + b"0\r\n\r\n"
+
+
+async def instance_answer(read_timeout: float | None = None) -> tuple[Any, StreamReader]:
+    """aiohttp's client protocol, its parser past an answer's headers."""
+    protocol = ResponseHandler(asyncio.get_running_loop())
+    protocol.connection_made(Socket())  # type: ignore[arg-type]
+    protocol.set_response_params(read_timeout=read_timeout)
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    protocol.data_received(head)
+    reader = protocol._payload
+    assert isinstance(reader, StreamReader)
+    return protocol, reader
+
+
+# Bytes, events, and bodies that read as HTTP chunks themselves (a tap that lost
+# track of where aiohttp's parser is would take them for frames).
+payload_lists = st.lists(
+    st.binary(min_size=1, max_size=40)
+    | st.sampled_from(["data: 你好 🚀\r\n\r\n".encode(), b"3\r\nabc\r\n", b"\r\n0\r\n\r\n"]),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=300)
+@given(payloads=payload_lists, backlogs=st.lists(st.booleans(), min_size=1), data=st.data())
+def test_the_tap_reads_an_answer_cut_anywhere_as_aiohttp_would(
+    payloads: list[bytes], backlogs: list[bool], data: st.DataObject
+) -> None:
+    """Whatever the reads an answer comes in, and whichever chunks the client's
+    backlog leaves to the task, every byte reaches the client once and in
+    order, the answer ends, and the connection is aiohttp's again."""
+    answer = framed_answer(payloads)
+    # Cuts anywhere, and at a line's end or just after it (where a chunk or its
+    # size line ends, or a size line has begun).
+    ends = [i + 2 for i in range(len(answer)) if answer.startswith(b"\r\n", i)]
+    lines = st.sampled_from(ends) | st.sampled_from(ends).map(lambda i: i + 1)
+    cuts = data.draw(st.lists(st.integers(0, len(answer)) | lines))
+    points = sorted({0, len(answer), *(min(c, len(answer)) for c in cuts)})
+    reads = [answer[a:b] for a, b in zip(points, points[1:], strict=False)]
+    got: list[bytes] = []  # by the tap or by the task, in the order the client gets them
+
+    def relay(data: bytes) -> bytes:
+        got.append(data)
+        return data
+
+    async def main() -> None:
+        protocol, reader = await instance_answer()
+        client = Transport()
+        tap.attach_to(reader, Open(True), client, relay, lambda out: None, Upstream())  # type: ignore[arg-type]
+        assert "data_received" in vars(protocol)
+        waiting = await parked(reader)
+        for i, data in enumerate(reads):
+            client.backlog = tap.BACKLOG_BYTES + 1 if backlogs[i % len(backlogs)] else 0
+            protocol.data_received(data)  # (as the event loop hands a read over)
+            if waiting.done() and not reader.at_eof():  # the task's turn, then parked again
+                got.append(waiting.result())
+                waiting = await parked(reader)
+        got.append(await asyncio.wait_for(waiting, 5))  # what was left, and the end
+        assert reader.at_eof()
+        assert "data_received" not in vars(protocol)  # aiohttp reads the connection again
+        tap.detach(reader)
+
+    asyncio.run(main())
+    assert b"".join(got) == b"".join(payloads)
+
+
+def test_a_size_line_cut_in_two_is_left_to_aiohttp() -> None:
+    """A read that ends in a chunk's size line ("1" of "1a") leaves the parser
+    inside it, though its last chunk ended: the rest ("a" and 26 bytes, of
+    which the first 10 look like a whole chunk of their own) is aiohttp's."""
+    payloads = [b"data: one\n\n", b"0123456789\r\n" + b"x" * 14, b"data: two\n\n"]
+    answer = framed_answer(payloads)
+    cut = answer.index(b"1a\r\n") + 1
+    got: list[bytes] = []
+
+    def relay(data: bytes) -> bytes:
+        got.append(data)
+        return data
+
+    async def main() -> None:
+        protocol, reader = await instance_answer()
+        tap.attach_to(reader, Open(True), Transport(), relay, print, Upstream())  # type: ignore[arg-type]
+        waiting = await parked(reader)
+        for data in (answer[:cut], answer[cut:]):
+            protocol.data_received(data)
+        assert await asyncio.wait_for(waiting, 5) == b""
+
+    asyncio.run(main())
+    assert b"".join(got) == b"".join(payloads)
+
+
+def test_most_chunks_skip_aiohttps_parser() -> None:
+    """Against aiohttp's own server and sockets: chunks that come whole are read
+    by the tap; aiohttp's protocol sees the first read (where its parser is is
+    learnt from it) and the answer's end."""
+    chunks = [f"data: {i} 你好 🚀\n\n".encode() for i in range(3000)]
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for i, chunk in enumerate(chunks):
+            await response.write(chunk)
+            if i % 3 == 0:
+                await asyncio.sleep(0)
+        await response.write_eof()
+        return response
+
+    async def main() -> None:
+        runner, port = await serve(upstream)
+        client = Transport()
+        theirs: list[bytes] = []
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{port}/") as got,
+            ):
+                first = await got.content.readany()
+                tap.attach_to(got.content, Open(False), client, bytes, lambda out: None, got)  # type: ignore[arg-type]
+                frames = tap._TAPS[id(got.content)].frames
+                assert frames is not None
+                read = frames.theirs
+                frames.theirs = lambda data: (theirs.append(data), read(data))[1]  # type: ignore[method-assign]
+                rest = []
+                while data := await asyncio.wait_for(got.content.readany(), 10):
+                    rest.append(data)
+                tap.detach(got.content)
+        finally:
+            await runner.cleanup()
+        assert first + b"".join(client.written) + b"".join(rest) == b"".join(chunks)
+        assert len(theirs) <= 3 and theirs[-1].endswith(b"0\r\n\r\n")
+
+    asyncio.run(main())
+
+
+def test_the_connections_read_timeout_holds_while_the_tap_reads() -> None:
+    """aiohttp's `sock_read`: chunks that keep coming within it are no timeout,
+    however long the answer; a silence past it is one."""
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(8):  # 0.8 s in all, past the timeout, never 0.3 s apart
+            await response.write(b"data: tick\n\n")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(5)  # then silent
+        return response
+
+    async def main() -> None:
+        runner, port = await serve(upstream)
+        client = Transport()
+        timeout = aiohttp.ClientTimeout(sock_read=0.3)
+        loop = asyncio.get_running_loop()
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.get(f"http://127.0.0.1:{port}/") as got,
+            ):
+                await got.content.readany()
+                tap.attach_to(got.content, Open(False), client, bytes, lambda out: None, got)  # type: ignore[arg-type]
+                assert tap._TAPS[id(got.content)].frames is not None
+                with pytest.raises(aiohttp.ServerTimeoutError):
+                    while await got.content.readany():
+                        pass
+                silent_s = loop.time() - last_write[0]
+                tap.detach(got.content)
+        finally:
+            await runner.cleanup()
+        assert len(client.written) == 7
+        assert 0.3 <= silent_s < 0.9
+
+    last_write = [0.0]
+    write = Transport.write
+
+    def timed_write(self: Transport, data: bytes) -> None:
+        last_write[0] = asyncio.get_running_loop().time()
+        write(self, data)
+
+    Transport.write = timed_write  # type: ignore[method-assign]
+    try:
+        asyncio.run(main())
+    finally:
+        Transport.write = write  # type: ignore[method-assign]
+
+
+def test_what_the_relay_raises_ends_the_taps_reading() -> None:
+    """A relay that raises amid a read of several chunks: the task reads the
+    exception, nothing after it is relayed, and aiohttp reads the rest."""
+
+    def relay(data: bytes) -> bytes:
+        if data == b"two":
+            raise ValueError("two")
+        return data
+
+    async def main() -> None:
+        protocol, reader = await instance_answer()
+        client = Transport()
+        tap.attach_to(reader, Open(False), client, relay, print, Upstream())  # type: ignore[arg-type]
+        waiting = await parked(reader)
+        protocol.data_received(b"3\r\none\r\n")  # (the read aiohttp's parser is learnt from)
+        protocol.data_received(b"3\r\none\r\n3\r\ntwo\r\n5\r\nthree\r\n")
+        with pytest.raises(ValueError, match="two"):
+            await waiting
+        assert client.written == [b"one", b"one"]
+        assert "data_received" not in vars(protocol)
+        tap.detach(reader)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "headers", [{"Content-Encoding": "gzip"}, {"Transfer-Encoding": "gzip, chunked"}]
+)
+def test_an_answer_not_in_plain_chunks_is_read_by_aiohttp(headers: dict[str, str]) -> None:
+    async def main() -> None:
+        protocol, reader = await instance_answer()
+        upstream = Upstream(**headers)
+        tap.attach_to(reader, Open(False), Transport(), bytes, print, upstream)  # type: ignore[arg-type]
+        assert tap._TAPS[id(reader)].frames is None
+        assert "data_received" not in vars(protocol)
+        tap.detach(reader)
 
     asyncio.run(main())
