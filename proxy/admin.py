@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import client_auth, request_body
+from proxy import client_auth, request_body, workers
 from proxy.cluster import Cluster
 from proxy.errors import error_response
 from proxy.fleet import Fleet, FleetError
@@ -188,7 +188,11 @@ def add_routes(
         return web.json_response(row(name))
 
     async def reload(request: web.Request) -> web.Response:
-        return web.json_response(await fleet().reload())
+        applied = await fleet().reload()
+        # With `--workers` this one applied it, and every worker reads the file
+        # again after it (this one too, finding nothing more to change).
+        applied["every_worker"] = workers.reload_every_worker()
+        return web.json_response(applied)
 
     async def shared_view(request: web.Request) -> web.Response:
         return web.json_response(status.describe())

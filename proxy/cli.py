@@ -202,6 +202,8 @@ def _serve(args: argparse.Namespace) -> int:
     if config.server.workers > 1:
         from proxy.workers import supervise
 
+        _log_setup(args, worker=True)  # (the file may say it, not the command line)
+
         server = config.server
         return supervise(
             server.workers,
@@ -237,7 +239,7 @@ def _serve_one(args: argparse.Namespace, started: Any = None) -> int:
     from proxy.server import serve
     from proxy.workers import EXIT_CONFIG
 
-    if args.workers and args.workers > 1:
+    if started is not None:  # a worker (`--workers`, or `server.workers` in the file)
         _log_setup(args, worker=True)
     try:
         config = _serve_config(args)
@@ -280,7 +282,7 @@ def _log_setup(args: argparse.Namespace, *, worker: bool) -> None:
     pid = " [%(process)d]" if worker else ""
     handler = logging.StreamHandler()
     handler.setFormatter(OneLineFormatter(f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
 
 
 class OneLineFormatter(logging.Formatter):

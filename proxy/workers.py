@@ -58,6 +58,9 @@ RESTARTED_WORKER = "FERRY_RESTARTED_WORKER"
 FLEET_SNAPSHOT = "FERRY_FLEET_SNAPSHOT"
 # Set in each worker's environment: the file it touches as its heartbeat.
 HEARTBEAT = "FERRY_HEARTBEAT"
+# Set in every worker's environment: the parent's pid, which passes a SIGHUP on
+# to every worker (`reload_every_worker`).
+SUPERVISOR = "FERRY_SUPERVISOR"
 # A poll this late means the parent was not running: heartbeats are timed anew.
 PAUSED_S = 2.0
 
@@ -124,10 +127,15 @@ def supervise(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signum)
 
+    try:
+        snapshots = tempfile.mkdtemp(prefix="ferry-workers-")
+    except OSError as exc:  # (a read-only root with no writable /tmp: a container's)
+        log.error("cannot start workers: no directory for their files: %s", exc)
+        return 1
     handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     previous = {s: signal.signal(s, forward) for s in handled}
-    snapshots = tempfile.mkdtemp(prefix="ferry-workers-")
     os.environ[FLEET_SNAPSHOT] = os.path.join(snapshots, "fleet.json")
+    os.environ[SUPERVISOR] = str(os.getpid())
     try:
         for index in range(count):
             if stopping:  # a SIGTERM while they start reaches only those started
@@ -257,3 +265,15 @@ def _kill_if_silent(
         # of it, and a wait would stop the parent, its other workers' watch with
         # it. Killed again after another timeout, if it is still there.
         seen[index] = (beaten, now)
+
+
+def reload_every_worker() -> bool:
+    """In a worker, have every worker read the configuration file again (the
+    parent passes SIGHUP on to each); False in a process that is not one. A
+    reload through the admin API reaches one worker: the others must follow,
+    or they would serve another fleet."""
+    parent = os.environ.get(SUPERVISOR, "")
+    if not parent.isdigit() or int(parent) != os.getppid():
+        return False
+    os.kill(int(parent), signal.SIGHUP)
+    return True

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -626,6 +627,27 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_workers_set_in_the_file_log_and_reload_through_the_admin_api_as_one(
+    ferries: Any, tmp_path: Path
+) -> None:
+    """`server.workers` in the file, not `--workers`: each worker logs as they
+    do (it logged nothing but bare warnings). A reload through the admin API,
+    which one worker takes, reaches every worker (the others kept the old
+    fleet and served a removed instance)."""
+    [parent] = ferries(1, server={"workers": 2})
+    started = re.compile(r"INFO \[(\d+)\] ferry: ferry listening on")
+    wait_until(lambda: len(set(started.findall(parent.log.read_text()))) == 2, timeout=10)
+    config = tmp_path / "ferry.yaml"
+    body = json.loads(config.read_text())
+    body["instances"] = body["instances"][:1]
+    config.write_text(json.dumps(body))
+    summary = parent.admin("/admin/reload", "POST")
+    assert summary["removed"] == ["i1"] and summary["every_worker"]
+    # Each call is a new connection: the kernel spreads them over the workers.
+    wait_until(lambda: all(set(parent.rows()) == {"i0"} for _ in range(12)), timeout=10)
+    assert parent.log.read_text().count("configuration reloaded") >= 2
 
 
 def test_workers_whose_supervisor_is_killed_shut_down(ferries: Any) -> None:

@@ -266,10 +266,13 @@ def test_kustomize_base_renders_a_probed_deployment() -> None:
     config = parse_config(yaml.safe_load(configmap["data"]["ferry.yaml"]), env={})
 
     # The config is the generated ConfigMap (hashed name), mounted where args read it.
-    (volume,) = pod["volumes"]
+    volume, tmp = pod["volumes"]
     assert volume["configMap"]["name"] == configmap["metadata"]["name"]
-    (mount,) = container["volumeMounts"]
+    mount, tmp_mount = container["volumeMounts"]
     assert mount["name"] == volume["name"]
+    # A read-only root, and a writable /tmp for the workers' files.
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "emptyDir" in tmp and tmp_mount == {"name": tmp["name"], "mountPath": "/tmp"}
     config_path = container["args"][container["args"].index("--config") + 1]
     assert config_path == f"{mount['mountPath']}/ferry.yaml"
     # Every interface of both families: a dual-stack or IPv6 cluster's pod too.

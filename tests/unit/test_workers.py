@@ -270,3 +270,15 @@ def test_a_silent_worker_that_does_not_die_at_once_does_not_stop_the_watch(
     seen[0] = (seen[0][0], time.monotonic() - 11)  # silent for another timeout
     _kill_if_silent(0, stuck, str(heartbeat), 10, seen)  # type: ignore[arg-type]
     assert stuck.kills == 2
+
+
+def test_no_directory_for_the_workers_files_is_said_not_raised(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A container's read-only root without a writable /tmp: one line, exit 1."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/ferry-tmp")
+    assert supervise(2, sleeper, ("/nonexistent",), stop_timeout_s=1) == 1
+    assert "no directory for their files" in caplog.text
+    assert multiprocessing.active_children() == []
