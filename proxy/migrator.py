@@ -378,10 +378,16 @@ class Migrator:
             return await stream.order_move(None, reason, source=source)
         # A stream that starts over (nothing of it shown yet) needs no KV copied,
         # and one failing over has none to be had: its source stopped answering.
+        # Nor is a sampled one's: its move goes only in step, with no text held
+        # back (LiveStream._in_step), and the copy's stop lands where it may be
+        # held back (a character's bytes cut between tokens, each few tokens of
+        # Chinese), past going back: the stream would resume with a seam. By
+        # recompute the cut is Ferry's, between chunks, and one out of step stays.
         if (
             reason != "failover"
             and stream.tag
             and not stream.splicer.starts_over()
+            and not stream.splicer.sampled
             and self.kv.applies(source, destination)
         ):
             return await self._move_kv(stream, source, destination, reason)

@@ -84,3 +84,67 @@ def test_a_rescue_in_flight_leaves_the_slots_free() -> None:
         return seen
 
     assert asyncio.run(scenario()) == [2, 2, 1, True, 2, False]
+
+
+def test_a_sampled_stream_is_moved_by_recompute_not_by_a_kv_copy() -> None:
+    """A full-mode copy stops the source wherever its text is (held back, for a
+    character's bytes cut between tokens), past going back; a sampled stream
+    moves only in step, so its move goes by recompute, where the cut is Ferry's
+    and one out of step stays. A greedy one's KV is copied."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from proxy.migrator import Migrator
+
+    class KV:
+        def __init__(self) -> None:
+            self.copied: list[str] = []
+
+        def applies(self, source: str, destination: str) -> bool:
+            return True
+
+        async def copy(self, source: str, destination: str, tag: str, *_: Any) -> Any:
+            self.copied.append(tag)
+            return SimpleNamespace(
+                finished=False, refused=False, abandoned=False, load=None, stopped=False
+            )
+
+    def stream(sampled: bool) -> Any:
+        ordered: list[Any] = []
+
+        async def order_move(destination: str, reason: str, *_: Any, **__: Any) -> bool:
+            ordered.append(destination)
+            return True
+
+        splicer = SimpleNamespace(
+            unmovable=None,
+            sampled=sampled,
+            starts_over=lambda: False,
+            continuation_tokens=lambda: 40,
+        )
+        return SimpleNamespace(
+            accepts_orders=True,
+            splicer=splicer,
+            instance="a",
+            failed_on=set(),
+            tag="sampled" if sampled else "greedy",
+            order_move=order_move,
+            ordered=ordered,
+            expect_source_stop=lambda expected: None,
+            copy_moot=None,
+        )
+
+    on = SimpleNamespace(config=SimpleNamespace(migration="full"))
+    cluster = SimpleNamespace(instances={"a": on, "b": on})
+    placement = SimpleNamespace(takes_moves=lambda name: True)
+    kv = KV()
+    migrator = Migrator(cluster, placement, None, kv, max_concurrent=2, prewarm=False)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        sampled, greedy = stream(True), stream(False)
+        assert await migrator.move(sampled, "b", "rebalance")
+        assert await migrator.move(greedy, "b", "rebalance")
+        assert kv.copied == ["greedy"]
+        assert sampled.ordered == greedy.ordered == ["b"]
+
+    asyncio.run(scenario())
