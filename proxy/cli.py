@@ -311,6 +311,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
 
     from proxy.config import (
         ConfigError,
+        check_host,
         check_key,
         check_redis_url,
         check_workers,
@@ -329,6 +330,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
     server = config.server
     if args.port is not None and not 0 <= args.port <= 65535:  # as server.port
         raise ConfigError(f"--port: must be between 0 and 65535 (got {args.port})")
+    if args.host is not None:
+        check_host(args.host, "--host")
     if args.host or args.port is not None:
         server = dataclasses.replace(
             server,
@@ -363,7 +366,7 @@ def _admin(args: argparse.Namespace, path: str, method: str = "GET", body: Any =
         request = urllib.request.Request(
             args.url.rstrip("/") + path, method=method, data=data, headers=headers
         )
-        with urllib.request.urlopen(request, timeout=10) as resp:
+        with _NO_REDIRECTS.open(request, timeout=10) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as exc:
         try:
@@ -383,6 +386,18 @@ def _admin(args: argparse.Namespace, path: str, method: str = "GET", body: Any =
     except ValueError as exc:  # a token or URL no HTTP request can carry
         print(f"ferry {args.command}: {exc}", file=sys.stderr)
     raise SystemExit(1)
+
+
+class _Refused(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, not a place to go: followed, it would carry the
+    admin token to whatever the Location names, and print that place's answer
+    as this call's."""
+
+    def redirect_request(self, *_: Any) -> None:
+        return None  # (urllib then raises the 3xx as an HTTPError)
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_Refused)
 
 
 def _instance_path(name: str) -> str:

@@ -707,6 +707,14 @@ def _check_tls(inst: InstanceConfig, where: str, own: Mapping[str, Any], runtime
     `instance_defaults`, checked as the file was read."""
     if not isinstance(inst.tls_verify, bool):
         raise ConfigError(f"{where}.tls_verify: must be true or false")
+    if where != "instance_defaults" and not inst.url.startswith("https://"):
+        # (The defaults' may be for the https instances alone.)
+        mistaken = [k for k in (*TLS_KEYS, "tls_server_name") if own.get(k) is not None]
+        mistaken += ["tls_verify"] if own.get("tls_verify") is False else []
+        if mistaken:
+            raise ConfigError(
+                f"{where}.{mistaken[0]}: the instance's url is not https://, so no TLS is spoken"
+            )
     for key in TLS_KEYS:
         path = getattr(inst, key)
         if runtime and key in own:
@@ -989,7 +997,21 @@ def _check_scaling(s: SchedulerConfig) -> None:
         raise ConfigError(f"scheduler.{e}") from None
 
 
+def check_host(host: Any, where: str) -> None:
+    """Where Ferry listens: `*` (every interface), an IP address or a name the
+    resolver takes. An empty one would listen everywhere unsaid."""
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"{where}: must be an address, a host name, or * for every interface")
+    if host == "*":
+        return
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        _check_dns_name(host, where)
+
+
 def _check_server(s: ServerConfig) -> None:
+    check_host(s.host, "server.host")
     if not 0 <= s.port <= 65535:
         raise ConfigError("server.port: must be between 0 and 65535")
     if s.max_body_bytes < 1024:

@@ -25,6 +25,10 @@ from proxy.cli import main
          "--redis: not a URL"),
         (["serve", "--backend", "http://127.0.0.1:1", "--admin-token", "t\u00f6k"], 2,
          "--admin-token: must be a key"),
+        (["serve", "--backend", "http://127.0.0.1:1", "--host", "ferry..internal"], 2,
+         "--host: 'ferry..internal' has an empty label"),
+        (["serve", "--backend", "http://127.0.0.1:1", "--host", "a" * 64], 2,
+         "is 64 characters (at most 63)"),
     ],
 )  # fmt: skip
 def test_a_mistake_is_one_line(
@@ -133,6 +137,23 @@ def test_an_answer_that_is_not_http_or_cut_short_is_one_line(
     assert exited.value.code == 1
     err = capsys.readouterr().err
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_a_redirect_is_not_followed_with_the_admin_token(
+    answering: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Followed, a redirect would carry the token to wherever it points, and
+    print that place's answer as this call's (`ferry reload` said done)."""
+    with socket.socket() as closed:  # a port nothing listens on: where it would go
+        closed.bind(("127.0.0.1", 0))
+        elsewhere = f"http://127.0.0.1:{closed.getsockname()[1]}/steal"
+    redirect = b"HTTP/1.1 302 Found\r\nLocation: %b\r\nContent-Length: 0\r\n\r\n"
+    url = answering(redirect % elsewhere.encode())
+    with pytest.raises(SystemExit) as exited:
+        main(["reload", "--url", url, "--admin-token", "s3cret"])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert "HTTP 302" in err and len(err.splitlines()) == 1, err
 
 
 def _json_reply(body: bytes) -> bytes:

@@ -340,6 +340,14 @@ def test_client_keys_from_yaml_or_environment() -> None:
             base(scheduler={"high_priority_headroom_blocks": 10**400}),
             r"^scheduler\.high_priority_headroom_blocks: must be a finite number",
         ),
+        # An empty host listened on every interface, unsaid; a bad name was a traceback.
+        (base(server={"host": ""}), r"^server\.host: must be an address, a host name, or \*"),
+        (base(server={"host": "ferry..internal"}), r"^server\.host: 'ferry\.\.internal' has"),
+        # TLS settings on a plain http:// instance were ignored: it spoke plain text.
+        (
+            {"instances": [{"name": "a", "url": "http://h:1", "tls_verify": False}]},
+            r"^instances\[0\]\.tls_verify: the instance's url is not https://",
+        ),
     ],
 )
 def test_errors_name_the_yaml_path(raw: dict[str, Any], message: str) -> None:
