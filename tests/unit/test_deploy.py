@@ -10,7 +10,10 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
+import sys
+import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -75,6 +78,35 @@ def test_image_runs_ferry_serve_on_the_default_port() -> None:
     assert cmd[0] == "serve" and cmd[cmd.index("--config") + 1] == "/etc/ferry/ferry.yaml"
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert stage["EXPOSE"].split() == [str(ServerConfig().port)]
+
+
+@pytest.mark.parametrize("port_line", ["server: {port: %d}", "server: {host: '*', port: %d}"])
+def test_the_image_health_check_asks_the_port_the_file_names(
+    tmp_path: Path, port_line: str
+) -> None:
+    """It asked port 8000 whatever the file said: any other server.port left
+    the container unhealthy for good."""
+    stage = dict(final_stage())
+    check = json.loads(stage["HEALTHCHECK"].split("CMD", 1)[1])
+    assert check[:2] == ["python", "-c"]
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        config = tmp_path / "ferry.yaml"
+        config.write_text(port_line % port + "\ninstances: []\n")
+        code = check[2].replace("/etc/ferry/ferry.yaml", str(config))
+        asked = threading.Thread(target=_answer_once, args=(listener,), daemon=True)
+        asked.start()
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+        asked.join(5)
+
+
+def _answer_once(listener: socket.socket) -> None:
+    conn, _ = listener.accept()
+    with conn:
+        assert b"GET /livez " in conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 
 
 def test_image_copies_files_that_exist_and_installs_no_extras() -> None:
@@ -164,6 +196,13 @@ def test_prometheus_scrapes_ferry_and_the_engines() -> None:
     targets = {j["job_name"]: j["static_configs"][0]["targets"] for j in scrape}
     assert targets["ferry"] == [f"ferry:{config.server.port}"]
     assert sorted(targets["vllm"]) == sorted(urlsplit(i.url).netloc for i in config.instances)
+    # Each engine's `instance` label is the name Ferry gives it (the dashboard
+    # joins them); the target's host:port was another series for the same engine.
+    [vllm] = [j for j in scrape if j["job_name"] == "vllm"]
+    [relabel] = vllm["relabel_configs"]
+    assert relabel["source_labels"] == ["__address__"] and relabel["target_label"] == "instance"
+    names = {re.fullmatch(relabel["regex"], t).group(1) for t in targets["vllm"]}  # type: ignore[union-attr]
+    assert names == {i.name for i in config.instances}
     mounts = {t: s for s, t in bind_mounts(services["prometheus"])}
     assert mounts["/etc/prometheus/prometheus.yml"] == (CONFIGS / "prometheus.yml").resolve()
 
