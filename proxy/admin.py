@@ -208,7 +208,14 @@ def add_routes(
 
 
 def _flag(request: web.Request, name: str) -> bool:
-    return request.query.get(name, "").lower() in ("1", "true", "yes")
+    """A yes-or-no query parameter (absent: no). Any other word is refused: read
+    as no, `?migrate=maybe` removed an instance at once, its streams cut."""
+    value = request.query.get(name, "").lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("", "0", "false", "no"):
+        return False
+    raise FleetError(400, f"{name}: must be true or false", "invalid_request")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

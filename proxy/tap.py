@@ -187,9 +187,10 @@ class _Frames:
                 at = end + 2
                 if tap.frames is not self:  # it raised: nothing after is relayed
                     break
-            if at:
+            if at and tap.frames is self:
                 self._heard()
-        if at < len(data):
+        if at < len(data) or not data:  # (b"": aiohttp resumes its parser, paused
+            # with a read's rest in it, after the task drained a backlog)
             self.theirs(data[at:] if at else data)
             tap = _TAPS.get(id(reader))
             self.between = tap is not None and tap.chunk_ended and data.endswith(b"\r\n")
@@ -223,8 +224,9 @@ class _Frames:
         """Hand the connection's reads back to aiohttp (the body ended, or the
         tap did), before the connection can go back to the pool."""
         protocol = self.protocol
-        if protocol.__dict__.pop("data_received", None) is None:
-            return  # (stopped already)
+        if protocol.__dict__.get("data_received") != self.data_received:
+            return  # stopped already (the connection may be another stream's now)
+        del protocol.data_received
         transport = protocol.transport
         if transport is not None:
             transport.set_protocol(protocol)  # (uvloop keeps the method it calls)

@@ -445,6 +445,13 @@ def test_an_admin_body_with_a_key_given_twice_is_refused(standins: Any, ferry: A
     assert error["error"]["type"] == "invalid_request_error"
     status, error, _ = post(proxy.url + "/admin/instances", b"[]", {"Authorization": "Bearer t"})
     assert status == 400 and "must be a JSON object" in error["error"]["message"], error
+    # A flag that is no yes or no was read as no: the instance removed at once.
+    for route, method in (("/admin/instances/i0", "DELETE"), ("/admin/instances/i0/drain", "POST")):
+        url = f"{proxy.url}{route}?migrate=maybe"
+        status, error, _ = post(url, b"", {"Authorization": "Bearer t"}, method)
+        assert status == 400 and "migrate: must be true or false" in error["error"]["message"]
+    status, rows, _ = get(proxy.url + "/admin/instances", {"Authorization": "Bearer t"})
+    assert [(r["name"], r["draining"]) for r in rows] == [("i0", False)]
 
 
 def test_admin_is_off_without_a_token(standins: Any, ferry: Any) -> None:
