@@ -188,6 +188,10 @@ class Splicer:
         self._started_over = False
         self._regenerated: list[int] = []  # ids the destination repeats before new ones
         self._skip = 0  # characters of the destination's text the client has already
+        # Chunks of tokens without text the client has (`restart`), and those a
+        # start-over leaves out of its own first ones (the client has as many).
+        self._textless_sent = 0
+        self._textless_owed = 0
 
     # -- upstream events ---------------------------------------------------------
     def feed(self, event: bytes) -> Fed:
@@ -263,6 +267,13 @@ class Splicer:
             return Fed(b"", len(new), reported)
         if new and isinstance(chunk.get("usage"), dict):
             self._counted = True  # the client has a count of the tokens generated
+        if new and not texts and not self.ended:
+            if self._textless_owed:  # the client has this chunk's like already
+                self._textless_owed -= 1
+                return Fed(b"", len(new), reported)
+            self._textless_sent += 1
+        else:
+            self._textless_owed = 0  # (only the start-over's first ones)
         if self._started_over:  # the request sent again (`restart`): the client's identity
             origin = self.origin
             chunk.update(id=origin.id, created=origin.created, model=origin.model)
@@ -333,11 +344,15 @@ class Splicer:
         return self.prompt_ids is None or (self.segment == 0 and not shown)
 
     def restart(self) -> None:
-        """The original request starts over elsewhere (`starts_over`)."""
+        """The original request starts over elsewhere (`starts_over`). Its first
+        chunks of tokens without text are left out, as many as the client has:
+        at temperature 0 they are those again (a client counting chunks counted
+        them twice), sampled any text comes at once."""
         self.expect_source_stop = False
         self.generated, self.sent, self._counted = [], "", False
         self.flushes.clear()
         self._started_over = self.origin is not None
+        self._textless_owed, self._textless_sent = self._textless_sent, 0
 
     def join_point(self) -> tuple[Join, bool]:
         """The join from the stream's own flushes (see `Join`), and whether it is

@@ -571,3 +571,28 @@ def test_token_ids_that_are_not_integers_pin_the_stream_and_the_text_goes_on(ids
     assert bad_prompt.feed(b"data: " + json.dumps(chunk).encode()).prompt_tokens is None
     assert bad_prompt.prompt_ids is None
     assert bad_prompt.unmovable == "token ids that are not integers"
+
+
+def test_a_start_over_leaves_out_the_textless_chunks_the_client_has() -> None:
+    """A completion whose first tokens made no text (the client got a chunk of
+    `"text": ""` for each) starts over: the new call's first such chunks are
+    the client's already (a client counting chunks as tokens got them twice).
+    Its tokens still count; its first text goes on at once."""
+
+    def chunk(text: str, token: int, finish: str | None = None) -> bytes:
+        choice = {"index": 0, "text": text, "token_ids": [token], "finish_reason": finish}
+        body = {"id": "c", "prompt_token_ids": [1], "choices": [choice]}
+        return b"data: " + json.dumps(body).encode()
+
+    splicer = Splicer({}, "completions", wants_ids=False)
+    sent = [splicer.feed(chunk("", t)) for t in (7, 8, 9)]
+    assert all(f.data for f in sent) and splicer.starts_over()
+    splicer.restart()
+    again = [splicer.feed(chunk("", t)) for t in (7, 8)]
+    assert [f.data for f in again] == [b"", b""] and [f.tokens for f in again] == [1, 1]
+    text = splicer.feed(chunk("Hi", 5))  # sampled, text may come sooner: it goes on
+    assert json.loads(text.data[6:])["choices"][0]["text"] == "Hi"
+    after = splicer.feed(chunk("", 6))  # past the start-over's first ones: the client's
+    assert after.data and splicer.generated == [7, 8, 5, 6]
+    last = splicer.feed(chunk("", 10, "length"))
+    assert json.loads(last.data[6:])["choices"][0]["finish_reason"] == "length"
