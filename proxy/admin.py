@@ -72,7 +72,7 @@ def instances_json(
                 "healthy": view.healthy,
                 "draining": view.draining,
                 "removing": view.name in removing,
-                "freeness": view.freeness if view.freeness > -1e300 else None,
+                "freeness": view.freeness + 0.0 if view.freeness > -1e300 else None,  # (not -0.0)
                 "inflight": view.inflight,  # with a shared view: every process's
                 "local_inflight": cluster.ledger.count(view.name),
                 "virtual_blocks": round(view.virtual_blocks, 2),

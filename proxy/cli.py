@@ -6,6 +6,7 @@ import argparse
 import http.client
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     drain = admin_command("drain", "move every request off an instance; wait until empty")
     drain.add_argument("name")
-    drain.add_argument("--timeout", type=float, default=600, help="seconds to wait")
+    drain.add_argument("--timeout", type=_seconds, default=600, help="seconds to wait")
     undrain = admin_command("undrain", "let a drained instance take traffic again")
     undrain.add_argument("name")
     add = admin_command("add", "add an instance to a running ferry")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     remove.add_argument("name")
     remove.add_argument("--no-migrate", action="store_true", help="let streams finish in place")
     remove.add_argument("--no-wait", action="store_true", help="return at once")
-    remove.add_argument("--timeout", type=float, default=600, help="seconds to wait")
+    remove.add_argument("--timeout", type=_seconds, default=600, help="seconds to wait")
     admin_command("reload", "re-read the running ferry's configuration file")
     status = admin_command("status", "print the instances of a running ferry")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -386,6 +387,17 @@ def _admin(args: argparse.Namespace, path: str, method: str = "GET", body: Any =
     except ValueError as exc:  # a token or URL no HTTP request can carry
         print(f"ferry {args.command}: {exc}", file=sys.stderr)
     raise SystemExit(1)
+
+
+def _seconds(text: str) -> float:
+    """A wait: a positive, finite number of seconds (nan never timed out)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
+    return value
 
 
 class _Refused(urllib.request.HTTPRedirectHandler):

@@ -492,7 +492,9 @@ def check_key(key: str, where: str) -> None:
     """A bearer token as a header carries it: visible ASCII (HTTP clients send
     headers as Latin-1, servers read UTF-8; a space is trimmed off)."""
     if not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
-        raise ConfigError(f"{where}: must be a key: visible ASCII characters, no spaces")
+        # (A secret file's trailing newline: `kubectl create secret --from-file`.)
+        hint = " (a trailing newline?)" if key.strip() and key != key.rstrip() else ""
+        raise ConfigError(f"{where}: must be a key: visible ASCII characters, no spaces{hint}")
 
 
 def check_redis_url(url: Any, where: str) -> None:

@@ -156,6 +156,18 @@ def test_a_redirect_is_not_followed_with_the_admin_token(
     assert "HTTP 302" in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("command", [["drain", "a"], ["remove", "a"]])
+@pytest.mark.parametrize("timeout", ["nan", "-1", "0", "inf", "soon"])
+def test_a_wait_that_is_no_time_is_refused(
+    command: list[str], timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`nan` never timed out and -1 gave up at once, unsaid."""
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--timeout", timeout])
+    assert exited.value.code == 2
+    assert "--timeout: must be a positive number of seconds" in capsys.readouterr().err
+
+
 def _json_reply(body: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (
         len(body),

@@ -53,6 +53,11 @@ def test_defaults_and_yaml_off() -> None:
 
 def test_admin_token_from_environment() -> None:
     assert parse_config(base(), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token == "s3"
+    # A secret made from a file (`kubectl create secret --from-file`) ends in a newline.
+    with pytest.raises(
+        ConfigError, match=r"visible ASCII characters, no spaces \(a trailing newline"
+    ):
+        parse_config(base(), env={"FERRY_ADMIN_TOKEN": "s3\n"})
     assert (
         parse_config(base(admin_token="yaml"), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token
         == "yaml"
