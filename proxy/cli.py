@@ -203,7 +203,8 @@ def _serve(args: argparse.Namespace) -> int:
     if config.server.workers > 1:
         from proxy.workers import supervise
 
-        _log_setup(args, worker=True)  # (the file may say it, not the command line)
+        if not (args.workers and args.workers > 1):  # the file said it: the pid goes in too
+            _log_setup(args, worker=True, force=True)
 
         server = config.server
         return supervise(
@@ -279,11 +280,11 @@ def _cannot_listen(exc: OSError) -> bool:
     return isinstance(exc, socket.gaierror) or exc.errno in listen
 
 
-def _log_setup(args: argparse.Namespace, *, worker: bool) -> None:
+def _log_setup(args: argparse.Namespace, *, worker: bool, force: bool = False) -> None:
     pid = " [%(process)d]" if worker else ""
     handler = logging.StreamHandler()
     handler.setFormatter(OneLineFormatter(f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=force)
 
 
 class OneLineFormatter(logging.Formatter):

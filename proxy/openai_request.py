@@ -188,7 +188,7 @@ def _flag(value: Any) -> bool | None:
     if isinstance(value, int | float) and value in (0, 1):
         return bool(value)
     if isinstance(value, str):
-        word = value.strip().lower()
+        word = value.lower()  # (no spaces: pydantic refuses " true")
         return True if word in _TRUE else False if word in _FALSE else None
     return None
 

@@ -185,7 +185,7 @@ def test_a_body_may_name_no_model(body: bytes) -> None:
 @pytest.mark.parametrize(
     ("value", "flag"),
     [("true", True), ("False", False), (1, True), (0, False), (1.0, True), ("on", True),
-     ("no", False), (" yes ", True), (True, True)],
+     ("no", False), ("YES", True), (True, True)],
 )  # fmt: skip
 def test_flags_are_read_as_vllm_reads_them(value: object, flag: bool) -> None:
     """vLLM (pydantic) takes `"stream": "true"` as a stream, and `"false"`, a
@@ -203,6 +203,16 @@ def test_flags_are_read_as_vllm_reads_them(value: object, flag: bool) -> None:
     with pytest.raises(BadRequest) as caught:
         parse(json.dumps({**chat, "stream_options": {"include_usage": "x"}}).encode(), "chat", None)
     assert caught.value.param == "stream_options.include_usage"
+
+
+@pytest.mark.parametrize("value", [" true", "true\n", "\tyes", "on "])
+def test_a_flag_with_spaces_is_refused_as_vllm_refuses_it(value: str) -> None:
+    """pydantic reads `"true"` but not `" true"` (a 400 from vLLM): read as
+    true, Ferry streamed what vLLM refuses."""
+    body = {"model": "m", "prompt": "x", "stream": value}
+    with pytest.raises(BadRequest) as caught:
+        parse(json.dumps(body).encode(), "completions", None)
+    assert caught.value.param == "stream"
 
 
 def test_a_completion_of_prompt_embeds_needs_no_prompt() -> None:
