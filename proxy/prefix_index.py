@@ -129,6 +129,11 @@ def _ids_text(ids: Sequence[int]) -> str:
     return ",".join(map(str, ids))
 
 
+def _whole_ids(text: str, chars: int) -> int:
+    """How many ids of `_ids_text`'s `text` lie whole in its first `chars` characters."""
+    return text.count(",", 0, chars) + (chars >= len(text))
+
+
 def _content_text(content: Any, limit: int | None = None) -> str:
     """A message's text, its first `limit` characters: parts past them are not
     read (a chat of a million parts took the event loop a tenth of a second)."""
@@ -340,9 +345,12 @@ class PrefixIndex:
         # vLLM computes a prompt's last token whatever it holds: of a prompt of
         # n tokens it reuses whole blocks within the first n - 1.
         cap, size = max(0, key.prompt_tokens - 1), self.block_size
+        # Ids keyed as text ("10000,10001,..."): a chunk holds as many of them as
+        # its commas say, a few, not `size` (an id is 2 to 7 characters).
+        ids = _ids_text(key.token_ids) if key.token_ids is not None else None
         out = {}
         for name, m in matched.items():
-            tokens = min(cap, m * size)
+            tokens = min(cap, m * size if ids is None else _whole_ids(ids, m * self.chunk_chars))
             entry = self.instances.get(name)
             if entry is not None and entry.block_size > 1:  # whole engine blocks only
                 tokens -= tokens % entry.block_size

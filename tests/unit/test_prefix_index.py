@@ -369,3 +369,27 @@ def test_a_prompt_s_text_reads_no_part_past_its_limit() -> None:
     assert prompt_text({"messages": [{"role": "user", "content": "x" * 100}]}, 8) == (
         "user\0" + "x" * 8 + "\1"
     )
+
+
+@given(
+    shared=st.integers(0, 120),
+    digits=st.sampled_from([1, 3, 5, 6]),
+    block_size=st.sampled_from([1, 16]),
+)
+def test_a_token_id_prompt_is_credited_the_ids_it_shares_no_more(
+    shared: int, digits: int, block_size: int
+) -> None:
+    """Ids are keyed as their text ("10000,10001,..."), chunked as text is,
+    whose chunk is `block_size` tokens of 3 characters: five-digit ids were
+    credited twice what two prompts shared (a block the engine could not reuse
+    made the placement). The credit is the shared ids, at most."""
+    index = PrefixIndex(block_size=16)
+    base = 10 ** (digits - 1)
+    common = [base + i % 7 for i in range(shared)]
+    first = common + [base + 8] * 100
+    later = common + [base + 9] * 100
+    index.record("x", index.key({"model": "m", "prompt": first}, len(first)), 1000, block_size)
+    credit = index.cached_tokens(index.key({"model": "m", "prompt": later}, len(later)))
+    assert credit.get("x", 0) <= shared
+    if shared >= 48 and digits == 1 and block_size == 1:  # 2 characters an id: a chunk is 24
+        assert credit["x"] >= shared - 24
