@@ -33,8 +33,9 @@ RUN pip install "$(echo /tmp/wheels/*.whl)[redis]" && rm -rf /tmp/wheels
 # documented example to start from.
 USER 10001:10001
 EXPOSE 8000
-# On the port the mounted file's server.port names (8000 where it names none).
+# On the port the mounted file's server.port names (8000 where it names none,
+# or where no file is mounted).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s \
-    CMD ["python", "-c", "import urllib.request, yaml; s = (yaml.safe_load(open('/etc/ferry/ferry.yaml')) or {}).get('server') or {}; urllib.request.urlopen(f\"http://127.0.0.1:{s.get('port', 8000)}/livez\", timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request, yaml; f = '/etc/ferry/ferry.yaml'; s = ((yaml.safe_load(open(f)) or {}).get('server') or {}) if os.path.exists(f) else {}; urllib.request.urlopen(f\"http://127.0.0.1:{s.get('port', 8000)}/livez\", timeout=2)"]
 ENTRYPOINT ["ferry"]
 CMD ["serve", "--config", "/etc/ferry/ferry.yaml", "--host", "0.0.0.0"]

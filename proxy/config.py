@@ -709,7 +709,7 @@ def _check_tls(inst: InstanceConfig, where: str, own: Mapping[str, Any], runtime
     `instance_defaults`, checked as the file was read."""
     if not isinstance(inst.tls_verify, bool):
         raise ConfigError(f"{where}.tls_verify: must be true or false")
-    if where != "instance_defaults" and not inst.url.startswith("https://"):
+    if where != "instance_defaults" and urlsplit(inst.url).scheme.lower() != "https":
         # (The defaults' may be for the https instances alone.)
         mistaken = [k for k in (*TLS_KEYS, "tls_server_name") if own.get(k) is not None]
         mistaken += ["tls_verify"] if own.get("tls_verify") is False else []

@@ -352,7 +352,7 @@ class Splicer:
         self.generated, self.sent, self._counted = [], "", False
         self.flushes.clear()
         self._started_over = self.origin is not None
-        self._textless_owed, self._textless_sent = self._textless_sent, 0
+        self._textless_owed = self._textless_sent  # (all the client has, however many restarts)
 
     def join_point(self) -> tuple[Join, bool]:
         """The join from the stream's own flushes (see `Join`), and whether it is

@@ -219,6 +219,9 @@ def supervise(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         os.environ.pop(FLEET_SNAPSHOT, None)
+        # (Else a `ferry serve` this process starts later would take it for its
+        # supervisor, and a reload there would send it SIGHUP.)
+        os.environ.pop(SUPERVISOR, None)
         shutil.rmtree(snapshots, ignore_errors=True)
 
 

@@ -51,6 +51,12 @@ def test_defaults_and_yaml_off() -> None:
         assert parse_config(raw, env={}).scheduler.high_priority_headroom_blocks == read
 
 
+def test_tls_settings_go_with_an_https_url_in_any_case() -> None:
+    """The scheme is read in any case (aiohttp speaks TLS to HTTPS://)."""
+    raw = {"instances": [{"name": "a", "url": "HTTPS://h:1", "tls_server_name": "h.example"}]}
+    assert parse_config(raw, env={}).instances[0].tls_server_name == "h.example"
+
+
 def test_admin_token_from_environment() -> None:
     assert parse_config(base(), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token == "s3"
     # A secret made from a file (`kubectl create secret --from-file`) ends in a newline.

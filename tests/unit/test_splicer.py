@@ -590,9 +590,12 @@ def test_a_start_over_leaves_out_the_textless_chunks_the_client_has() -> None:
     splicer.restart()
     again = [splicer.feed(chunk("", t)) for t in (7, 8)]
     assert [f.data for f in again] == [b"", b""] and [f.tokens for f in again] == [1, 1]
+    splicer.restart()  # again, before its first text: the client still has three
+    again = [splicer.feed(chunk("", t)) for t in (7, 8, 9)]
+    assert [f.data for f in again] == [b"", b"", b""]
     text = splicer.feed(chunk("Hi", 5))  # sampled, text may come sooner: it goes on
     assert json.loads(text.data[6:])["choices"][0]["text"] == "Hi"
     after = splicer.feed(chunk("", 6))  # past the start-over's first ones: the client's
-    assert after.data and splicer.generated == [7, 8, 5, 6]
+    assert after.data and splicer.generated == [7, 8, 9, 5, 6]
     last = splicer.feed(chunk("", 10, "length"))
     assert json.loads(last.data[6:])["choices"][0]["finish_reason"] == "length"

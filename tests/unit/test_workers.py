@@ -15,8 +15,10 @@ import pytest
 
 from proxy.workers import (
     EXIT_CONFIG,
+    FLEET_SNAPSHOT,
     HEARTBEAT,
     MAX_FAILED_RESTARTS,
+    SUPERVISOR,
     _kill_if_silent,
     supervise,
 )
@@ -142,6 +144,9 @@ def test_a_restart_that_fails_at_once_is_tried_again(
         assert f.read() == "xxx"
     assert "another starts in 0.1 s" in caplog.text  # after the kill
     assert "another starts in 0.2 s" in caplog.text  # the failed restart: twice as long
+    # Its workers' variables go with it: a `ferry serve` started later would take
+    # this process for its supervisor (a reload there sent it SIGHUP).
+    assert SUPERVISOR not in os.environ and FLEET_SNAPSHOT not in os.environ
 
 
 @pytest.mark.parametrize(("then", "runs"), [("always", 1 + MAX_FAILED_RESTARTS), ("config", 2)])
