@@ -156,10 +156,11 @@ class _Frames:
     (`sock_read`) by a timer that looks again when due rather than one made
     anew for every read."""
 
-    __slots__ = ("reader", "protocol", "theirs", "between", "heard", "timer")
+    __slots__ = ("reader", "tap", "protocol", "theirs", "between", "heard", "timer")
 
-    def __init__(self, reader: StreamReader, protocol: ResponseHandler) -> None:
-        self.reader, self.protocol = reader, protocol
+    def __init__(self, reader: StreamReader, tap: Tap, protocol: ResponseHandler) -> None:
+        # `tap` reads through this one while it is its `frames` (`_stop` ends that).
+        self.reader, self.tap, self.protocol = reader, tap, protocol
         self.theirs = protocol.data_received  # aiohttp's
         # Not known at first (the task's last read may have ended in a chunk):
         # learnt from aiohttp's next read.
@@ -168,10 +169,9 @@ class _Frames:
         self.timer: asyncio.TimerHandle | None = None  # the read timeout's, while it is ours
 
     def data_received(self, data: bytes) -> None:
-        reader = self.reader
-        tap = _TAPS.get(id(reader))
+        reader, tap = self.reader, self.tap
         at = 0
-        if self.between and tap is not None:
+        if self.between and tap.frames is self:
             size = len(data)
             while at < size:
                 eol = data.find(b"\r\n", at, at + 10)  # (8 hex digits at most)
@@ -192,8 +192,7 @@ class _Frames:
         if at < len(data) or not data:  # (b"": aiohttp resumes its parser, paused
             # with a read's rest in it, after the task drained a backlog)
             self.theirs(data[at:] if at else data)
-            tap = _TAPS.get(id(reader))
-            self.between = tap is not None and tap.chunk_ended and data.endswith(b"\r\n")
+            self.between = tap.frames is self and tap.chunk_ended and data.endswith(b"\r\n")
 
     def _heard(self) -> None:
         protocol = self.protocol
@@ -253,7 +252,7 @@ def _read_frames(reader: StreamReader, tap: Tap, upstream: aiohttp.ClientRespons
         or "data_received" in protocol.__dict__
     ):
         return
-    frames = tap.frames = _Frames(reader, protocol)
+    frames = tap.frames = _Frames(reader, tap, protocol)
     protocol.data_received = frames.data_received  # type: ignore[method-assign]
     transport.set_protocol(protocol)
     reader.on_eof(frames.stop)

@@ -89,6 +89,22 @@ async def serve(handler: Any) -> tuple[web.AppRunner, int]:
     return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
+def streaming(chunks: list[bytes], every: int, pause_s: float) -> Any:
+    """An upstream handler that writes `chunks`, pausing after each `every`-th."""
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for i, chunk in enumerate(chunks):
+            await response.write(chunk)
+            if i % every == 0:
+                await asyncio.sleep(pause_s)
+        await response.write_eof()
+        return response
+
+    return upstream
+
+
 async def parked(reader: StreamReader) -> asyncio.Future[bytes]:
     """The task's read, waiting for bytes (a tap relays only then)."""
     waiting = asyncio.ensure_future(reader.readany())
@@ -222,16 +238,7 @@ def test_a_real_connection_relays_every_byte_through_the_tap() -> None:
     """Against aiohttp's own parser and socket: many small HTTP chunks, each
     taken by the tap, none left for the task but the end."""
     chunks = [f"data: {i} 你好 🚀\n\n".encode() for i in range(6000)]
-
-    async def upstream(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse()
-        await response.prepare(request)
-        for i, chunk in enumerate(chunks):
-            await response.write(chunk)
-            if i % 500 == 0:
-                await asyncio.sleep(0.001)  # let the reader catch up at times
-        await response.write_eof()
-        return response
+    upstream = streaming(chunks, every=500, pause_s=0.001)  # the reader catches up at times
 
     async def main() -> None:
         runner, port = await serve(upstream)
@@ -431,16 +438,7 @@ def test_most_chunks_skip_aiohttps_parser(run: Any) -> None:
     learnt from it) and the answer's end. On uvloop too, which keeps the
     protocol's `data_received` it calls (the tap has it look again)."""
     chunks = [f"data: {i} 你好 🚀\n\n".encode() for i in range(3000)]
-
-    async def upstream(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse()
-        await response.prepare(request)
-        for i, chunk in enumerate(chunks):
-            await response.write(chunk)
-            if i % 3 == 0:
-                await asyncio.sleep(0)
-        await response.write_eof()
-        return response
+    upstream = streaming(chunks, every=3, pause_s=0)
 
     async def main() -> None:
         runner, port = await serve(upstream)
