@@ -24,6 +24,7 @@ from proxy.policy import Priority
 PRIORITY_HEADER = "x-ferry-priority"
 JSON = "application/json"
 MULTIPART = "multipart/form-data"
+MAX_SHOWN = 100  # characters of a client's header that an error shows
 # A form part's Content-Disposition, and its parameters: `; key=value`, the
 # value a token or a quoted string.
 _DISPOSITION = re.compile(rb"(?im)^content-disposition:([^\r\n]*)")
@@ -107,7 +108,7 @@ class PassThrough:
 def parse(
     raw: bytes, endpoint: str, priority_header: str | None, content_type: str = JSON
 ) -> OpenAIRequest:
-    """`endpoint` is "completions" or "chat"; `content_type` the media type alone."""
+    """`endpoint` is "completions" or "chat"; `content_type` the header as sent."""
     priority = Priority.NORMAL
     if priority_header is not None:
         # The header sent twice reads as its values joined by commas (RFC 9110
@@ -120,8 +121,10 @@ def parse(
             names = ", ".join(sorted(p.name.lower() for p in said))
             raise BadRequest(f"header {PRIORITY_HEADER}: one priority, not several ({names})")
         (priority,) = said
-    if content_type != JSON:
-        raise BadRequest(f"Content-Type must be {JSON}, not {content_type}", status=415)
+    if content_type.split(";", 1)[0].strip().lower() != JSON:
+        # 400, as vLLM answers it (the `openai` client's BadRequestError), not 415.
+        said = f"'{content_type[:MAX_SHOWN]}'" if content_type else "none"
+        raise BadRequest(f"Content-Type must be {JSON}, not {said}")
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     body = read_object(raw)

@@ -503,7 +503,7 @@ def _openai_handler(endpoint: str) -> Any:
                 raw,
                 endpoint,
                 _joined(request.headers.getall(openai_request.PRIORITY_HEADER, [])),
-                request.content_type,
+                request.headers.get("Content-Type", ""),
             )
             model = parsed.model or _implied_model(request.app[CLUSTER])
         except openai_request.BadRequest as exc:

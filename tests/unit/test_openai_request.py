@@ -221,10 +221,25 @@ def test_a_completion_of_prompt_embeds_needs_no_prompt() -> None:
     assert req.prompt_estimate == 1
 
 
-def test_completions_and_chat_take_json_only() -> None:
+@pytest.mark.parametrize(
+    ("header", "said"),
+    [
+        ("text/plain", "not 'text/plain'"),
+        ("application/json, text/plain", "not 'application/json, text/plain'"),
+        ("", "not none"),
+    ],
+)
+def test_completions_and_chat_take_json_only(header: str, said: str) -> None:
+    """A 400 naming the header as sent, as vLLM answers (its message names none)."""
     with pytest.raises(BadRequest, match="Content-Type must be application/json") as caught:
-        parse(b'{"model": "m", "prompt": "x"}', "completions", None, "text/plain")
-    assert caught.value.status == 415
+        parse(b'{"model": "m", "prompt": "x"}', "completions", None, header)
+    assert caught.value.status == 400
+    assert caught.value.message.endswith(said)
+
+
+@pytest.mark.parametrize("header", ["application/json", "Application/JSON; charset=utf-8"])
+def test_json_is_json_in_any_case_and_with_a_charset(header: str) -> None:
+    assert parse(b'{"model": "m", "prompt": "x"}', "completions", None, header).model == "m"
 
 
 def test_a_passed_through_body_is_read_for_its_model_only_when_json() -> None:
