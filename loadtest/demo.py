@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import openai
+import yaml
 
 from adapters.vllm import parse_metrics
 from loadtest.ferry_process import ferry_command, wait_healthy
@@ -178,25 +179,24 @@ def preemptions(urls: list[str]) -> int:
     return sum(parse_metrics(get(u + "/metrics")).preemptions_total for u in urls)
 
 
-def write_config(path: Path, urls: list[str], policy: str, port: int, token: str) -> None:
-    baseline = policy == "round_robin"  # as nginx or vllm-router would: no moves
-    scheduler: dict[str, Any] = {"policy": policy, "scrape_interval_s": 0.25, "seed": 1}
-    if not baseline:  # Ferry as we would run it: rebalancing by lite moves
-        scheduler["rebalance_interval_s"] = 0.25
-    config = {
-        "instances": [
-            {
-                "name": f"vllm-{chr(ord('a') + i)}",
-                "url": u,
-                "migration": "off" if baseline else "lite",
-            }
-            for i, u in enumerate(urls)
-        ],
-        "scheduler": scheduler,
-        "server": {"port": port, "shutdown_delay_s": 0},
-        "admin_token": token,
-    }
+def write_config(path: Path, urls: list[str], policy: str, port: int) -> str:
+    """configs/demo.yaml (the llumnix run, as we would run Ferry: rebalancing by
+    lite moves) for servers `urls` on `port`; for round_robin, as nginx or
+    vllm-router would run: no moves. Returns the admin token."""
+    config = yaml.safe_load(CONFIG.read_text())
+    named = config["instances"]
+    config["instances"] = [
+        {**named[i % len(named)], "name": f"vllm-{chr(ord('a') + i)}", "url": url}
+        for i, url in enumerate(urls)
+    ]
+    config["server"]["port"] = port
+    if policy == "round_robin":
+        config["scheduler"]["policy"] = policy
+        config["scheduler"].pop("rebalance_interval_s", None)
+        for instance in config["instances"]:
+            instance["migration"] = "off"
     path.write_text(json.dumps(config, indent=2))
+    return str(config["admin_token"])
 
 
 def run_once(
@@ -204,9 +204,8 @@ def run_once(
 ) -> Run:
     """One run of the workload through a fresh `ferry serve` with `policy`, with a
     drain of the busiest instance once `workload.drain_at` of it is sent."""
-    token = "demo-token"
     config = work / f"demo-{policy}.yaml"
-    write_config(config, urls, policy, port, token)
+    token = write_config(config, urls, policy, port)
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         ferry_command("serve", "--config", str(config), "--log-level", "WARNING")

@@ -199,12 +199,24 @@ class Migrator:
     def drain(self, instance: str) -> int:
         """Move the live streams off `instance`, and those that arrive there, until
         `stop_draining`: each as soon as another instance has room for it (a
-        first round now, then every DRAIN_RETRY_S); returns how many there are now."""
+        first round now, then every DRAIN_RETRY_S); returns how many there are now
+        that may move (none while no other instance has migration on)."""
         self.evacuating.add(instance)
         self._drain_round_guarded()
         if self._evacuation is None or self._evacuation.done():
             self._evacuation = asyncio.create_task(self._evacuate(), name="drain")
-        return len(self.streams_on(instance)) if self._moves_off(instance) else 0
+        streams = len(self.streams_on(instance)) if self._moves_off(instance) else 0
+        if streams and not self.placement.migration_instances() - {instance}:
+            # A move needs migration on at both ends (the destination runs the
+            # continuation): an operator trying it on one instance sees why not.
+            log.warning(
+                "drain of %s: no other instance has migration on to take its %d stream(s);"
+                " they finish where they are",
+                instance,
+                streams,
+            )
+            return 0
+        return streams
 
     def _moves_off(self, instance: str) -> bool:
         """Whether streams may be moved off `instance` by choice: its migration is

@@ -1209,6 +1209,34 @@ def test_a_drain_leaves_the_streams_of_an_instance_whose_migration_was_switched_
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 0.0' in metrics(proxy.url)
 
 
+def test_a_drain_with_no_other_instance_in_migration_says_nothing_moves(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A move needs migration on at both ends: with the other instance's off, a
+    drain answers that none of its streams will move (it said one was moving),
+    and logs why; they finish in place."""
+    _, proxy, _, stream, name = _under_way(standins, ferry, 2)
+    other = "i1" if name == "i0" else "i0"
+    _admin_json(proxy, f"/admin/instances/{other}", {"migration": "off"})
+    with caplog.at_level("WARNING", logger="ferry.migration"):
+        assert _admin_json(proxy, f"/admin/instances/{name}/drain?migrate=true")["migrating"] == 0
+    assert "no other instance has migration on" in caplog.text
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
+    assert 'ferry_migrations_total{outcome="ok",reason="drain"} 0.0' in metrics(proxy.url)
+
+
+def _admin_json(proxy: Any, path: str, changes: dict[str, Any] | None = None) -> Any:
+    """An admin call's answer: a PATCH of `changes`, else a POST."""
+    request = urllib.request.Request(
+        proxy.url + path,
+        data=b"" if changes is None else json.dumps(changes).encode(),
+        method="POST" if changes is None else "PATCH",
+        headers={"Authorization": "Bearer t", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return json.load(answer)
+
+
 def test_a_drain_round_that_fails_does_not_end_the_drain(standins: Any, ferry: Any) -> None:
     """A round that raises (a bug, state no check foresaw) loses that round, not
     the drain: the next round moves the stream."""

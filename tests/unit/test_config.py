@@ -485,6 +485,26 @@ def test_the_example_config_loads() -> None:
     assert config.instances[0].auth_headers() == {"X-Team": "serving"}
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        config.InstanceConfig,
+        config.DiscoveryConfig,
+        config.SchedulerConfig,
+        config.ServerConfig,
+        config.SharingConfig,
+        config.FerryConfig,
+    ],
+)
+def test_the_example_config_names_every_setting(settings: type) -> None:
+    """configs/example.yaml says it lists every setting (set, or commented out):
+    `tls_server_name` was missing from it."""
+    text = (Path(__file__).parent.parent.parent / "configs" / "example.yaml").read_text()
+    named = set(re.findall(r"^[\s#-]*([a-z_0-9]+):", text, re.MULTILINE))
+    missing = {f.name for f in dataclasses.fields(settings)} - named - {"template"}
+    assert not missing
+
+
 def test_engines_come_from_the_adapter_registry() -> None:
     assert ENGINES == tuple(ADAPTERS) == ("vllm", "openai")
     raw = base(

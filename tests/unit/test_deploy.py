@@ -371,3 +371,26 @@ def test_the_engines_are_scraped_under_the_names_discovery_gives_them(address: s
     assert match is not None
     named = re.sub(r"\$\{(\d+)\}", lambda m: match.group(int(m.group(1))), relabel["replacement"])
     assert named == source.instance(address).name
+
+
+def test_configs_demo_yaml_is_what_make_demo_runs(tmp_path: Path) -> None:
+    """The demo's llumnix run is configs/demo.yaml with its servers' URLs and
+    port (an operator who ran the file saw no moves where the demo made
+    them); its round_robin run the same without moves."""
+    from loadtest.demo import write_config
+
+    shipped = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    run = tmp_path / "run.json"
+    assert write_config(run, urls, "llumnix", 9) == shipped["admin_token"]
+    written = json.loads(run.read_text())
+    for instance, url in zip(shipped["instances"], urls, strict=True):
+        instance["url"] = url
+    shipped["server"]["port"] = 9
+    assert written == shipped
+    load_config(run)
+    write_config(run, urls, "round_robin", 9)
+    baseline = load_config(run)
+    assert baseline.scheduler.policy == "round_robin"
+    assert baseline.scheduler.rebalance_interval_s == 0
+    assert {i.migration for i in baseline.instances} == {"off"}
