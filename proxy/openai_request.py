@@ -123,8 +123,8 @@ def parse(
         (priority,) = said
     if content_type.split(";", 1)[0].strip().lower() != JSON:
         # 400, as vLLM answers it (the `openai` client's BadRequestError), not 415.
-        said = f"'{content_type[:MAX_SHOWN]}'" if content_type else "none"
-        raise BadRequest(f"Content-Type must be {JSON}, not {said}")
+        shown = f"'{content_type[:MAX_SHOWN]}'" if content_type else "none"
+        raise BadRequest(f"Content-Type must be {JSON}, not {shown}")
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     body = read_object(raw)
