@@ -251,7 +251,7 @@ class FerryMetrics:
         )
         self.migrations = Counter(
             "ferry_migrations",
-            "Cut-overs of running requests to another instance (lite or full), by reason"
+            "Attempts to move running requests to another instance (lite or full), by reason"
             " and outcome.",
             ["reason", "outcome"],
             registry=r,
