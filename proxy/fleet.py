@@ -73,14 +73,10 @@ def compact(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[s
     """An instance's fleet ops, shortest form, once `entry` ({"origin", "op", "at"}) is
     added: what a process that starts later applies instead of the whole log.
     An add, a remove or a reload (`file`, which says whether the instance was
-    draining) starts the instance's story over, an add after a remove keeping
-    the remove (a process whose file names the instance must drop that one
-    first: the add alone is refused there, the name taken); drain and undrain
-    keep only the last; patches merge into one (later changes win). Applying
-    the result leaves the instance as applying every op in order would."""
+    draining) starts the instance's story over; drain and undrain keep only the
+    last; patches merge into one (later changes win). Applying the
+    result leaves the instance as applying every op in order would."""
     kind = entry["op"]["op"]
-    if kind == "add" and history and history[0]["op"]["op"] == "remove":
-        return [history[0], entry]
     if kind in ("add", "remove", "file"):
         return [entry]
     if kind in ("drain", "undrain"):

@@ -206,9 +206,11 @@ class Migrator:
         if self._evacuation is None or self._evacuation.done():
             self._evacuation = asyncio.create_task(self._evacuate(), name="drain")
         streams = len(self.streams_on(instance)) if self._moves_off(instance) else 0
-        if streams and not self.placement.migration_instances() - {instance}:
+        partners = [n for n in self.cluster.instances if n != instance and self._moves_off(n)]
+        if streams and not partners:
             # A move needs migration on at both ends (the destination runs the
             # continuation): an operator trying it on one instance sees why not.
+            # (One unhealthy or draining for now may take them later.)
             log.warning(
                 "drain of %s: no other instance has migration on to take its %d stream(s);"
                 " they finish where they are",

@@ -559,12 +559,6 @@ class Sharing:
                 # process that starts reads them all): nothing to say.
                 self._remember(entry)
                 return
-            state = self.cluster.instances.get(name) if name is not None else None
-            if op.get("op") == "add" and state is not None and state.leaving:
-                # Removed and added again: the name is free once the removal here
-                # is done (it waits for the streams on the old one).
-                self._after_removal(str(name), op, entry)
-                return
             self.fleet.apply_op(op)
             self._remember(entry)
             if at is not None and name is not None and self._made_here_after(name, at):
@@ -578,30 +572,6 @@ class Sharing:
             log.warning("fleet change from %s not applied here: %s", origin, exc)
         except Exception:  # noqa: BLE001 - another writer's record must not stop sharing
             log.exception("fleet change from %s not applied here: malformed", origin)
-
-    def _after_removal(self, name: str, op: dict[str, Any], entry: dict[str, Any]) -> None:
-        """Apply a peer's add of `name` once the removal of the instance of that
-        name here is done (a removal called off meanwhile keeps the old one)."""
-
-        async def add() -> None:
-            if not await self.fleet.removed(name):
-                log.warning(
-                    "fleet change from %s not applied here: the removal of %s was called off",
-                    entry["origin"],
-                    name,
-                )
-                return
-            try:
-                self.fleet.apply_op(op)
-            except FleetError as exc:
-                log.warning("fleet change from %s not applied here: %s", entry["origin"], exc)
-                return
-            self._remember(entry)
-            log.info("fleet change from %s applied: add %s", entry["origin"], name)
-
-        task = asyncio.create_task(add(), name=f"add-{name}")
-        self._adopting.add(task)
-        task.add_done_callback(self._adopting.discard)
 
     def _made_here_after(self, name: str, at: tuple[int, int]) -> bool:
         """Whether a change to `name` made here comes after position `at` in the log."""
@@ -689,12 +659,11 @@ class Sharing:
                     newest = await self.redis.xrevrange(self._fleet_key, count=1)
                     self._check_rollback(_stream_id(newest[0][0]) if newest else (0, 0))
                     refused = _refused_add(op, history)
-                    start = _story_start(history) or {}
-                    if refused and (start.get("origin"), start.get("op")) == (self.name, op):
+                    if refused and (history[0].get("origin"), history[0]["op"]) == (self.name, op):
                         # This very add, sent before: Redis made it but its answer
                         # was lost (a timeout), so the op stayed queued.
                         await pipe.reset()
-                        self._remember(start)
+                        self._remember(history[0])
                         return
                     pipe.multi()
                     if name is not None and not refused:
@@ -712,7 +681,7 @@ class Sharing:
                             "instance %s was added here and through %s at once: the fleet"
                             " keeps that one, logged first; this one is removed here",
                             name,
-                            start.get("origin"),
+                            history[0].get("origin"),
                         )
                         self._adopt_logged(str(name))
                     elif name is not None:
@@ -964,13 +933,7 @@ def _refused_add(op: dict[str, Any], history: list[dict[str, Any]]) -> bool:
     """Whether `op` adds an instance the log has added already, and not removed
     since: applied in log order it is refused (the name exists), so it leaves
     the compacted state as it is (two processes that added one name at once)."""
-    start = _story_start(history)
-    return op.get("op") == "add" and start is not None and start["op"]["op"] == "add"
-
-
-def _story_start(history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The last add, remove or reload of an instance's compacted changes."""
-    return next((e for e in reversed(history) if e["op"]["op"] in ("add", "remove", "file")), None)
+    return op.get("op") == "add" and bool(history) and history[0]["op"]["op"] == "add"
 
 
 def _history(raw: Any) -> list[dict[str, Any]]:

@@ -1225,6 +1225,22 @@ def test_a_drain_with_no_other_instance_in_migration_says_nothing_moves(
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 0.0' in metrics(proxy.url)
 
 
+def test_a_drain_whose_partner_drains_for_now_says_its_streams_may_move(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An instance with migration on that drains (or is unhealthy) for now may
+    take the streams later: the drain does not say none will move."""
+    _, proxy, _, stream, name = _under_way(standins, ferry, 2)
+    other = "i1" if name == "i0" else "i0"
+    _admin_json(proxy, f"/admin/instances/{other}/drain?migrate=true")
+    with caplog.at_level("WARNING", logger="ferry.migration"):
+        assert _admin_json(proxy, f"/admin/instances/{name}/drain?migrate=true")["migrating"] == 1
+    assert "no other instance has migration on" not in caplog.text
+    _admin_json(proxy, f"/admin/instances/{other}/undrain")
+    assert "".join(c.choices[0].text for c in stream) == " tok" * 294
+    assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in metrics(proxy.url)
+
+
 def _admin_json(proxy: Any, path: str, changes: dict[str, Any] | None = None) -> Any:
     """An admin call's answer: a PATCH of `changes`, else a POST."""
     request = urllib.request.Request(

@@ -299,23 +299,6 @@ def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
         client.close()
 
 
-def test_an_instance_removed_and_added_again_is_the_new_one_in_a_process_started_later(
-    ferries: Any, standins: Any
-) -> None:
-    """A file's instance removed, then added again under its name with another
-    server: a process started later kept the file's (the shared state held the
-    add alone, refused there: the name was taken) and warned of every peer."""
-    a, b = ferries(2)
-    [(_, extra)] = standins(1)
-    a.admin("/admin/instances/i1", "DELETE")
-    wait_until(lambda: "i1" not in a.rows() and "i1" not in b.rows(), timeout=10)
-    a.admin("/admin/instances", "POST", {"name": "i1", "url": extra.url})
-    wait_until(lambda: b.rows().get("i1", {}).get("url") == extra.url, timeout=10)
-    [late] = ferries(1)
-    wait_until(lambda: late.rows().get("i1", {}).get("url") == extra.url, timeout=10)
-    assert "not applied here" not in late.log.read_text()
-
-
 def test_an_add_whose_answer_from_redis_was_lost_is_not_made_twice(
     redis_server: str, redis_prefix: str
 ) -> None:
