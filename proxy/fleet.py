@@ -73,10 +73,14 @@ def compact(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[s
     """An instance's fleet ops, shortest form, once `entry` ({"origin", "op", "at"}) is
     added: what a process that starts later applies instead of the whole log.
     An add, a remove or a reload (`file`, which says whether the instance was
-    draining) starts the instance's story over; drain and undrain keep only the
-    last; patches merge into one (later changes win). Applying the
-    result leaves the instance as applying every op in order would."""
+    draining) starts the instance's story over, an add after a remove keeping
+    the remove (a process whose file names the instance must drop that server
+    first; proxy/sharing.py `_replayed`); drain and undrain keep only the last;
+    patches merge into one (later changes win). Applying the result leaves the
+    instance as applying every op in order would."""
     kind = entry["op"]["op"]
+    if kind == "add" and history and history[0]["op"]["op"] == "remove":
+        return [history[0], entry]
     if kind in ("add", "remove", "file"):
         return [entry]
     if kind in ("drain", "undrain"):
@@ -147,6 +151,7 @@ class Fleet:
         self.load = load
         self.poll_s = poll_s
         self._removals: dict[str, asyncio.Task[None]] = {}
+        self._removed_everywhere: set[str] = set()  # removals that wait for every process
         self._reloading = asyncio.Lock()
         # Instances that DNS discovery owns (proxy/discovery.py): a reload of the
         # file neither removes them nor reports them.
@@ -250,10 +255,10 @@ class Fleet:
         of the name) waits for its own: the others still use the instance."""
         moving = self.drain(name, migrate=migrate)
         self.cluster.instances[name].leaving = True
+        if everywhere:
+            self._removed_everywhere.add(name)
         if name not in self._removals:
-            task = asyncio.create_task(
-                self._remove_when_empty(name, everywhere), name=f"remove-{name}"
-            )
+            task = asyncio.create_task(self._remove_when_empty(name), name=f"remove-{name}")
             self._removals[name] = task
         log.info(
             "instance %s removing: %d in flight, %d moving",
@@ -285,6 +290,7 @@ class Fleet:
     def _take_back(self, name: str) -> None:
         state = self._get(name)
         state.leaving = False
+        self._removed_everywhere.discard(name)
         task = self._removals.pop(name, None)
         if task is not None:
             task.cancel()
@@ -408,9 +414,35 @@ class Fleet:
         self.config = dataclasses.replace(self.config, instances=instances)
         self.retune(self.config)
 
-    async def _remove_when_empty(self, name: str, everywhere: bool) -> None:
-        while self._inflight(name, everywhere):
+    def leave_to_own_streams(self, name: str) -> None:
+        """The removal of `name` under way waits for this process's streams
+        alone: the process that made it waited for every process's, and the
+        name now serves another server (added again), whose streams the peers
+        count under the same name."""
+        self._removed_everywhere.discard(name)
+
+    def added_here(self, name: str, raw: Any) -> dict[str, Any] | None:
+        """Where the instance `name` here is the one `raw` (an add's instance)
+        adds, as far as an add says (the same server, engine and settings that
+        only an add sets): the changes that make it so (the patchable fields);
+        None where it is another, or none is here."""
+        state = self.cluster.instances.get(name)
+        if state is None or state.leaving:
+            return None
+        defaults = self.config.instance_defaults
+        try:
+            added = parse_instance(raw, "instance", defaults=defaults, runtime=True)
+        except ConfigError:
+            return None
+        settable = {f: getattr(added, f) for f in PATCHABLE}
+        if dataclasses.replace(state.config, **settable) != added:
+            return None
+        return settable
+
+    async def _remove_when_empty(self, name: str) -> None:
+        while self._inflight(name, name in self._removed_everywhere):
             await asyncio.sleep(self.poll_s)
+        self._removed_everywhere.discard(name)
         await self.scraper.unwatch(name)
         self.cluster.remove(name)
         self.migrator.stop_draining(name)

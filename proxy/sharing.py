@@ -192,7 +192,10 @@ class Sharing:
         # Redis is down begins from it, not from the file alone.
         self.snapshot_path: str | None = None
         self._snapshot_due = False
-        self._adopting: set[asyncio.Task[None]] = set()  # (`_adopt_logged`)
+        self._adopting: set[asyncio.Task[None]] = set()  # (`_adopt_logged`, `_hold`)
+        # A peer's add of a name whose instance here is still being removed: it,
+        # and the changes to that name read after it, wait for the removal.
+        self._held: dict[str, list[tuple[dict[str, str], tuple[int, int] | None]]] = {}
         self._epoch: str | None = None  # Redis's, as last read
         self._restore_due = False
         # Moves to send: (owner, id, destination, prewarm, reason, source).
@@ -546,6 +549,9 @@ class Sharing:
                 self._resync_due = True
                 return
             name = op_instance(op)
+            if name is not None and name in self._held:
+                self._held[name].append((fields, at))
+                return
             entry = {"origin": origin, "op": op, "at": _float(fields.get("at"))}
             if op.get("op") == "file" and name is not None:  # a peer's reload: its own file
                 self._remember(entry)
@@ -558,6 +564,10 @@ class Sharing:
                 # Gone here already (the compacted state keeps every removal, so a
                 # process that starts reads them all): nothing to say.
                 self._remember(entry)
+                return
+            state = self.cluster.instances.get(name) if name is not None else None
+            if op.get("op") == "add" and state is not None and state.leaving:
+                self._hold(str(name), fields, at)
                 return
             self.fleet.apply_op(op)
             self._remember(entry)
@@ -572,6 +582,28 @@ class Sharing:
             log.warning("fleet change from %s not applied here: %s", origin, exc)
         except Exception:  # noqa: BLE001 - another writer's record must not stop sharing
             log.exception("fleet change from %s not applied here: malformed", origin)
+
+    def _hold(self, name: str, fields: dict[str, str], at: tuple[int, int] | None) -> None:
+        """A peer's add of `name`, removed and added again, while the instance
+        here is still being removed: the add, and the changes to `name` that
+        follow it, are applied in order once the removal is done (applied at
+        once, the add was refused, the name taken, and they changed the old
+        instance). Its maker's removal waited for every process's streams; this
+        one waits for its own: the peers' now stream on the new server."""
+        self._held[name] = [(fields, at)]
+        self.fleet.leave_to_own_streams(name)
+
+        async def release() -> None:
+            try:
+                await self.fleet.removed(name)  # (one called off: the add is refused)
+            finally:
+                held = self._held.pop(name, [])
+            for change in held:
+                self._apply_change(*change)
+
+        task = asyncio.create_task(release(), name=f"add-{name}")
+        self._adopting.add(task)
+        task.add_done_callback(self._adopting.discard)
 
     def _made_here_after(self, name: str, at: tuple[int, int]) -> bool:
         """Whether a change to `name` made here comes after position `at` in the log."""
@@ -659,11 +691,12 @@ class Sharing:
                     newest = await self.redis.xrevrange(self._fleet_key, count=1)
                     self._check_rollback(_stream_id(newest[0][0]) if newest else (0, 0))
                     refused = _refused_add(op, history)
-                    if refused and (history[0].get("origin"), history[0]["op"]) == (self.name, op):
+                    start = _story_start(history) or {}
+                    if refused and (start.get("origin"), start.get("op")) == (self.name, op):
                         # This very add, sent before: Redis made it but its answer
                         # was lost (a timeout), so the op stayed queued.
                         await pipe.reset()
-                        self._remember(history[0])
+                        self._remember(start)
                         return
                     pipe.multi()
                     if name is not None and not refused:
@@ -681,7 +714,7 @@ class Sharing:
                             "instance %s was added here and through %s at once: the fleet"
                             " keeps that one, logged first; this one is removed here",
                             name,
-                            history[0].get("origin"),
+                            start.get("origin"),
                         )
                         self._adopt_logged(str(name))
                     elif name is not None:
@@ -708,11 +741,36 @@ class Sharing:
         """Apply an instance's compacted changes (from the hash, or the workers'
         file). Own changes were made here already, so their story is this
         process's story of the instance, whoever made each change."""
-        for entry in history:
+        for entry in self._replayed(name, history):
             origin = str(entry.get("origin", ""))
             self._apply_change({"origin": origin, "op": json.dumps(entry["op"])})
         self._fleet_state[name] = history
         self._snapshot_due = True
+
+    def _replayed(self, name: str, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The changes of `history` to apply here. A remove and an add (the
+        instance removed, then added again) where the instance here is the one
+        added already (a resync) are a patch of what the add set: removed, it
+        would be lost to its streams and dropped in processes that made the
+        add. Elsewhere (a process whose file names the old server) they go as
+        they are."""
+        if len(history) < 2 or [e["op"]["op"] for e in history[:2]] != ["remove", "add"]:
+            return history
+        add, rest = history[1], history[2:]
+        changes = self.fleet.added_here(name, add["op"].get("instance"))
+        if changes is None:
+            return history
+        # Not what a later patch sets: one made here is not applied again (it
+        # was, here), so the add's value would undo it.
+        later = {
+            key
+            for e in rest
+            if e["op"]["op"] == "patch" and isinstance(e["op"].get("changes"), dict)
+            for key in e["op"]["changes"]
+        }
+        changes = {k: v for k, v in changes.items() if k not in later}
+        patch = {**add, "op": {"op": "patch", "name": name, "changes": changes}}
+        return [patch, *rest]
 
     def _remember(self, entry: dict[str, Any]) -> None:
         """Keep an applied change in this process's compacted state."""
@@ -933,7 +991,14 @@ def _refused_add(op: dict[str, Any], history: list[dict[str, Any]]) -> bool:
     """Whether `op` adds an instance the log has added already, and not removed
     since: applied in log order it is refused (the name exists), so it leaves
     the compacted state as it is (two processes that added one name at once)."""
-    return op.get("op") == "add" and bool(history) and history[0]["op"]["op"] == "add"
+    start = _story_start(history)
+    return op.get("op") == "add" and start is not None and start["op"]["op"] == "add"
+
+
+def _story_start(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last add, remove or reload of an instance's compacted changes (an
+    add may follow a remove, `fleet.compact`)."""
+    return next((e for e in reversed(history) if e["op"]["op"] in ("add", "remove", "file")), None)
 
 
 def _history(raw: Any) -> list[dict[str, Any]]:

@@ -299,6 +299,51 @@ def test_a_process_that_starts_after_the_log_was_trimmed_gets_the_fleet_state(
         client.close()
 
 
+def test_an_instance_removed_and_added_again_is_the_new_one_everywhere(
+    ferries: Any, standins: Any, redis_server: str, redis_prefix: str
+) -> None:
+    """A file's instance removed, then added again under its name with another
+    server, then changed: a process started later kept the file's server (the
+    shared state held the add alone, refused there: the name was taken), with
+    the changes made to it; and a resync after Redis lost its data must not
+    remove the new one from the processes that have it."""
+    import redis
+
+    a, b = ferries(2)
+    [(_, extra)] = standins(1)
+    a.admin("/admin/instances/i1", "DELETE")
+    wait_until(lambda: "i1" not in a.rows() and "i1" not in b.rows(), timeout=10)
+    a.admin("/admin/instances", "POST", {"name": "i1", "url": extra.url})
+    wait_until(lambda: b.rows().get("i1", {}).get("url") == extra.url, timeout=10)
+    b.admin("/admin/instances/i1", "PATCH", {"labels": {"zone": "b"}})
+    b.admin("/admin/instances/i1/drain", "POST")
+    wait_until(lambda: a.rows()["i1"]["draining"] and a.rows()["i1"]["labels"], timeout=10)
+
+    def new_one(process: FerryProcess) -> bool:
+        row = process.rows().get("i1")
+        return row is not None and (
+            row["url"],
+            row["labels"],
+            row["draining"],
+            row["removing"],
+        ) == (extra.url, {"zone": "b"}, True, False)
+
+    [late] = ferries(1)  # removes the file's i1, then takes the new one and its changes
+    wait_until(lambda: new_one(late), timeout=10)
+    assert "not applied here" not in late.log.read_text()
+
+    client = redis.Redis.from_url(redis_server)
+    try:
+        client.delete(*client.scan_iter(f"{redis_prefix}:*"))
+    finally:
+        client.close()
+    wait_until(lambda: "Redis lost the shared" in a.log.read_text(), timeout=10)
+    time.sleep(1.0)  # the write-back, and every process's resync of it
+    assert all(new_one(p) for p in (a, b, late)), [
+        {k: p.rows()["i1"][k] for k in ("labels", "draining", "removing")} for p in (a, b, late)
+    ]
+
+
 def test_an_add_whose_answer_from_redis_was_lost_is_not_made_twice(
     redis_server: str, redis_prefix: str
 ) -> None:
