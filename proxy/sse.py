@@ -33,6 +33,7 @@ CONNECT_ERRORS = (
 STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
 
 DONE = b"data: [DONE]\n\n"
+EVENT_STREAM = "text/event-stream; charset=utf-8"  # as vLLM (FastAPI) says it
 
 
 _BLANK = (b"\n", b"\r")
@@ -229,7 +230,7 @@ async def open_response(
     events at a time (Ferry's own streams, not a pass-through's), so that
     `end_cut` can end it with one."""
     sent = CIMultiDict(headers or ())
-    sent["Content-Type"] = "text/event-stream"
+    sent["Content-Type"] = EVENT_STREAM
     sent.setdefault("Cache-Control", "no-cache")
     sent["x-ferry-instance"] = instance
     response = web.StreamResponse(headers=sent)

@@ -47,7 +47,13 @@ def load(settings: Settings) -> ssl.SSLContext:
         made.verify_mode = ssl.CERT_NONE
     if cert_file:
         # An encrypted key is refused, not asked for on the terminal (OpenSSL's way).
-        made.load_cert_chain(cert_file, key_file, password=_no_password)
+        try:
+            made.load_cert_chain(cert_file, key_file, password=_no_password)
+        except ssl.SSLError as exc:  # OpenSSL's "[SSL] PEM lib" names neither file
+            where = f"{cert_file} with key {key_file}" if key_file else f"{cert_file} (no key file)"
+            raise ValueError(
+                f"{where}: not a PEM certificate and its unencrypted private key ({exc})"
+            ) from None
     return made
 
 

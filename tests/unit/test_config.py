@@ -57,6 +57,15 @@ def test_tls_settings_go_with_an_https_url_in_any_case() -> None:
     assert parse_config(raw, env={}).instances[0].tls_server_name == "h.example"
 
 
+def test_a_client_certificate_that_cannot_be_used_names_its_file(tmp_path: Path) -> None:
+    """OpenSSL says only "[SSL] PEM lib": the operator was not told which file."""
+    cert = tmp_path / "client.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    raw = {"instances": [{"name": "a", "url": "https://h:1", "tls_cert_file": str(cert)}]}
+    with pytest.raises(ConfigError, match=f"{cert} \\(no key file\\): not a PEM certificate"):
+        parse_config(raw, env={})
+
+
 def test_admin_token_from_environment() -> None:
     assert parse_config(base(), env={"FERRY_ADMIN_TOKEN": "s3"}).admin_token == "s3"
     # A secret made from a file (`kubectl create secret --from-file`) ends in a newline.
