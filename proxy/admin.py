@@ -165,24 +165,28 @@ def add_routes(
 
     async def patch_instance(request: web.Request) -> web.Response:
         name, changes = request.match_info["name"], await _json_body(request)
+        fleet().check_changeable(name)
         instance = fleet().patch(name, changes)
         fleet().announce({"op": "patch", "name": name, "changes": changes})
         return web.json_response(row(instance.name))
 
     async def delete_instance(request: web.Request) -> web.Response:
         name, migrate = request.match_info["name"], _flag(request, "migrate")
+        fleet().check_changeable(name)
         moving = fleet().remove(name, migrate=migrate, everywhere=True)
         fleet().announce({"op": "remove", "name": name, "migrate": migrate})
         return web.json_response({**row(name), "migrating": moving}, status=202)
 
     async def drain(request: web.Request) -> web.Response:
         name, migrate = request.match_info["name"], _flag(request, "migrate")
+        fleet().check_changeable(name)
         moving = fleet().drain(name, migrate=migrate)
         fleet().announce({"op": "drain", "name": name, "migrate": migrate})
         return web.json_response({**row(name), "migrating": moving})
 
     async def undrain(request: web.Request) -> web.Response:
         name = request.match_info["name"]
+        fleet().check_changeable(name)
         fleet().undrain(name)
         fleet().announce({"op": "undrain", "name": name})
         return web.json_response(row(name))

@@ -152,6 +152,10 @@ class Fleet:
         self.poll_s = poll_s
         self._removals: dict[str, asyncio.Task[None]] = {}
         self._removed_everywhere: set[str] = set()  # removals that wait for every process
+        # Names a peer removed and added again, whose old instance is still being
+        # removed here (proxy/sharing.py `_hold`): no admin change through this
+        # process until the new one is in (it would change the old one).
+        self.replacing: set[str] = set()
         self._reloading = asyncio.Lock()
         # Instances that DNS discovery owns (proxy/discovery.py): a reload of the
         # file neither removes them nor reports them.
@@ -420,6 +424,19 @@ class Fleet:
         name now serves another server (added again), whose streams the peers
         count under the same name."""
         self._removed_everywhere.discard(name)
+
+    def check_changeable(self, name: str) -> None:
+        """Refuse an admin change to `name` while a peer's add of it waits here
+        for the old instance's removal (`replacing`)."""
+        if name in self.replacing:
+            raise FleetError(
+                409,
+                f"instance {name!r} is being replaced: it was removed and added again"
+                " through another process, and this one still ends the old server's"
+                " streams; try again shortly",
+                "instance_replacing",
+                {"Retry-After": "1"},
+            )
 
     def added_here(self, name: str, raw: Any) -> dict[str, Any] | None:
         """Where the instance `name` here is the one `raw` (an add's instance)

@@ -283,6 +283,21 @@ class FerryMetrics:
             "Pre-copy stages of successful full-mode migrations (before the stop-and-copy).",
             registry=r,
         )
+        self.prefix_blocks = Gauge(
+            "ferry_prefix_index_blocks",
+            "KV blocks the prefix index places on the instance (its engine's, where"
+            " followed through KV events; else Ferry's own record). Set while a policy"
+            " reads the index.",
+            ["instance"],
+            registry=r,
+        )
+        self.prefix_precise = Gauge(
+            "ferry_prefix_index_precise",
+            "1 while the prefix index follows the instance's KV events (caught up), 0"
+            " while it is approximate.",
+            ["instance"],
+            registry=r,
+        )
         self.non_migratable = Counter(
             "ferry_non_migratable_requests",
             "Streams on migration-enabled instances that cannot move exactly, by reason.",
@@ -357,6 +372,8 @@ class FerryMetrics:
             self.generation_tokens,
             self.scrape_errors,
             self.ejections,
+            self.prefix_blocks,
+            self.prefix_precise,
         )
         for metric in labelled:
             metric.remove_by_labels({"instance": instance})
@@ -414,6 +431,11 @@ class FerryMetrics:
             self.ejections.labels(view.name)  # at 0 until the first (see the migrations)
             for outcome in INSTANCE_FAILURES:  # (the dashboard's failed calls, the same way)
                 self.requests.labels(view.name, outcome)
+            prefixes = cluster.prefixes
+            if prefixes.enabled:
+                self.prefix_blocks.labels(view.name).set(prefixes.blocks(view.name))
+                precise = prefixes.mode(view.name) == "precise"
+                self.prefix_precise.labels(view.name).set(1 if precise else 0)
             age = now - state.snapshot_at if state.snapshot_at is not None else float("inf")
             self.scrape_age.labels(view.name).set(age)
         if self._sharing is not None:

@@ -448,6 +448,15 @@ class PrefixIndex:
         entry = self.instances.get(name)
         return entry.mode if entry is not None else "approximate"
 
+    def blocks(self, name: str) -> int:
+        """The blocks held for `name`: its engine's where it publishes KV events,
+        else Ferry's token blocks."""
+        engine = self.engines.get(name)
+        if engine is not None:
+            return len(engine)
+        entry = self.instances.get(name)
+        return len(entry.tokens) if entry is not None else 0
+
     def describe(self, name: str) -> dict[str, Any]:
         """For /admin/instances: the mode, and the blocks held (the engine's blocks
         where it publishes KV events; Ferry's text chunks and token blocks)."""
@@ -455,7 +464,7 @@ class PrefixIndex:
         engine = self.engines.get(name)
         return {
             "mode": self.mode(name),
-            "blocks": len(engine) if engine is not None else len(entry.tokens) if entry else 0,
+            "blocks": self.blocks(name),
             "text_blocks": len(entry.text) if entry else 0,
             "token_blocks": len(entry.tokens) if entry else 0,
             "capacity_blocks": entry.tokens.capacity if entry else None,

@@ -592,12 +592,14 @@ class Sharing:
         one waits for its own: the peers' now stream on the new server."""
         self._held[name] = [(fields, at)]
         self.fleet.leave_to_own_streams(name)
+        self.fleet.replacing.add(name)
 
         async def release() -> None:
             try:
-                await self.fleet.removed(name)  # (one called off: the add is refused)
+                await self.fleet.removed(name)
             finally:
                 held = self._held.pop(name, [])
+                self.fleet.replacing.discard(name)
             for change in held:
                 self._apply_change(*change)
 
@@ -741,9 +743,14 @@ class Sharing:
         """Apply an instance's compacted changes (from the hash, or the workers'
         file). Own changes were made here already, so their story is this
         process's story of the instance, whoever made each change."""
-        for entry in self._replayed(name, history):
-            origin = str(entry.get("origin", ""))
-            self._apply_change({"origin": origin, "op": json.dumps(entry["op"])})
+        entries = self._replayed(name, history)
+        if name in self._held and entries and entries[0]["op"]["op"] == "remove":
+            # The old instance is being removed already: the rest waits for that
+            # in place of what was held (this is the newer account of it).
+            self._held[name] = [(_fields(e), None) for e in entries[1:]]
+            entries = []
+        for entry in entries:
+            self._apply_change(_fields(entry))
         self._fleet_state[name] = history
         self._snapshot_due = True
 
@@ -941,6 +948,11 @@ class Sharing:
                 for name in sorted(self.peers.records)
             },
         }
+
+
+def _fields(entry: dict[str, Any]) -> dict[str, str]:
+    """A compacted change as the fleet log's fields."""
+    return {"origin": str(entry.get("origin", "")), "op": json.dumps(entry["op"])}
 
 
 def _text(value: Any) -> str:

@@ -126,6 +126,9 @@ def test_the_index_follows_the_engines_cache_and_credit_reaches_the_policy(
     row = rows(proxy)["real"]
     assert row["mode"] == "precise" and row["blocks"] >= 6
     assert row["kv_events"]["hashing"] == "engine" and row["kv_events"]["synced"]
+    assert metric(proxy.url, 'ferry_prefix_index_precise{instance="real"}') == 1
+    assert metric(proxy.url, 'ferry_prefix_index_precise{instance="roomy"}') == 0
+    assert metric(proxy.url, 'ferry_prefix_index_blocks{instance="real"}') >= 6
 
     # Long prompts straight to the server fill its ~15-block cache: LRU evicts
     # the primed prompts' free blocks, and the engine's events say so.

@@ -870,3 +870,27 @@ def test_a_look_at_an_instances_old_url_says_nothing_of_its_new_one(
         assert not any(healthy)
     finally:
         proxy.close()
+
+
+def test_admin_changes_to_an_instance_being_replaced_are_refused_until_it_is_in(
+    standins: Any, ferry: Any
+) -> None:
+    """A peer removed the instance and added it again; this process still ends
+    the old server's streams (proxy/sharing.py `_hold`). A change through it
+    would go to the old one and be undone, or call the removal off and keep the
+    old server for good: a 409 with Retry-After instead."""
+    (_, a), (_, b) = standins(2)
+    proxy = ferry([a.url, b.url], admin_token=TOKEN)
+    fleet = proxy.site.app[FLEET]
+    proxy.loop.call(fleet.replacing.add, "i1")
+    for method, path, body in (
+        ("POST", "/admin/instances/i1/drain", None),
+        ("POST", "/admin/instances/i1/undrain", None),
+        ("PATCH", "/admin/instances/i1", {"labels": {"zone": "b"}}),
+        ("DELETE", "/admin/instances/i1", None),
+    ):
+        code, answer = send(proxy.url + path, method, body)
+        assert code == 409 and answer["error"]["code"] == "instance_replacing", (path, answer)
+    assert not rows(proxy.url)["i1"]["draining"]
+    proxy.loop.call(fleet.replacing.discard, "i1")
+    assert send(proxy.url + "/admin/instances/i1/drain", "POST")[0] == 200

@@ -5,6 +5,7 @@ distinct prefixes still spread over the instances; without the credit they don't
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections import defaultdict
 from typing import Any
 
@@ -50,6 +51,21 @@ def test_shared_prefixes_follow_their_instance_with_credit(standins: Any, ferry:
     modes = {row["name"]: row["prefix_index"]["mode"] for row in rows}
     assert set(modes.values()) == {"approximate"}
     assert sum(row["prefix_index"]["text_blocks"] for row in rows) > 0
+    exported = metric_lines(proxy.url, "ferry_prefix_index_")
+    for row in rows:  # the same in /metrics
+        name, held = row["name"], row["prefix_index"]["blocks"]
+        assert exported[f'ferry_prefix_index_precise{{instance="{name}"}}'] == 0
+        assert exported[f'ferry_prefix_index_blocks{{instance="{name}"}}'] == held
+
+
+def metric_lines(url: str, prefix: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as answer:
+        lines = answer.read().decode().splitlines()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith(prefix)
+    }
 
 
 def test_without_credit_shared_prefixes_scatter(standins: Any, ferry: Any) -> None:

@@ -9,7 +9,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proxy.fleet import compact, op_instance
-from proxy.sharing import _merged
+from proxy.sharing import _merged, _refused_add
 
 NAME = "i0"
 
@@ -124,3 +124,75 @@ def test_a_merged_patch_without_a_time_for_a_key_takes_its_own() -> None:
         "migration": "lite",
         "labels": 2,
     }
+
+
+FILE = {"present": True, "config": {"name": NAME, "url": "file"}, "draining": False}
+ABSENT = {"present": False, "config": {}, "draining": None}
+admin_ops = st.one_of(
+    st.builds(lambda url: {"op": "add", "instance": {"name": NAME, "url": url}}, st.integers(0, 3)),
+    st.builds(lambda m: {"op": "remove", "name": NAME, "migrate": m}, st.booleans()),
+    st.builds(lambda c: {"op": "patch", "name": NAME, "changes": c}, changes),
+    st.builds(lambda m: {"op": "drain", "name": NAME, "migrate": m}, st.booleans()),
+    st.just({"op": "undrain", "name": NAME}),
+)
+
+
+def applied_here(ops: list[dict[str, Any]], start: dict[str, Any]) -> dict[str, Any]:
+    """What the changes leave of the instance in a process that starts with
+    `start` (the file names it, or not), as Fleet applies them: an add of a
+    name there is refused, a change to one not there too."""
+    state = dict(start)
+    for op in ops:
+        kind = op["op"]
+        if kind == "add":
+            if not state["present"]:
+                state = {"present": True, "config": dict(op["instance"]), "draining": False}
+        elif kind == "remove":
+            state = dict(ABSENT)
+        elif not state["present"]:
+            continue
+        elif kind == "patch":
+            state["config"] = {**state["config"], **op["changes"]}
+        else:
+            state["draining"] = kind == "drain"
+    return state
+
+
+def made(history: list[dict[str, Any]], start: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ops of `history` their makers could make, in log order (an add of a
+    name they have, or a change to one they lack, is refused where it is made)."""
+    logged: list[dict[str, Any]] = []
+    for op in history:
+        present = applied_here(logged, start)["present"]
+        if op["op"] != "remove" and (op["op"] == "add") == present:
+            continue
+        logged.append(op)
+    return logged
+
+
+@given(st.sampled_from([FILE, ABSENT]), st.lists(st.tuples(admin_ops, st.booleans()), max_size=20))
+@example(FILE, [({"op": "remove", "name": NAME, "migrate": True}, True), (
+    {"op": "add", "instance": {"name": NAME, "url": 1}}, True)])  # fmt: skip
+def test_a_process_started_later_from_its_file_ends_as_the_log_leaves_it(
+    start: dict[str, Any], history: list[tuple[dict[str, Any], bool]]
+) -> None:
+    """Its file names the instance (or not), as the processes' that made the
+    changes did: the compacted changes, and those merged with an account that
+    missed some (Redis lost its data), leave it as every change in order would.
+    The add alone after a remove left the file's server in place (refused: the
+    name was taken)."""
+    logged = made([op for op, _ in history], start)
+    seen = {id(op) for op, kept in history if kept}
+    full: list[dict[str, Any]] = []
+    stale: list[dict[str, Any]] = []
+    for n, op in enumerate(logged):
+        if _refused_add(op, full):  # as `Sharing._record` leaves it out
+            continue
+        entry = {"origin": f"p{n % 3}", "op": op, "at": float(n)}
+        full = compact(full, entry)
+        if id(op) in seen:
+            stale = compact(stale, entry)
+    want = applied_here(logged, start)
+    assert applied_here([e["op"] for e in full], start) == want
+    for merged in (_merged(stale, full), _merged(full, stale)):
+        assert applied_here([e["op"] for e in merged], start) == want
