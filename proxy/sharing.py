@@ -107,8 +107,30 @@ FLEET_MISMATCH_S = 5.0
 # processes never both believe they hold it. A process that does not rebalance
 # (ARGV[3] "0": its rebalance_interval_s is 0) gives it back and never takes
 # it: held there, it would stop every process's rebalancing.
-_TAKE_OR_RENEW = """
+# A write Redis runs later than ARGV's deadline (ms, its own clock; '' for none)
+# is dropped: a round sent to a Redis that hung, and run when it resumed, would
+# bring back a process that died meanwhile (its load, its lease) for a TTL more.
+_LATE = """
+if redis.replicate_commands then redis.replicate_commands() end  -- (Redis < 5: TIME, then writes)
+local function late(deadline)
+  if deadline == '' then return false end
+  local now = redis.call('TIME')
+  return now[1] * 1000 + math.floor(now[2] / 1000) > tonumber(deadline)
+end
+"""
+_SET_UNLESS_LATE = (
+    _LATE
+    + """
+if late(ARGV[3]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+)
+_TAKE_OR_RENEW = (
+    _LATE
+    + """
 local holder = redis.call('GET', KEYS[1])
+if late(ARGV[4]) then return 0 end
 if ARGV[3] == '0' then
   if holder == ARGV[1] then redis.call('DEL', KEYS[1]) end
   return 0
@@ -123,6 +145,7 @@ if not holder then
 end
 return 0
 """
+)
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -212,6 +235,9 @@ class Sharing:
         self._gone: list[str] = []  # members whose records expired, to drop from the set
         self._member_bytes: dict[str, Any] = {}  # each member's name as Redis holds it
         self._last_round: float | None = None  # clock() of the last good round
+        # Redis's clock less time.monotonic(), in ms, as the last round read it
+        # (None before one did): its writes' deadlines are in Redis's time.
+        self._redis_offset_ms: float | None = None
         self._lease_until = -1.0  # clock() until which the lease is surely ours
         self._failing = False
         self._faults = Faults(log, "a sharing round")
@@ -358,9 +384,15 @@ class Sharing:
         gone, self._gone = self._gone, []
         known = [m for m in self._members if m != self.name]
         started = self.clock()
+        sent = time.monotonic()
+        deadline = ""  # (a write later than a TTL past this would be stale as it lands)
+        if self._redis_offset_ms is not None:
+            deadline = str(int(sent * 1000 + self._redis_offset_ms) + ttl_ms)
         pipe = self.redis.pipeline(transaction=True)
         # Answers read by position: these twelve (and SREM's), the records, then writes.
-        pipe.set(self._load_prefix + self.name, encode(record), px=ttl_ms)
+        pipe.eval(
+            _SET_UNLESS_LATE, 1, self._load_prefix + self.name, encode(record), ttl_ms, deadline
+        )
         pipe.sadd(self._members_key, self.name)
         if gone:  # before SMEMBERS, which then no longer names them
             pipe.srem(self._members_key, *(self._member_bytes.get(g, g) for g in gone))
@@ -370,7 +402,7 @@ class Sharing:
         pipe.lrange(self._moves_key, 0, -1)
         pipe.delete(self._moves_key)
         plans = "1" if self.rescheduler.interval_s > 0 else "0"
-        pipe.eval(_TAKE_OR_RENEW, 1, self._lease_key, self.name, lease_ms, plans)
+        pipe.eval(_TAKE_OR_RENEW, 1, self._lease_key, self.name, lease_ms, plans, deadline)
         pipe.get(self._lease_key)
         pipe.setnx(self._epoch_key, secrets.token_hex(8))  # new each time: never the lost one
         pipe.get(self._epoch_key)
@@ -385,6 +417,7 @@ class Sharing:
             self._metrics_at = started
             ttl = int(METRICS_TTL_S * 1000)
             pipe.set(self._metrics_key(self.name), exposition, px=ttl)
+        pipe.time()
         for owner, request_id, destination, prewarm, reason, source in outbox:
             key = f"{self.settings.key_prefix}:moves:{owner}"
             pipe.rpush(key, json.dumps([request_id, destination, prewarm, reason, source]))
@@ -398,6 +431,8 @@ class Sharing:
         self._last_round = started
         if gone:
             del results[2]  # SREM's answer
+        seconds, micros = results[-1 - 2 * len(outbox)]  # TIME's, read half way there and back
+        self._redis_offset_ms = seconds * 1000 + micros / 1000 - (sent + time.monotonic()) * 500
         _, _, members, oldest, changes, moves, _, held, holder, _, epoch, newest = results[:12]
         texts = results[12] if known else []
         if exposition is not None and known:

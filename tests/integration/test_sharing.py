@@ -1044,10 +1044,16 @@ class _Stub(SimpleNamespace):  # what a round reads of the rest of a process
 
 
 def _bare_process(
-    redis_server: str, redis_prefix: str, name: str, now: list[float], rebalance_s: float = 0.5
+    redis_server: str,
+    redis_prefix: str,
+    name: str,
+    now: list[float],
+    rebalance_s: float = 0.5,
+    timeout_s: float | None = None,
 ) -> Any:
     """A `Sharing` with nothing of a process behind it but its rounds, its clock
-    `now[0]`, and a rescheduler that ticks every `rebalance_s` (0: never)."""
+    `now[0]`, a rescheduler that ticks every `rebalance_s` (0: never), and a
+    Redis client that gives up a call after `timeout_s`."""
     import redis.asyncio as aioredis
 
     from proxy.config import SharingConfig
@@ -1059,7 +1065,7 @@ def _bare_process(
         _Stub(streams={}),
         _Stub(coordinator=None, interval_s=rebalance_s),
     )
-    client = aioredis.Redis.from_url(redis_server)
+    client = aioredis.Redis.from_url(redis_server, socket_timeout=timeout_s)
     settings = SharingConfig(key_prefix=redis_prefix)
     return Sharing(client, settings, cluster, *rest, name=name, clock=lambda: now[0])  # type: ignore[arg-type]
 
@@ -1112,3 +1118,43 @@ def test_only_a_process_that_rebalances_holds_the_lease(
         assert idle.holds_lease()
 
     asyncio.run(scenario())
+
+
+def test_a_round_that_a_hung_redis_runs_late_brings_back_no_dead_process(
+    redis_prefix: str, tmp_path: Path
+) -> None:
+    """Redis hung (SIGSTOP) while a process sent a round and then died: the round
+    waited in Redis's socket and ran when it resumed, bringing the dead process's
+    load and its lease back for a TTL more. Written with a deadline in Redis's
+    clock, it is dropped."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    port = free_port()
+    own = start_redis(port, tmp_path)
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def scenario() -> tuple[Any, Any]:
+        dead = _bare_process(url, redis_prefix, "dead", [1000.0], timeout_s=0.3)
+        for _ in range(2):
+            await dead.round()
+        assert dead.holds_lease()
+        own.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises((RedisError, OSError)):
+                await dead.round()  # sent; no answer comes, and the process dies
+            await asyncio.sleep(LEASE_TTL_S + 0.3)  # what it wrote before expires meanwhile
+        finally:
+            own.send_signal(signal.SIGCONT)
+        client = aioredis.Redis.from_url(url)
+        await asyncio.sleep(0.2)  # Redis runs what waited
+        load = await client.get(f"{redis_prefix}:load:dead")
+        lease = await client.get(f"{redis_prefix}:lease")
+        await client.aclose()
+        return load, lease
+
+    try:
+        assert asyncio.run(scenario()) == (None, None)
+    finally:
+        own.kill()
+        own.wait(10)
