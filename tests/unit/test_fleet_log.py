@@ -36,12 +36,16 @@ def apply(ops: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 changes = st.dictionaries(st.sampled_from(["migration", "labels", "api_key"]), st.integers(0, 3))
-ops = st.one_of(
+# The admin API's changes, and a reload's (`file`), made in the process that reloads.
+admin_ops = st.one_of(
     st.builds(lambda url: {"op": "add", "instance": {"name": NAME, "url": url}}, st.integers(0, 3)),
     st.builds(lambda m: {"op": "remove", "name": NAME, "migrate": m}, st.booleans()),
     st.builds(lambda c: {"op": "patch", "name": NAME, "changes": c}, changes),
     st.builds(lambda m: {"op": "drain", "name": NAME, "migrate": m}, st.booleans()),
     st.just({"op": "undrain", "name": NAME}),
+)
+ops = st.one_of(
+    admin_ops,
     st.builds(
         lambda listed, draining: {
             "op": "file",
@@ -128,13 +132,6 @@ def test_a_merged_patch_without_a_time_for_a_key_takes_its_own() -> None:
 
 FILE = {"present": True, "config": {"name": NAME, "url": "file"}, "draining": False}
 ABSENT = {"present": False, "config": {}, "draining": None}
-admin_ops = st.one_of(
-    st.builds(lambda url: {"op": "add", "instance": {"name": NAME, "url": url}}, st.integers(0, 3)),
-    st.builds(lambda m: {"op": "remove", "name": NAME, "migrate": m}, st.booleans()),
-    st.builds(lambda c: {"op": "patch", "name": NAME, "changes": c}, changes),
-    st.builds(lambda m: {"op": "drain", "name": NAME, "migrate": m}, st.booleans()),
-    st.just({"op": "undrain", "name": NAME}),
-)
 
 
 def applied_here(ops: list[dict[str, Any]], start: dict[str, Any]) -> dict[str, Any]:
