@@ -431,8 +431,10 @@ class Sharing:
         self._last_round = started
         if gone:
             del results[2]  # SREM's answer
-        seconds, micros = results[-1 - 2 * len(outbox)]  # TIME's, read half way there and back
-        self._redis_offset_ms = seconds * 1000 + micros / 1000 - (sent + time.monotonic()) * 500
+        # TIME's answer, taken as read when the round was sent: Redis ran it later,
+        # so a late answer (a busy loop) errs towards later deadlines, never drops.
+        seconds, micros = results[-1 - 2 * len(outbox)]
+        self._redis_offset_ms = seconds * 1000 + micros / 1000 - sent * 1000
         _, _, members, oldest, changes, moves, _, held, holder, _, epoch, newest = results[:12]
         texts = results[12] if known else []
         if exposition is not None and known:
