@@ -395,6 +395,9 @@ class Relay:
         """Count a finished call, and hold failures against its instance (unless
         not to `blame`)."""
         self.metrics.requests.labels(name, outcome).inc()
+        if outcome in _INSTANCE_FAILURES:
+            # (Without an access log, the one word of it but the counter.)
+            log.info("call to %s failed (%s): %s", name, outcome, error)
         if outcome in _INSTANCE_FAILURES and blame:
             self._blame(name, error)
         elif outcome in ("ok", "upstream_4xx"):
@@ -853,10 +856,15 @@ class StreamEnd:
     choices) that follows them. Some OpenAI-compatible servers send no [DONE].
     Substring searches on the bytes: half a regex's cost per chunk."""
 
-    __slots__ = ("chat", "choices", "done", "fault", "finishes", "wants_usage")
+    __slots__ = ("chat", "choices", "done", "fault", "finishes", "wants_usage", "_usage")
 
-    def __init__(self, choices: int, wants_usage: bool, chat: bool = False) -> None:
+    def __init__(
+        self, choices: int, wants_usage: bool, chat: bool = False, continuous: bool = False
+    ) -> None:
         self.choices, self.wants_usage, self.chat = choices, wants_usage, chat
+        # What says the usage came: with `continuous_usage_stats` every chunk has
+        # one, and the last comes with no choices.
+        self._usage = _USAGE_ALONE if continuous else _USAGE
         self.finishes = 0
         self.done = False
         # A server error the stream reported (an error event, which the relay
@@ -871,8 +879,10 @@ class StreamEnd:
         if endpoint == "completions":  # n choices for each prompt, and each prompt_embeds
             choices *= max(_prompts(body.get("prompt")) + _prompts(body.get("prompt_embeds")), 1)
         options = body.get("stream_options")
-        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-        return cls(choices, wants_usage, chat=endpoint == "chat")
+        options = options if isinstance(options, dict) else {}
+        wants_usage = options.get("include_usage") is True
+        continuous = wants_usage and options.get("continuous_usage_stats") is True
+        return cls(choices, wants_usage, chat=endpoint == "chat", continuous=continuous)
 
     def read(self, events: bytes) -> None:
         """Take in whole events (each one's blank line included)."""
@@ -885,13 +895,17 @@ class StreamEnd:
             return
         self.finishes += finishes
         if self.finishes >= self.choices:
-            # (With `continuous_usage_stats` every chunk has a usage: the last one has no choices.)
-            if self.wants_usage and not (b'"choices":[]' in events or b'"choices": []' in events):
+            # vLLM sends the usage in a chunk of its own, with no choices; other
+            # servers with the last choice's, or with `"choices": null`.
+            if self.wants_usage and not any(u in events for u in self._usage):
                 return
             self.done = True
 
 
 _ABORTS = (b'"finish_reason":"abort"', b'"finish_reason": "abort"')  # as finishes are counted
+# A usage that is one (not null): a stream that asked for it has it.
+_USAGE = (b'"usage":{', b'"usage": {')
+_USAGE_ALONE = (b'"choices":[]', b'"choices": []', b'"choices":null', b'"choices": null')
 
 
 def _error_in(events: bytes) -> str | None:

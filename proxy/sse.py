@@ -37,6 +37,7 @@ EVENT_STREAM = "text/event-stream; charset=utf-8"  # as vLLM (FastAPI) says it
 
 
 _BLANK = (b"\n", b"\r")
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
 
 
 class KeptAliveOnly(asyncio.TimeoutError):
@@ -116,7 +117,7 @@ class Events:
     AnswerTooLarge. vLLM's reads end where its events do: they go through
     without a copy."""
 
-    __slots__ = ("limit", "_parts", "_size", "_newline", "_cr")
+    __slots__ = ("limit", "_parts", "_size", "_newline", "_cr", "_begun")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -124,9 +125,14 @@ class Events:
         self._size = 0
         self._newline = False  # the bytes kept end a line: a blank line may follow
         self._cr = False  # the last read ended in CR, which may be half a CRLF
+        self._begun = False  # bytes came: a byte order mark is only at the start
 
     def take(self, data: bytes) -> bytes:
         """Whole events (each with its blank line), or b"" until one ends."""
+        if not self._begun and data:
+            self._begun = True
+            if data.startswith(_BOM):  # (SSE drops one; left, it hid the first event)
+                data = data[len(_BOM) :]
         if self._cr or b"\r" in data:
             data = self._lf(data)
         if self._parts:

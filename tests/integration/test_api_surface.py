@@ -10,6 +10,7 @@ import http.client
 import json
 import socket
 import time
+import urllib.request
 from typing import Any
 
 import httpx
@@ -935,3 +936,38 @@ def test_the_model_list_gives_the_longest_context_an_instance_offers(
     for _ in range(3):
         answer = httpx.post(proxy.url + "/v1/completions", json=body).json()
         assert answer["choices"][0]["text"] == " tok" * 100
+
+
+@pytest.mark.parametrize("engine", ["vllm", "openai"])
+def test_a_stream_with_its_usage_on_the_last_choice_and_no_done_ends_whole(
+    standins: Any, ferry: Any, engine: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that puts the usage asked for on the last choice's chunk (not in
+    one of its own, as vLLM) and sends no [DONE]: every such stream ended with an
+    error event, and the call counted against the instance."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    events = (
+        b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"a",'
+        b'"finish_reason":null}],"usage":null}\n\n',
+        b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"b",'
+        b'"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":2,'
+        b'"total_tokens":3}}\n\n',
+    )
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    standin.raw_answer = [head, *(b"%x\r\n%b\r\n" % (len(e), e) for e in events), b"0\r\n\r\n"]
+    proxy = ferry([site.url], instances_engine=engine)
+    stream = client(proxy).completions.create(
+        model="standin",
+        prompt="x",
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == "ab"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 3
+    text = urllib.request.urlopen(proxy.url + "/metrics", timeout=5).read().decode()
+    assert 'ferry_requests_total{instance="i0",outcome="ok"} 1.0' in text
+    assert "failed (stream_broken)" not in caplog.text

@@ -88,3 +88,11 @@ def test_pings_or_blank_lines_alone_are_no_progress(ping: bytes) -> None:
     now[0] = 3.1
     with pytest.raises(KeptAliveOnly):
         watch.saw(ping)
+
+
+def test_a_byte_order_mark_before_the_first_event_is_dropped() -> None:
+    """SSE drops it; kept, it hid the first event from Ferry (its token ids went
+    to a client that never asked for them, its prompt count to no ledger)."""
+    events = Events(1 << 20)
+    assert events.take(b"\xef\xbb\xbfdata: {}\n\n") == b"data: {}\n\n"
+    assert events.take(b"\xef\xbb\xbfdata: {}\n\n") == b"\xef\xbb\xbfdata: {}\n\n"  # later: data

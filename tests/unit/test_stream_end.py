@@ -60,6 +60,24 @@ def test_done_ends_any_stream_and_usage_is_waited_for_when_asked() -> None:
     assert continuous.done
 
 
+@pytest.mark.parametrize(
+    "last",
+    [
+        b'data: {"choices":[{"text":"a","finish_reason":"length"}],"usage":{"total_tokens":3}}\n\n',
+        b'data: {"choices":[{"finish_reason":"stop"}]}\n\ndata: {"choices": null, "usage": {}}\n\n',
+    ],
+)
+def test_a_usage_sent_as_other_servers_send_it_ends_a_stream_without_done(last: bytes) -> None:
+    """With the last choice's finish, or with `"choices": null` (vLLM's has
+    `"choices": []`): a server that sends no [DONE] ended every such stream with
+    an error event, and the call counted against the instance."""
+    ending = StreamEnd.of({"prompt": "x", "stream_options": {"include_usage": True}}, "completions")
+    ending.read(b'data: {"choices":[{"text":"a","finish_reason":null}],"usage":null}\n\n')
+    assert not ending.done
+    ending.read(last)
+    assert ending.done
+
+
 def test_done_in_the_text_is_no_end() -> None:
     ending = StreamEnd.of({"prompt": "x"}, "completions")
     ending.read(b'data: {"choices":[{"text":"\\n\\ndata: [DONE]","finish_reason":null}]}\n\n')
