@@ -155,7 +155,7 @@ class Fleet:
         # Names a peer removed and added again, whose old instance is still being
         # removed here (proxy/sharing.py `_hold`): no admin change through this
         # process until the new one is in (it would change the old one).
-        self.replacing: set[str] = set()
+        self._replaced: set[str] = set()
         self._reloading = asyncio.Lock()
         # Instances that DNS discovery owns (proxy/discovery.py): a reload of the
         # file neither removes them nor reports them.
@@ -418,17 +418,22 @@ class Fleet:
         self.config = dataclasses.replace(self.config, instances=instances)
         self.retune(self.config)
 
-    def leave_to_own_streams(self, name: str) -> None:
-        """The removal of `name` under way waits for this process's streams
-        alone: the process that made it waited for every process's, and the
-        name now serves another server (added again), whose streams the peers
-        count under the same name."""
+    def begin_replacement(self, name: str) -> None:
+        """A peer removed `name` and added it again (another server) while its
+        removal here is under way: that removal waits for this process's streams
+        alone (its maker waited for every process's, and the peers' streams under
+        the name are now the new server's), and admin changes to it wait
+        (`check_changeable`) until `end_replacement`."""
         self._removed_everywhere.discard(name)
+        self._replaced.add(name)
+
+    def end_replacement(self, name: str) -> None:
+        self._replaced.discard(name)
 
     def check_changeable(self, name: str) -> None:
         """Refuse an admin change to `name` while a peer's add of it waits here
-        for the old instance's removal (`replacing`)."""
-        if name in self.replacing:
+        for the old instance's removal (`begin_replacement`)."""
+        if name in self._replaced:
             raise FleetError(
                 409,
                 f"instance {name!r} is being replaced: it was removed and added again"

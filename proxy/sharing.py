@@ -67,7 +67,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -215,7 +215,7 @@ class Sharing:
         # Redis is down begins from it, not from the file alone.
         self.snapshot_path: str | None = None
         self._snapshot_due = False
-        self._adopting: set[asyncio.Task[None]] = set()  # (`_adopt_logged`, `_hold`)
+        self._adopting: set[asyncio.Task[None]] = set()  # (`_in_background`)
         # A peer's add of a name whose instance here is still being removed: it,
         # and the changes to that name read after it, wait for the removal.
         self._held: dict[str, list[tuple[dict[str, str], tuple[int, int] | None]]] = {}
@@ -628,21 +628,18 @@ class Sharing:
         instance). Its maker's removal waited for every process's streams; this
         one waits for its own: the peers' now stream on the new server."""
         self._held[name] = [(fields, at)]
-        self.fleet.leave_to_own_streams(name)
-        self.fleet.replacing.add(name)
+        self.fleet.begin_replacement(name)
 
         async def release() -> None:
             try:
                 await self.fleet.removed(name)
             finally:
                 held = self._held.pop(name, [])
-                self.fleet.replacing.discard(name)
+                self.fleet.end_replacement(name)
             for change in held:
                 self._apply_change(*change)
 
-        task = asyncio.create_task(release(), name=f"add-{name}")
-        self._adopting.add(task)
-        task.add_done_callback(self._adopting.discard)
+        self._in_background(release(), f"add-{name}")
 
     def _made_here_after(self, name: str, at: tuple[int, int]) -> bool:
         """Whether a change to `name` made here comes after position `at` in the log."""
@@ -832,7 +829,11 @@ class Sharing:
         state = self.cluster.instances.get(name)
         if state is not None and not state.leaving:
             self.fleet.remove(name, migrate=True)
-        task = asyncio.create_task(self._adopt(name), name=f"adopt-{name}")
+        self._in_background(self._adopt(name), f"adopt-{name}")
+
+    def _in_background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `work` as a task `stop` cancels."""
+        task = asyncio.create_task(work, name=name)
         self._adopting.add(task)
         task.add_done_callback(self._adopting.discard)
 

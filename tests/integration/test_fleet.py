@@ -882,7 +882,7 @@ def test_admin_changes_to_an_instance_being_replaced_are_refused_until_it_is_in(
     (_, a), (_, b) = standins(2)
     proxy = ferry([a.url, b.url], admin_token=TOKEN)
     fleet = proxy.site.app[FLEET]
-    proxy.loop.call(fleet.replacing.add, "i1")
+    proxy.loop.call(fleet.begin_replacement, "i1")
     for method, path, body in (
         ("POST", "/admin/instances/i1/drain", None),
         ("POST", "/admin/instances/i1/undrain", None),
@@ -892,5 +892,5 @@ def test_admin_changes_to_an_instance_being_replaced_are_refused_until_it_is_in(
         code, answer = send(proxy.url + path, method, body)
         assert code == 409 and answer["error"]["code"] == "instance_replacing", (path, answer)
     assert not rows(proxy.url)["i1"]["draining"]
-    proxy.loop.call(fleet.replacing.discard, "i1")
+    proxy.loop.call(fleet.end_replacement, "i1")
     assert send(proxy.url + "/admin/instances/i1/drain", "POST")[0] == 200

@@ -934,13 +934,7 @@ def test_a_reused_connection_the_engine_closed_is_sent_again(standins: Any, ferr
 
 
 def _drain(proxy: Any, name: str) -> None:
-    request = urllib.request.Request(
-        proxy.url + f"/admin/instances/{name}/drain?migrate=true",
-        data=b"",
-        method="POST",
-        headers={"Authorization": "Bearer t"},
-    )
-    urllib.request.urlopen(request, timeout=5).close()
+    _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")
 
 
 def _busy(sites: list[tuple[Any, Any]]) -> tuple[str, Any]:
@@ -1097,14 +1091,21 @@ def _under_way(
     return sites, proxy, proxy.site.app[MIGRATOR], stream, name
 
 
-def _admin(proxy: Any, path: str, method: str = "POST") -> None:
+def _admin(
+    proxy: Any, path: str, method: str = "POST", changes: dict[str, Any] | None = None
+) -> Any:
+    """An admin call's answer (its JSON); `changes` are a PATCH's body."""
+    body = (
+        json.dumps(changes).encode() if changes is not None else b"" if method == "POST" else None
+    )
     request = urllib.request.Request(
         proxy.url + path,
-        data=b"" if method == "POST" else None,
+        data=body,
         method=method,
-        headers={"Authorization": "Bearer t"},
+        headers={"Authorization": "Bearer t", "Content-Type": "application/json"},
     )
-    urllib.request.urlopen(request, timeout=5).close()
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return json.load(answer)
 
 
 def test_a_move_that_starts_after_its_stream_ended_gives_up_at_once(
@@ -1217,9 +1218,9 @@ def test_a_drain_with_no_other_instance_in_migration_says_nothing_moves(
     and logs why; they finish in place."""
     _, proxy, _, stream, name = _under_way(standins, ferry, 2)
     other = "i1" if name == "i0" else "i0"
-    _admin_json(proxy, f"/admin/instances/{other}", {"migration": "off"})
+    _admin(proxy, f"/admin/instances/{other}", "PATCH", {"migration": "off"})
     with caplog.at_level("WARNING", logger="ferry.migration"):
-        assert _admin_json(proxy, f"/admin/instances/{name}/drain?migrate=true")["migrating"] == 0
+        assert _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")["migrating"] == 0
     assert "no other instance has migration on" in caplog.text
     assert "".join(c.choices[0].text for c in stream) == " tok" * 294
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 0.0' in metrics(proxy.url)
@@ -1232,25 +1233,13 @@ def test_a_drain_whose_partner_drains_for_now_says_its_streams_may_move(
     take the streams later: the drain does not say none will move."""
     _, proxy, _, stream, name = _under_way(standins, ferry, 2)
     other = "i1" if name == "i0" else "i0"
-    _admin_json(proxy, f"/admin/instances/{other}/drain?migrate=true")
+    _admin(proxy, f"/admin/instances/{other}/drain?migrate=true")
     with caplog.at_level("WARNING", logger="ferry.migration"):
-        assert _admin_json(proxy, f"/admin/instances/{name}/drain?migrate=true")["migrating"] == 1
+        assert _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")["migrating"] == 1
     assert "no other instance has migration on" not in caplog.text
-    _admin_json(proxy, f"/admin/instances/{other}/undrain")
+    _admin(proxy, f"/admin/instances/{other}/undrain")
     assert "".join(c.choices[0].text for c in stream) == " tok" * 294
     assert 'ferry_migrations_total{outcome="ok",reason="drain"} 1.0' in metrics(proxy.url)
-
-
-def _admin_json(proxy: Any, path: str, changes: dict[str, Any] | None = None) -> Any:
-    """An admin call's answer: a PATCH of `changes`, else a POST."""
-    request = urllib.request.Request(
-        proxy.url + path,
-        data=b"" if changes is None else json.dumps(changes).encode(),
-        method="POST" if changes is None else "PATCH",
-        headers={"Authorization": "Bearer t", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=5) as answer:
-        return json.load(answer)
 
 
 def test_a_drain_round_that_fails_does_not_end_the_drain(standins: Any, ferry: Any) -> None:
