@@ -12,7 +12,8 @@ Per-instance gauges are refreshed from the cluster view at each `/metrics` read,
 and so is the scaling signal (`ferry_desired_instances`, proxy/policy/scaling.py).
 Freeness is always finite: a draining instance (freeness -inf to the scheduler)
 exports the freeness it would have without the drain, and `ferry_instance_draining`
-says it drains. The process, GC and platform collectors run on Ferry's registry.
+says it drains; an unhealthy instance's freeness and engine KV usage are NaN (its
+last look's figures are not its load). The process, GC and platform collectors run on Ferry's registry.
 """
 
 from __future__ import annotations
@@ -419,9 +420,12 @@ class FerryMetrics:
             freeness = view.freeness
             if view.draining:  # -inf to the scheduler; the load it carries to a dashboard
                 freeness = instance_freeness(view.capacity_blocks, view.virtual_blocks, view.batch)
+            if not state.healthy:  # its last look is no load it carries now: no value
+                freeness = math.nan
             self.freeness.labels(view.name).set(freeness)
             if state.snapshot is not None:
-                self.kv_usage.labels(view.name, "engine").set(view.kv_usage)
+                usage = view.kv_usage if state.healthy else math.nan
+                self.kv_usage.labels(view.name, "engine").set(usage)
             if view.capacity_blocks > 0:
                 ledger = cluster.ledger.blocks(view.name) / view.capacity_blocks
                 self.kv_usage.labels(view.name, "ledger").set(ledger)

@@ -3,6 +3,8 @@ histogram that renders as prometheus_client's does."""
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -66,6 +68,24 @@ def test_a_draining_instance_shows_a_finite_freeness() -> None:
     assert samples["ferry_instance_kv_usage_ratio", "i0", "engine"] == 0.5  # scraped
     assert samples["ferry_instance_kv_usage_ratio", "i0", "ledger"] == 0.0  # nothing of Ferry's
     assert ("process_cpu_seconds_total", None, None) in samples
+
+
+def test_an_unhealthy_instance_shows_no_freeness_nor_engine_usage() -> None:
+    """A dead engine's last look is no load it carries: a dashboard must not keep
+    showing it as half full (or as the freest instance)."""
+    cluster = cluster_of((4, 0.5), (4, 0.5))
+    for _ in range(3):
+        cluster.record_scrape_failure("i0", "connection refused")
+    text = FerryMetrics().render(cluster, now=0.0).decode()
+    samples = {
+        (s.name, s.labels.get("instance"), s.labels.get("source")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert math.isnan(samples["ferry_instance_freeness", "i0", None])
+    assert math.isnan(samples["ferry_instance_kv_usage_ratio", "i0", "engine"])
+    assert samples["ferry_instance_healthy", "i0", None] == 0.0
+    assert samples["ferry_instance_freeness", "i1", None] == 12.5
 
 
 def test_the_model_label_is_bounded_by_the_models_served() -> None:
