@@ -81,6 +81,10 @@ class StandIn:
         # tests: a stream's usage chunk (`stream_options.include_usage`) comes this
         # long after its last token, as a separate write (vLLM's are, too)
         self.usage_delay_s = 0.0
+        # tests: where that usage comes: "own_chunk" (vLLM's, with `"choices": []`),
+        # "last_choice" (with the finish reason) or "null_choices" (`"choices": null`),
+        # as other OpenAI-compatible servers send it
+        self.usage_with = "own_chunk"
         # tests: a chat stream's first n tokens are thoughts, as from a vLLM with a
         # reasoning parser (`delta.reasoning`, not `delta.content`)
         self.reasoning_tokens = 0
@@ -480,6 +484,8 @@ class StandIn:
                 choice["prompt_token_ids"] = PROMPT_IDS if ids and i == 0 else None
             choice["token_ids"] = [7] if ids else None
             chunk["choices"] = [choice]
+            if usage and last and self.usage_with == "last_choice":
+                chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
             if self.stall_after is not None and i == self.stall_after:
                 await self._stall(resp)  # a hung engine: the socket stays open
             if self.break_after is not None and i == self.break_after:
@@ -517,9 +523,11 @@ class StandIn:
             assert request.transport is not None
             request.transport.abort()  # dead after its last token, before the end
             return resp
-        if usage:
+        if usage and self.usage_with != "last_choice":
             await asyncio.sleep(self.usage_delay_s)
             chunk = {"id": rid, "created": int(time.time()), "model": self.model, "choices": []}
+            if self.usage_with == "null_choices":
+                chunk["choices"] = None
             chunk["object"] = "chat.completion.chunk" if chat else "text_completion"
             chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
             await resp.write(self._frame(json.dumps(chunk).encode()))

@@ -199,7 +199,9 @@ class Splicer:
         data = sse.data_of(event)
         if data is not None and data.startswith(b"[DONE]"):
             self.finished = True
-            return Fed(sse.DONE, finished=True)
+            # A continuation asked for the usage the client did: one that sent
+            # none still leaves the client the count it asked for (`closing`).
+            return Fed(self.closing() if self.segment else sse.DONE, finished=True)
         if data is None or not data.startswith(b"{"):
             return Fed(event + b"\n\n")
         try:
@@ -219,14 +221,22 @@ class Splicer:
             return Fed(stopped_by_source=True) if self.expect_source_stop else Fed(broken=True)
         if any(c.get("finish_reason") for c in choices):
             self.ended = True
-        if not choices and "usage" in chunk:
+        final_usage = self._final_usage(chunk, choices)
+        if final_usage:  # (segment 0 relays it as it came; a continuation's is ours instead)
             self.usage_sent = True
         if self.segment == 0 and isinstance(chunk.get("usage"), dict):
             extras = {k: v for k, v in chunk["usage"].items() if k not in _USAGE_COUNTS}
             self._usage_extras[not choices] = extras  # as of the cut (reasoning_tokens grow)
         if self.segment == 0:
             return self._original(chunk, choices, event)
-        return self._continued(chunk, choices)
+        return self._continued(chunk, choices, final_usage)
+
+    def _final_usage(self, chunk: dict[str, Any], choices: list[dict[str, Any]]) -> bool:
+        """Whether the chunk carries the stream's usage: vLLM sends it in a chunk
+        of its own, with no choices; other servers with the last choice's, or
+        with `"choices": null`. With `continuous_usage_stats` every chunk has
+        one, and the last comes with no choices (as relay.StreamEnd reads it)."""
+        return isinstance(chunk.get("usage"), dict) and not (choices and self.continuous_usage)
 
     def _original(self, chunk: dict[str, Any], choices: list[dict[str, Any]], raw: bytes) -> Fed:
         if self.origin is None:  # (a server may send no id: a move still needs an origin)
@@ -282,11 +292,13 @@ class Splicer:
         data = raw if self.wants_ids else token_ids.hide(raw)
         return Fed(data + b"\n\n", len(new), reported)
 
-    def _continued(self, chunk: dict[str, Any], choices: list[dict[str, Any]]) -> Fed:
+    def _continued(
+        self, chunk: dict[str, Any], choices: list[dict[str, Any]], final_usage: bool
+    ) -> Fed:
         assert self.origin is not None
         if chunk.get("system_fingerprint"):  # vLLM's comes with the last chunk only
             self.origin.system_fingerprint = chunk["system_fingerprint"]
-        if not choices and "usage" in chunk:  # the continuation's own usage: ours instead
+        if not choices and final_usage:  # the continuation's own usage: ours instead
             return Fed(self._usage_event())
         new: list[int] = []
         texts = ""
@@ -302,11 +314,14 @@ class Splicer:
             new.extend(ids)
             texts += text
         self._credit(new, texts)
-        if not new and not any(c["text"] or c.get("finish_reason") for c in choices):
+        if not (new or final_usage or any(c["text"] or c.get("finish_reason") for c in choices)):
             return Fed()  # only regenerated tokens: nothing the client lacks
         # (A token with no text goes on as `"content": ""`, as vLLM's chat
         # sends one where no tool or reasoning parser holds it back.)
-        return Fed(sse.event(self._client_chunk(choices)), len(new))
+        out = self._client_chunk(choices)
+        if final_usage:  # with the last choice's, where the server put it: ours instead
+            out["usage"] = self._usage(final=True)
+        return Fed(sse.event(out), len(new))
 
     def _valid_ids(self, value: Any) -> list[int]:
         """A choice's token ids; none, and the stream can no longer move, where

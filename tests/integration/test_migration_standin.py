@@ -1864,3 +1864,42 @@ def test_a_stream_whose_drain_was_called_off_moves_when_drained_again(
     _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")
     wait_until(lambda: proxy.loop.call(lambda: live.instance) == other, timeout=10)
     assert "".join(c.choices[0].text for c in stream) == " tok" * 294
+
+
+@pytest.mark.parametrize("done", [True, False], ids=["done", "no-done"])
+@pytest.mark.parametrize("moved", [False, True], ids=["unmoved", "moved"])
+@pytest.mark.parametrize("usage_with", ["last_choice", "null_choices"])
+def test_a_usage_sent_as_other_servers_send_it_reaches_the_client_once_and_whole(
+    standins: Any, ferry: Any, usage_with: str, moved: bool, done: bool
+) -> None:
+    """A server that puts the usage on its last choice's chunk (or with
+    `"choices": null`): the client had it twice where no [DONE] came (the
+    splicer added its own), and after a move none where one did (the
+    continuation's chunks were rebuilt without it). It gets one, counting the
+    whole request, as from vLLM."""
+    sites = standins(2, itl_s=0.001)
+    for standin, _ in sites:
+        standin.usage_with, standin.send_done = usage_with, done
+    if moved:
+        sites[0][0].break_after = 5
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+    )
+    chunks = list(
+        api(proxy.url).completions.create(
+            model="standin",
+            prompt="x",
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * 12
+    usage = [
+        (u.prompt_tokens, u.completion_tokens, u.total_tokens) for c in chunks if (u := c.usage)
+    ]
+    assert usage == [(3, 12, 15)]
+    moves = 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0'
+    assert (moves in metrics(proxy.url)) == moved

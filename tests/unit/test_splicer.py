@@ -599,3 +599,52 @@ def test_a_start_over_leaves_out_the_textless_chunks_the_client_has() -> None:
     assert after.data and splicer.generated == [7, 8, 9, 5, 6]
     last = splicer.feed(chunk("", 10, "length"))
     assert json.loads(last.data[6:])["choices"][0]["finish_reason"] == "length"
+
+
+def usages(sent: bytes) -> list[Any]:
+    """The usage counts among the client's events."""
+    events = [json.loads(e[6:]) for e in sent.split(b"\n\n") if e.startswith(b"data: {")]
+    return [e["usage"] for e in events if e.get("usage")]
+
+
+@pytest.mark.parametrize("choices", ["last", "null"])
+def test_a_usage_sent_as_other_servers_send_it_is_counted_once_across_a_move(choices: str) -> None:
+    """With the last choice's finish, or with `"choices": null`, not in a chunk of
+    its own: the source's went out and `closing` added a second; a
+    continuation's was dropped with the chunk it came on."""
+    asked = {"stream_options": {"include_usage": True}}
+    first = {"id": "cmpl-1", "created": 1, "model": "m"}
+    first["choices"] = [{"index": 0, "text": "a", "token_ids": [5], "prompt_token_ids": [1, 2]}]
+    last: dict[str, Any] = {
+        "id": "cmpl-1",
+        "choices": [{"index": 0, "text": "b", "token_ids": [6]}],
+    }
+    last["choices"][0]["finish_reason"] = "length"
+    usage = {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    if choices == "last":
+        last["usage"] = usage
+    tail = [] if choices == "last" else [{"id": "cmpl-1", "choices": None, "usage": usage}]
+    unmoved = Splicer(asked, "completions", wants_ids=False)
+    sent = b"".join(
+        unmoved.feed(b"data: " + json.dumps(c).encode()).data for c in [first, last, *tail]
+    )
+    assert usages(sent + unmoved.closing()) == [usage]
+    moved = Splicer(asked, "completions", wants_ids=False)
+    moved.feed(b"data: " + json.dumps(first).encode())
+    moved.join(Join(keep=1, skip=0))
+    sent = b"".join(moved.feed(b"data: " + json.dumps(c).encode()).data for c in [last, *tail])
+    sent += moved.feed(b"data: [DONE]").data
+    assert usages(sent) == [usage]  # P of the original request, G over both segments
+    assert sent.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_continuation_that_sends_no_usage_leaves_the_client_the_one_it_asked_for() -> None:
+    splicer = Splicer({"stream_options": {"include_usage": True}}, "completions", wants_ids=False)
+    first = b'data: {"id":"c","prompt_token_ids":[1],"choices":[{"text":"a","token_ids":[5]}]}'
+    splicer.feed(first)
+    splicer.join(Join(keep=1, skip=0))
+    splicer.feed(
+        b'data: {"id":"d","choices":[{"text":"b","token_ids":[6],"finish_reason":"stop"}]}'
+    )
+    end = splicer.feed(b"data: [DONE]").data.split(b"\n\n")
+    assert json.loads(end[0][6:])["usage"]["total_tokens"] == 3 and end[1] == b"data: [DONE]"
