@@ -85,6 +85,7 @@ class StandIn:
         # "last_choice" (with the finish reason) or "null_choices" (`"choices": null`),
         # as other OpenAI-compatible servers send it
         self.usage_with = "own_chunk"
+        self.hold_open_s = 0.0  # tests: keep a finished stream's body open this long
         # tests: a chat stream's first n tokens are thoughts, as from a vLLM with a
         # reasoning parser (`delta.reasoning`, not `delta.content`)
         self.reasoning_tokens = 0
@@ -533,6 +534,7 @@ class StandIn:
             await resp.write(self._frame(json.dumps(chunk).encode()))
         if self.send_done:
             await resp.write(self._frame(b"[DONE]"))
+        await asyncio.sleep(self.hold_open_s)
         await resp.write_eof()
         return resp
 

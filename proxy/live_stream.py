@@ -355,6 +355,16 @@ class LiveStream:
         keep_alive = sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
         outcome: str | None = None
         pump = self._pump
+        # Once the client has all of the stream but its [DONE], the body's end is
+        # left BODY_END_GRACE_S to come, then taken as come, as a relayed
+        # stream's (proxy/relay.py `_pipe`): a server that sends no [DONE] and
+        # keeps the body open held the client, and the instance's bill, until
+        # `upstream_idle_timeout_s`.
+        body_end = asyncio.timeout(None)
+
+        def whole_in_grace() -> None:
+            if splicer.whole and body_end.when() is None:
+                body_end.reschedule(asyncio.get_running_loop().time() + sse.BODY_END_GRACE_S)
 
         def relay(data: bytes) -> bytes:
             # Not once the pump is cancelled (a cut, or let go): then its reads
@@ -366,6 +376,7 @@ class LiveStream:
         def wrote(out: bytes) -> None:
             if out:
                 self.timing.written()
+                whole_in_grace()
             if outcome is not None:
                 raise _PumpOver(outcome)
             if self._order is not None and not splicer.ended and pump is not None:
@@ -378,23 +389,26 @@ class LiveStream:
         if self._response is not None:  # (else once it opens)
             attach(self._response)
         try:
-            while True:
-                if self._order is not None and not splicer.ended:
-                    return "move"
-                self._reading = True
-                try:
-                    data = await content.readany()
-                finally:
-                    self._reading = False
-                if not data:
-                    break
-                out, result = self._take(data, keep_alive)
-                opening = out and self._response is None
-                await self._write(out)
-                if opening and self._response is not None:
-                    attach(self._response)
-                if result is not None:
-                    return result
+            async with body_end:
+                while True:
+                    if self._order is not None and not splicer.ended:
+                        return "move"
+                    self._reading = True
+                    try:
+                        data = await content.readany()
+                    finally:
+                        self._reading = False
+                    if not data:
+                        break
+                    out, result = self._take(data, keep_alive)
+                    opening = out and self._response is None
+                    await self._write(out)
+                    if opening and self._response is not None:
+                        attach(self._response)
+                    if result is not None:
+                        return result
+                    if out:
+                        whole_in_grace()
         except _PumpOver as over:
             # The upstream's reader keeps the exception the tap raised; its
             # frames, which hold this stream and the reader, would keep both
@@ -402,9 +416,10 @@ class LiveStream:
             over.__traceback__ = None
             return over.outcome
         except sse.STREAM_ERRORS as exc:
-            log.info("stream %s on %s broke: %s", self.request.name, self.instance, _why(exc))
-            self._broke = f"stream broken: {_why(exc)}"
-            return "done" if splicer.finished else "broken"
+            if not body_end.expired():  # (else the grace ran out: as if the body had ended)
+                log.info("stream %s on %s broke: %s", self.request.name, self.instance, _why(exc))
+                self._broke = f"stream broken: {_why(exc)}"
+                return "done" if splicer.finished else "broken"
         finally:
             tap.detach(content)
         self._broke = "the stream ended before it was whole"

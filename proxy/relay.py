@@ -663,7 +663,7 @@ class Relay:
                 timing.written()
             keep_alive.saw(out)
             if complete is not None and complete():
-                waiting.whole_in(BODY_END_GRACE_S)
+                waiting.whole_in(sse.BODY_END_GRACE_S)
 
         try:
             async with waiting:
@@ -806,11 +806,6 @@ _COUNT = re.compile(rb'^\s*\{\s*"count"\s*:\s*(\d+)\s*[,}]')
 def _count_in(answer: bytes) -> int | None:
     found = _COUNT.match(answer[:64])
     return int(found.group(1)) if found else None
-
-
-# How long the end of a stream's body may come after its last event: vLLM's
-# comes at once; a server that leaves a finished stream open is not waited for.
-BODY_END_GRACE_S = 1.0
 
 
 class NothingRelayed(Exception):

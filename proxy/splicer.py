@@ -193,6 +193,13 @@ class Splicer:
         self._textless_sent = 0
         self._textless_owed = 0
 
+    @property
+    def whole(self) -> bool:
+        """The client has all of the stream, perhaps but its [DONE]: the finish reason,
+        and the usage where it asked for it (as relay.StreamEnd judges a relayed
+        stream). Some servers send no [DONE]."""
+        return self.finished or self.ended and (self.usage_sent or not self.wants_usage)
+
     # -- upstream events ---------------------------------------------------------
     def feed(self, event: bytes) -> Fed:
         """One SSE event of the current upstream (without its blank line)."""

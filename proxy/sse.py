@@ -33,6 +33,9 @@ CONNECT_ERRORS = (
 STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
 
 DONE = b"data: [DONE]\n\n"
+# How long the end of a stream's body may come after its last event: vLLM's
+# comes at once; a server that leaves a finished stream open is not waited for.
+BODY_END_GRACE_S = 1.0
 EVENT_STREAM = "text/event-stream; charset=utf-8"  # as vLLM (FastAPI) says it
 
 

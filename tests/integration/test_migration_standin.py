@@ -1903,3 +1903,39 @@ def test_a_usage_sent_as_other_servers_send_it_reaches_the_client_once_and_whole
     assert usage == [(3, 12, 15)]
     moves = 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0'
     assert (moves in metrics(proxy.url)) == moved
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["unmoved", "moved"])
+@pytest.mark.parametrize("usage_with", [None, "own_chunk", "last_choice"])
+def test_a_finished_stream_its_server_leaves_open_without_done_ends_at_once(
+    standins: Any, ferry: Any, usage_with: str | None, moved: bool
+) -> None:
+    """A movable stream whose server sends no [DONE] and keeps the body open
+    after its end (the finish reason, and the usage where asked) waited for
+    `upstream_idle_timeout_s`; it ends a moment after, as a relayed one does."""
+    sites = standins(2, itl_s=0.001)
+    for standin, _ in sites:
+        standin.send_done, standin.hold_open_s = False, 5.0
+        standin.usage_with = usage_with or "own_chunk"
+    if moved:
+        sites[0][0].break_after = 3
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        scheduler={"policy": "round_robin"},
+        server={"upstream_idle_timeout_s": 20.0},
+    )
+    options = {"stream_options": {"include_usage": True}} if usage_with else {}
+    began = time.monotonic()
+    chunks = list(
+        api(proxy.url).completions.create(
+            model="standin", prompt="x", max_tokens=6, stream=True, **options
+        )
+    )
+    assert time.monotonic() - began < 4.0  # the grace of a second, not the 5 s held open
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * 6
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == ([6] if usage_with else [])
+    last = "i1" if moved else "i0"
+    ok = f'ferry_requests_total{{instance="{last}",outcome="ok"}} 1.0'
+    wait_until(lambda: ok in metrics(proxy.url))
+    wait_until(lambda: proxy.view(last).inflight == 0)
