@@ -20,6 +20,7 @@ import asyncio
 import gzip
 import json
 import time
+import zlib
 from typing import Any, NoReturn
 
 from aiohttp import web
@@ -86,6 +87,7 @@ class StandIn:
         # as other OpenAI-compatible servers send it
         self.usage_with = "own_chunk"
         self.hold_open_s = 0.0  # tests: keep a finished stream's body open this long
+        self.gzip_stream = False  # tests: compress a stream though asked for identity
         # tests: a chat stream's first n tokens are thoughts, as from a vLLM with a
         # reasoning parser (`delta.reasoning`, not `delta.content`)
         self.reasoning_tokens = 0
@@ -457,6 +459,9 @@ class StandIn:
         self, request: web.Request, chat: bool, n: int, ids: bool, usage: bool, choices: int = 1
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if self.gzip_stream:
+            resp = _GzipStream(headers={"Content-Type": "text/event-stream"})
+            resp.headers["Content-Encoding"] = "gzip"
         await asyncio.sleep(self.headers_delay_s)
         await resp.prepare(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-standin-{self.served}"
@@ -623,6 +628,23 @@ def _tokens(body: dict[str, Any], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 10_000_000:
         _refuse(400, f"'{key}' must be an integer from 1 to 10000000", param=key)
     return value
+
+
+class _GzipStream(web.StreamResponse):
+    """A stream whose writes go out gzipped, each flushed at once (tests: a
+    server that compresses an event stream though asked for identity)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._packer = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        packed = self._packer.compress(bytes(data)) + self._packer.flush(zlib.Z_SYNC_FLUSH)
+        await super().write(packed)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await super().write(self._packer.compress(data) + self._packer.flush())
+        await super().write_eof()
 
 
 def main() -> None:

@@ -33,7 +33,14 @@ from proxy.metrics import FerryMetrics
 from proxy.placement import Placement
 from proxy.policy import Priority
 from proxy.splicer import MAX_BACKOFF, Fed, Join, Splicer, plan_join
-from proxy.upstream import Call, OutOfFiles, Upstreams, answer_headers, read_whole
+from proxy.upstream import (
+    Call,
+    OutOfFiles,
+    Upstreams,
+    answer_headers,
+    encoded_against_ask,
+    read_whole,
+)
 
 log = logging.getLogger("ferry.migration")
 
@@ -718,6 +725,15 @@ class LiveStream:
             log.warning("continuation on %s refused: HTTP %s %s", dest, upstream.status, detail)
             if upstream.status >= 500:
                 self.blame(dest, f"continuation refused: HTTP {upstream.status}")
+            return ""
+        if encoding := encoded_against_ask(upstream):  # its events unread (as relay.py refuses it)
+            call.close()
+            log.warning(
+                "continuation on %s refused: its stream came with Content-Encoding %s",
+                dest,
+                encoding,
+            )
+            self.blame(dest, f"continuation refused: Content-Encoding {encoding}")
             return ""
         self.call.close()  # vLLM aborts the request on the source
         self.call = call

@@ -39,7 +39,15 @@ from proxy.policy import DispatchRequest, NoCandidate, Priority
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer, only_ids, server_fault
 from proxy.ttft_stages import TTFTStages
-from proxy.upstream import Call, InstanceStopped, OutOfFiles, Upstreams, answer_headers, writable
+from proxy.upstream import (
+    Call,
+    InstanceStopped,
+    OutOfFiles,
+    Upstreams,
+    answer_headers,
+    encoded_against_ask,
+    writable,
+)
 
 log = logging.getLogger("ferry.relay")
 
@@ -263,6 +271,13 @@ class Relay:
                 answered_whole = upstream.content_type == "application/json"
                 if answered_whole:
                     call.entry.watched = False  # its tokens come only at its end
+                elif body is not None and stream and (encoding := encoded_against_ask(upstream)):
+                    # Ferry reads each event of a stream (its tokens, its end, a
+                    # move), and does not inflate a server's gzip on the event loop.
+                    raise NothingRelayed(
+                        f"its stream came with Content-Encoding {encoding}, though Ferry asks"
+                        " for identity"
+                    )
                 live = (
                     None
                     if answered_whole

@@ -307,6 +307,14 @@ _NOT_RELAYED = frozenset({"x-request-id", "x-ferry-instance"})  # Ferry's own
 _FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
+def encoded_against_ask(response: aiohttp.ClientResponse) -> str | None:
+    """The Content-Encoding of an instance's answer, where it has one though
+    Ferry asked for identity (proxy/server.py); aiohttp passes its bytes on
+    as they came (`auto_decompress=False`)."""
+    encoding = response.headers.get("Content-Encoding", "").strip()
+    return None if encoding.lower() in ("", "identity") else encoding
+
+
 def answer_headers(response: aiohttp.ClientResponse) -> CIMultiDict[str]:
     """The headers of an instance's answer that go on to the client."""
     hop = {

@@ -971,3 +971,30 @@ def test_a_stream_with_its_usage_on_the_last_choice_and_no_done_ends_whole(
     text = urllib.request.urlopen(proxy.url + "/metrics", timeout=5).read().decode()
     assert 'ferry_requests_total{instance="i0",outcome="ok"} 1.0' in text
     assert "failed (stream_broken)" not in caplog.text
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_a_stream_compressed_against_the_ask_is_refused_by_its_encoding(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """Ferry asks instances for identity and reads each event of a stream (its
+    tokens, its end, a move); one that gzips its stream anyway was a 502 saying
+    the stream "ended before its [DONE]". The stream goes to an instance that
+    does not; where none is left, the 502 names the encoding."""
+    (gzipped, a), (plain, b) = standins(2, itl_s=0.001)
+    gzipped.gzip_stream = True
+    proxy = ferry(
+        [a.url, b.url], instances_migration=migration, scheduler={"policy": "round_robin"}
+    )
+    chunks = client(proxy).completions.create(
+        model="standin", prompt="x", max_tokens=3, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == " tok" * 3
+    assert gzipped.served == 1 and plain.served == 1  # tried there first, then elsewhere
+    plain.gzip_stream = True
+    body = {"model": "standin", "prompt": "x", "max_tokens": 3, "stream": True}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+    assert answer.status_code == 502, answer.text
+    message = answer.json()["error"]["message"]
+    assert "Content-Encoding gzip" in message and "identity" in message, message
+    wait_until(lambda: proxy.view("i0").inflight == 0 and proxy.view("i1").inflight == 0)

@@ -1939,3 +1939,23 @@ def test_a_finished_stream_its_server_leaves_open_without_done_ends_at_once(
     ok = f'ferry_requests_total{{instance="{last}",outcome="ok"}} 1.0'
     wait_until(lambda: ok in metrics(proxy.url))
     wait_until(lambda: proxy.view(last).inflight == 0)
+
+
+def test_a_continuation_compressed_against_the_ask_is_refused(standins: Any, ferry: Any) -> None:
+    """A destination that gzips its stream though asked for identity was taken
+    as the stream's new source, and its events, unread, broke it again: the
+    continuation is refused there and held against it, and the client told
+    the stream could not go on."""
+    (source, a), (gzipped, b) = standins(2, itl_s=0.001)
+    source.break_after = 4
+    gzipped.gzip_stream = True
+    proxy = ferry([a.url, b.url], instances_migration="lite", scheduler={"policy": "round_robin"})
+    body = {"model": "standin", "prompt": "x", "max_tokens": 12, "stream": True}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+    events = [e for e in answer.text.split("\n\n") if e]
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:4]] == [" tok"] * 4
+    assert "could not resume" in events[-2] and events[-1] == "data: [DONE]"
+    text = metrics(proxy.url)
+    assert 'ferry_migrations_total{outcome="destination_failed",reason="failover"} 1.0' in text
+    assert gzipped.served == 1  # asked once, and refused
+    wait_until(lambda: proxy.view("i0").inflight == 0 and proxy.view("i1").inflight == 0)
