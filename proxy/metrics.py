@@ -13,7 +13,8 @@ and so is the scaling signal (`ferry_desired_instances`, proxy/policy/scaling.py
 Freeness is always finite: a draining instance (freeness -inf to the scheduler)
 exports the freeness it would have without the drain, and `ferry_instance_draining`
 says it drains; an unhealthy instance's freeness and engine KV usage are NaN (its
-last look's figures are not its load). The process, GC and platform collectors run on Ferry's registry.
+last look's figures are not its load). The process, GC and platform collectors
+run on Ferry's registry.
 """
 
 from __future__ import annotations
