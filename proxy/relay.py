@@ -300,7 +300,13 @@ class Relay:
                 elif body is not None and stream and not answered_whole:
                     ending = StreamEnd.of(body, endpoint)
                     response, outcome = await self._stream(
-                        request, upstream, call, wants_ids, timing, ending
+                        request,
+                        upstream,
+                        call,
+                        wants_ids,
+                        timing,
+                        ending,
+                        token_ids.PromptCount(body),
                     )
                 else:
                     try:
@@ -318,7 +324,12 @@ class Relay:
                         if (fault := _server_error(answer)) is not None:
                             raise ErrorFirst(fault)
                     response, outcome = await self._whole(
-                        upstream, call, wants_ids, passthrough=body is None, raw=answer
+                        upstream,
+                        call,
+                        wants_ids,
+                        passthrough=body is None,
+                        raw=answer,
+                        prompts=token_ids.PromptCount(body),
                     )
                     if isinstance(response, web.Response):
                         call.close()  # the instance is done: its load leaves the ledger
@@ -512,8 +523,10 @@ class Relay:
         raw: bytes | None = None,
         *,
         ours: bool = False,
+        prompts: token_ids.PromptCount | None = None,
     ) -> tuple[web.StreamResponse, str]:
-        """The instance's whole answer (`raw`, if read already) for the client.
+        """The instance's whole answer (`raw`, if read already) for the client;
+        `prompts` counts its prompt tokens from the ids it reports.
         An answer that is not one (a redirect, an interim status, a 2xx other
         than 200 to a request Ferry read, a 401/403 to the credentials Ferry
         sent: `ours`) is the instance's failure, a 502; a 4xx that is not JSON
@@ -555,7 +568,7 @@ class Relay:
             return answer, outcome
         outcome = "ok" if status < 400 else "upstream_429" if status == 429 else "upstream_4xx"
         if status == 200 and not passthrough:
-            raw = self._account_whole(raw, call, wants_ids)
+            raw = self._account_whole(raw, call, wants_ids, prompts or token_ids.PromptCount(None))
         headers = answer_headers(upstream)
         kind = upstream.headers.get("Content-Type", "application/json")
         headers["Content-Type"] = kind if writable(kind) else "application/json"
@@ -566,8 +579,12 @@ class Relay:
         response = web.Response(status=status, body=raw, headers=headers)
         return response, outcome
 
-    def _account_whole(self, raw: bytes, call: Call, wants_ids: bool) -> bytes:
-        prompt, generated, seen = token_ids.scan(raw)
+    def _account_whole(
+        self, raw: bytes, call: Call, wants_ids: bool, prompts: token_ids.PromptCount
+    ) -> bytes:
+        prompt, longest, generated, seen = token_ids.scan(raw)
+        if prompt is not None:
+            prompt = prompts.add(prompt, longest)
         if not seen:  # an engine that reports no token ids: estimate them
             prompt, generated, _ = token_ids.estimate(raw, call.entry.generated_tokens)
         if prompt is not None:
@@ -591,6 +608,7 @@ class Relay:
         wants_ids: bool,
         timing: sse.TokenTiming,
         ending: StreamEnd,
+        prompts: token_ids.PromptCount,
     ) -> tuple[web.StreamResponse, str]:
         """A stream that cannot move: relay its events as they come."""
         events = sse.Events(self.upstreams.max_answer_bytes)
@@ -606,7 +624,7 @@ class Relay:
                 return b""
             seen = False
             for event in whole.split(b"\n\n")[:-1]:
-                if self._account_event(event, call, timing):
+                if self._account_event(event, call, timing, prompts):
                     seen = True
                 elif ending.fault is None:  # no ids: an error event is one such
                     ending.fault = _error_in(event)
@@ -778,13 +796,17 @@ class Relay:
     def _keep_alive(self) -> sse.KeepAliveWatch:
         return sse.KeepAliveWatch(self.upstreams.stream_timeout.sock_read or 0.0, self.clock)
 
-    def _account_event(self, event: bytes, call: Call, timing: sse.TokenTiming) -> bool:
+    def _account_event(
+        self, event: bytes, call: Call, timing: sse.TokenTiming, prompts: token_ids.PromptCount
+    ) -> bool:
         """Credit one event's tokens to the ledger and the timing; whether it
         carried token-id fields (the engine reports them)."""
         data = sse.data_of(event)
         if data is None or not data.startswith(b"{"):  # [DONE], comments, other fields
             return False
-        prompt, generated, seen = token_ids.scan(data)
+        prompt, longest, generated, seen = token_ids.scan(data)
+        if prompt is not None:
+            prompt = prompts.add(prompt, longest)
         token = generated > 0
         if not seen:  # an engine that reports no token ids: estimate them
             prompt, generated, token = token_ids.estimate(data, call.entry.generated_tokens)

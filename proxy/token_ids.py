@@ -59,20 +59,45 @@ def upstream_body(
     return {**body, **token_id_fields}, False
 
 
-def scan(data: bytes) -> tuple[int | None, int, bool]:
-    """(prompt tokens if reported, tokens generated, whether any id field was seen)
-    in one stream chunk or whole response, completions or chat."""
+def scan(data: bytes) -> tuple[int | None, int, int, bool]:
+    """(the prompt ids reported, summed over the choices that report them, if
+    any; the longest of them; tokens generated; whether any id field was seen)
+    in one stream chunk or whole response, completions or chat. `PromptCount`
+    makes the request's prompt tokens of the first two."""
     prompt: int | None = None
-    generated = 0
+    longest = generated = 0
     seen = False
     for key, ids in _IDS.findall(data):  # (findall: half finditer's cost per chunk)
         seen = True
         n = ids.count(b",") + 1 if ids.strip() else 0
         if key == b"token_ids":
             generated += n
-        elif prompt is None:  # n > 1 choices repeat the prompt; count it once
-            prompt = n
-    return prompt, generated, seen
+        else:  # (a stream's first chunk of each choice only)
+            prompt = n if prompt is None else prompt + n
+            longest = max(longest, n)
+    return prompt, longest, generated, seen
+
+
+class PromptCount:
+    """A request's prompt tokens from the prompt ids its answer reports, as the
+    engine's `usage` counts them. Each choice reports its prompt's ids (a
+    stream in its first chunk): the `n` choices of one prompt the same ones, a
+    batch's prompts (a completion's list of them) each their own; the count is
+    the sum over the prompts. Until every choice has reported (a stream), the
+    longest prompt seen stands for the rest."""
+
+    __slots__ = ("per_prompt", "reported", "longest")
+
+    def __init__(self, body: Mapping[str, Any] | None) -> None:
+        n = body.get("n") if body is not None else None
+        self.per_prompt = n if type(n) is int and n > 0 else 1
+        self.reported = self.longest = 0
+
+    def add(self, reported: int, longest: int) -> int:
+        """Take in what `scan` found of the prompt ids; the count so far."""
+        self.reported += reported
+        self.longest = max(self.longest, longest)
+        return max(self.longest, -(-self.reported // self.per_prompt))
 
 
 def prompt_ids(data: bytes) -> list[int] | None:

@@ -78,6 +78,39 @@ def test_chat_matches_a_direct_call(proxy: Any, vllm_pair: list[VLLMServer], str
     assert text == direct and text
 
 
+def prompt_tokens_counted(url: str) -> float:
+    """`ferry_prompt_tokens_total`, over all its series."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    prefix = "ferry_prompt_tokens_total{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_is_counted_as_vllm_counts_it(
+    proxy: Any, vllm_pair: list[VLLMServer], stream: bool
+) -> None:
+    """Each choice reports its own prompt's ids, the n of one prompt the same:
+    only the first choice's were counted (a batch of 8 prompts of 294 tokens
+    was billed 294, in the ledger and in `ferry_prompt_tokens_total`)."""
+    args: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": [PROMPT, "hello there", "abc"],
+        "max_tokens": 4,
+        "n": 2,
+    }
+    direct = api(vllm_pair[0].url).completions.create(**args)
+    assert direct.usage is not None
+    before = prompt_tokens_counted(proxy.url)
+    if stream:  # (no usage asked for: the count is Ferry's own)
+        chunks = list(api(proxy.url).completions.create(stream=True, **args))
+        assert {c.choices[0].index for c in chunks if c.choices} == set(range(6))
+    else:
+        assert len(api(proxy.url).completions.create(**args).choices) == 6
+    expected = direct.usage.prompt_tokens
+    wait_until(lambda: prompt_tokens_counted(proxy.url) - before == expected, timeout=10)
+
+
 def test_a_request_as_vllm_takes_it_is_taken_alike(proxy: Any, vllm_pair: list[VLLMServer]) -> None:
     """Bodies vLLM's pydantic reads leniently (no `model`, `n` as 2.0 or "2")
     get through Ferry what they get from vLLM itself, and so do `/version`

@@ -64,7 +64,7 @@ def test_token_ids_are_counted_and_hidden() -> None:
         b'{"id":"cmpl-1","choices":[{"index":0,"text":"e","prompt_token_ids":[45,74,81],'
         b'"token_ids":[74]}]}'
     )
-    assert token_ids.scan(completion) == (3, 1, True)
+    assert token_ids.scan(completion) == (3, 3, 1, True)
     assert token_ids.hide(completion) == (
         b'{"id":"cmpl-1","choices":[{"index":0,"text":"e","prompt_token_ids":null,'
         b'"token_ids":null}]}'
@@ -72,11 +72,11 @@ def test_token_ids_are_counted_and_hidden() -> None:
     chat_first = (
         b'{"choices":[{"delta":{"role":"assistant","content":""}}],"prompt_token_ids":[3,4]}'
     )
-    assert token_ids.scan(chat_first) == (2, 0, True)
+    assert token_ids.scan(chat_first) == (2, 2, 0, True)
     # Text that merely mentions the key is escaped inside JSON and never matches.
     tricky = b'{"choices":[{"text":"\\"token_ids\\":[1,2]","token_ids":[]}]}'
-    assert token_ids.scan(tricky) == (None, 0, True)
-    assert token_ids.scan(b'{"choices":[{"text":"hi","token_ids":null}]}') == (None, 0, False)
+    assert token_ids.scan(tricky) == (None, 0, 0, True)
+    assert token_ids.scan(b'{"choices":[{"text":"hi","token_ids":null}]}') == (None, 0, 0, False)
 
 
 @pytest.mark.parametrize(

@@ -58,12 +58,12 @@ def test_hide_nulls_the_id_arrays_and_leaves_every_other_byte() -> None:
         b'\n\ndata: {"id":"c","choices":[{"text":"\\"token_ids\\":[","prompt_token_ids":null,'
         b'"token_ids":null}]}\n\n'
     )
-    assert token_ids.scan(first) == (3, 1, True)
-    assert token_ids.scan(second) == (None, 0, True)
+    assert token_ids.scan(first) == (3, 3, 1, True)
+    assert token_ids.scan(second) == (None, 0, 0, True)
     # An array cut off at a line's end is no array: nothing runs into the next event.
     cut = b'data: {"token_ids":[1,2\n\ndata: {"token_ids":[3]}'
     assert token_ids.hide(cut) == b'data: {"token_ids":[1,2\n\ndata: {"token_ids":null}'
-    assert token_ids.scan(cut) == (None, 1, True)
+    assert token_ids.scan(cut) == (None, 0, 1, True)
 
 
 def test_prompt_ids_that_are_not_integers_are_none() -> None:
@@ -74,3 +74,26 @@ def test_prompt_ids_that_are_not_integers_are_none() -> None:
     assert token_ids.prompt_ids(b'{"prompt_token_ids":[true,false]}') is None
     assert token_ids.prompt_ids(b'{"prompt_token_ids":[1.5]}') is None
     assert token_ids.prompt_ids(b'{"text":"x"}') is None
+
+
+def test_a_batch_counts_each_prompt_and_n_choices_one() -> None:
+    """Each choice reports its prompt's ids: a batch's prompts are summed (as
+    vLLM's usage counts them), the n choices of one prompt counted once. Only
+    the first prompt was counted: a batch of 8 prompts of 294 tokens was billed
+    294, in the ledger and in `ferry_prompt_tokens_total`."""
+    whole = (
+        b'{"choices":[{"index":0,"prompt_token_ids":[1,2,3],"token_ids":[9]},'
+        b'{"index":1,"prompt_token_ids":[4,5],"token_ids":[9,9]}]}'
+    )
+    prompt, longest, generated, _ = token_ids.scan(whole)
+    assert (prompt, longest, generated) == (5, 3, 3)
+    assert token_ids.PromptCount({"prompt": ["a b c", "d e"]}).add(prompt, longest) == 5
+    # n = 2 of one prompt: both choices report it.
+    assert token_ids.PromptCount({"n": 2}).add(6, 3) == 3
+    # A stream reports each choice's prompt in its first chunk: the longest
+    # stands for the rest until they come, then the sum over the prompts.
+    per_choice = token_ids.PromptCount({"n": 2})
+    assert [per_choice.add(3, 3), per_choice.add(3, 3)] == [3, 3]
+    batch = token_ids.PromptCount({"n": 2, "prompt": ["a b c", "d e"]})
+    assert [batch.add(*r) for r in ((3, 3), (3, 3), (2, 2), (2, 2))] == [3, 3, 4, 5]
+    assert token_ids.PromptCount({"n": "2"}).per_prompt == 1  # (vLLM refuses it first)
