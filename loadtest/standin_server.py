@@ -79,6 +79,9 @@ class StandIn:
         # an idle keep-alive connection just as the proxy reuses it
         self.drop_next = 0
         self.headers_delay_s = 0.0  # tests: a busy server sends a stream's headers late
+        # tests: take a request, then cut its connection this long after without
+        # an answer (an engine that dies while it generates a whole answer)
+        self.drop_after_s: float | None = None
         # tests: a stream's usage chunk (`stream_options.include_usage`) comes this
         # long after its last token, as a separate write (vLLM's are, too)
         self.usage_delay_s = 0.0
@@ -405,6 +408,10 @@ class StandIn:
                 raw.write(piece)
                 await asyncio.sleep(0.05)
             raw.close()
+            return web.Response()  # never sent: the connection is gone
+        if self.drop_after_s is not None and request.transport is not None:
+            await asyncio.sleep(self.drop_after_s)
+            request.transport.abort()
             return web.Response()  # never sent: the connection is gone
         self._refuse_if_told()
         chat = request.path.endswith("/chat/completions") or "messages" in body

@@ -156,8 +156,18 @@ class Placement:
             return frozenset()
         return frozenset(n for n, length in lengths.items() if length < reach)
 
-    def _draining(self, model: str, exclude: set[str]) -> list[InstanceView]:
-        """Draining instances that may still take a stream of `model`."""
+    def rescue(self, model: str | None, exclude: frozenset[str]) -> InstanceView | None:
+        """Where a request whose instance failed it goes when no other instance
+        takes new ones: a draining instance (see `destination`'s rescue), which
+        answers it rather than it being lost. None for a request that names no
+        model (a pass-through)."""
+        if model is None:
+            return None
+        return self._least_busy(self._draining(model, set(exclude), moves=False))
+
+    def _draining(self, model: str, exclude: set[str], moves: bool = True) -> list[InstanceView]:
+        """Draining instances that may still take a stream of `model` (`moves`:
+        a moved one, so only those with migration on)."""
         instances = self.cluster.instances
         return [
             v
@@ -166,16 +176,19 @@ class Placement:
             and v.healthy  # not ejected either
             and v.name not in exclude
             and model in v.models
-            and instances[v.name].config.migration != "off"
+            and (not moves or instances[v.name].config.migration != "off")
             and not instances[v.name].leaving
         ]
 
     def _draining_destination(self, model: str, exclude: set[str]) -> str | None:
-        views = self._draining(model, exclude)
+        chosen = self._least_busy(self._draining(model, exclude))
+        return None if chosen is None else chosen.name
+
+    def _least_busy(self, views: list[InstanceView]) -> InstanceView | None:
         if not views:
             return None
         # Freeness is -inf while draining: the fewest in flight instead.
-        return best(views, [-float(v.inflight) for v in views], self.rng).name
+        return best(views, [-float(v.inflight) for v in views], self.rng)
 
     def cached_for(self, ids: Sequence[int], instance: str) -> dict[str, int]:
         """Tokens of the id sequence `ids` (a stream's prompt + generated) that the

@@ -160,14 +160,24 @@ class Relay:
                     reach,
                 )
             except NoCandidate as exc:
-                if failed is not None:
-                    self._judge(retried, "no_instance")
-                    return failed
-                if exc.model_unknown:
-                    return error_response(404, exc.reason, code="model_not_found", param="model")
-                return error_response(
-                    503, exc.reason, code="no_instance", headers={"Retry-After": self.retry_after}
-                )
+                # A request an instance failed is answered by a draining one
+                # where no other is left, as a broken stream is resumed there.
+                rescue = None if failed is None else self.placement.rescue(model, frozenset(tried))
+                if rescue is None:
+                    if failed is not None:
+                        self._judge(retried, "no_instance")
+                        return failed
+                    if exc.model_unknown:
+                        return error_response(
+                            404, exc.reason, code="model_not_found", param="model"
+                        )
+                    return error_response(
+                        503,
+                        exc.reason,
+                        code="no_instance",
+                        headers={"Retry-After": self.retry_after},
+                    )
+                chosen, cached = rescue, 0
             if again is not None:
                 self._retrying(record, *again)
                 again = None

@@ -201,6 +201,16 @@ class TLSFilesUnusable(aiohttp.ClientOSError):
     `sse.CONNECT_ERRORS`, as a connection that failed."""
 
 
+# A pooled connection the engine closed as it was reused fails at once (its
+# close or reset was on the way); a call that fails later got to the engine.
+STALE_CONNECTION_S = 0.5
+
+
+class DroppedWhileAnswering(aiohttp.ClientPayloadError):
+    """The instance closed the connection while it had the call's request (not
+    at once, as a stale pooled connection does): the call broke there."""
+
+
 class InstanceStopped(aiohttp.ServerTimeoutError):
     """A wait given up because its instance stopped answering (proxy/scraper.py `on_down`)."""
 
@@ -359,6 +369,7 @@ class Upstreams:
     ) -> None:
         self.cluster = cluster
         self.session = session
+        self.clock = clock
         self.waits = Waits(clock)
         self.max_answer_bytes = server.max_answer_bytes
         self._short_of_files = ShortageLog(log, clock)
@@ -442,6 +453,7 @@ class Upstreams:
         try:
             secure = await tls_of(config)
             async with self.waits(call.instance, call.entry.model):
+                sent = self.clock()
                 try:
                     call.response = await self.session.request(
                         method, url, data=data, headers=headers, params=params, **secure,
@@ -449,7 +461,13 @@ class Upstreams:
                     )  # fmt: skip
                 except aiohttp.ClientConnectorError:
                     raise
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    if self.clock() - sent > STALE_CONNECTION_S:
+                        # The engine had the request a while (it died generating
+                        # a whole answer): sent again, it would run twice on an
+                        # engine still up, and fail as "cannot connect" on one
+                        # that is gone. The call broke; the relay tries elsewhere.
+                        raise DroppedWhileAnswering(f"{type(exc).__name__}: {exc}") from exc
                     # Most likely a pooled keep-alive connection the engine closed
                     # just as it was reused: the request never got there, and one
                     # failure of that kind says nothing about the instance. Once

@@ -742,12 +742,37 @@ def test_an_instance_that_leads_back_to_ferry_ends_the_round_at_once(
     added = {"name": "self", "url": proxy.url, "engine": "openai"}
     assert send(proxy.url + "/admin/instances", "POST", added)[0] == 201
     wait_until(lambda: rows(proxy.url)["self"]["healthy"] and proxy.view("self").models)
-    assert send(proxy.url + "/admin/instances/i0/drain", "POST")[0] == 200
+    assert send(proxy.url + "/admin/instances/i0", "DELETE")[0] == 202
+    wait_until(lambda: "i0" not in rows(proxy.url))
     answer = httpx.post(
         proxy.url + "/v1/completions", json={"model": "standin", "prompt": "x"}, timeout=10
     )
     assert answer.status_code == 502 and "leads to Ferry itself" in answer.text
     assert standin.served == 0
+
+
+def test_a_request_its_instance_failed_is_answered_by_a_draining_one_if_none_else(
+    standins: Any, ferry: Any
+) -> None:
+    """A request an instance failed, with no instance left but one draining, was
+    answered with the failure (a 503) where its streams were resumed on the
+    draining one: it is answered there, whole or streamed. A new request is
+    still refused: a drain takes none."""
+    (draining, draining_site), (failing, failing_site) = standins(2, itl_s=0.001)
+    failing.break_whole = True
+    proxy = ferry([draining_site.url, failing_site.url], admin_token=TOKEN)
+    wait_until(lambda: all(r["healthy"] for r in rows(proxy.url).values()))
+    assert send(proxy.url + "/admin/instances/i0/drain", "POST")[0] == 200
+    body = {"model": "standin", "prompt": "x", "max_tokens": 3}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-ferry-instance"] == "i0"
+    assert answer.json()["choices"][0]["text"] == " tok" * 3
+    assert draining.served == 1
+    failing.break_whole, failing.drop_next = False, 2  # (a stream cut before its headers, twice)
+    streamed = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": True}, timeout=10)
+    assert streamed.status_code == 200 and streamed.headers["x-ferry-instance"] == "i0"
+    assert streamed.text.endswith("data: [DONE]\n\n") and draining.served == 2
 
 
 def test_a_runtime_address_is_not_read_from_ferrys_environment(

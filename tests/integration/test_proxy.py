@@ -392,6 +392,29 @@ def test_a_request_its_engine_hangs_up_on_leaves_the_instance_in_use(
     assert choking.served >= 1 and choking.drop_next == 0
 
 
+def test_a_call_dropped_while_its_engine_worked_is_not_sent_there_again(
+    standins: Any, ferry: Any
+) -> None:
+    """An engine that closes the connection a while after it took a request (it
+    died generating a whole answer) had the request sent to it again, as to a
+    stale pooled connection: on an engine still up the generation ran twice, and
+    on one that is gone the client's error said it could not connect. It goes
+    to another instance, counted as a broken call, not a failed connect."""
+    (dropping, a), (other, b) = standins(2, itl_s=0.001)
+    dropping.drop_after_s = 1.0
+    proxy = ferry([a.url, b.url], scheduler={"scrape_interval_s": 60, "policy": "round_robin"})
+    with client(proxy) as api:
+        for _ in range(2):  # round robin: one of them goes to the dropping one first
+            out = api.completions.create(model="standin", prompt="x", max_tokens=2)
+            assert out.choices[0].text == " tok" * 2
+    dropped = len(dropping.seen_bodies)  # each once: none sent there again
+    assert dropped >= 1 and other.served == 2
+    text = get(proxy.url + "/metrics")[1]["raw"]
+    assert f'ferry_requests_total{{instance="i0",outcome="upstream_error"}} {dropped}.0' in text
+    assert 'ferry_requests_total{instance="i0",outcome="connect_error"} 0.0' in text
+    assert proxy.view("i0").healthy
+
+
 def test_admin_requires_the_token_and_drains(standins: Any, ferry: Any) -> None:
     sites = standins(2, itl_s=0.001)
     proxy = ferry([s.url for _, s in sites], admin_token="sekret")
