@@ -701,6 +701,14 @@ class LiveStream:
         call = self.upstreams.begin(
             dest, request.model, request.priority, tokens, self.clock(), cached_tokens
         )
+        order = self._order
+        # A move whose source goes on: a destination that stops answering is
+        # given up once it is seen to, whether or not another takes the model.
+        source_goes_on = (
+            order is not None
+            and order.reason != "failover"
+            and not (order.source_stopped or self._source_stopped)
+        )
         try:
             upstream = await self.upstreams.send(
                 call,
@@ -709,6 +717,7 @@ class LiveStream:
                 sse.dumps(body),
                 stream=True,
                 headers={**request.headers, "Content-Type": "application/json"},
+                fallback=source_goes_on,
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("continuation on %s failed: %s", dest, _why(exc))

@@ -293,20 +293,27 @@ class Migrator:
         where nothing reached its client, and ends with an error event where
         something did. Returns how many. Those whose model no other instance
         serves now wait on: given up, a call would be a 503 and a failover find
-        nowhere, where the instance thawed would answer them."""
+        nowhere, where the instance thawed would answer them. A draining instance
+        counts (a failed call or a broken stream is taken there where no other
+        is left; a stream only with migration on), one being removed does not;
+        a move's continuation is given up wherever (its stream goes on)."""
         others = [
             state
             for name, state in self.cluster.instances.items()
-            if name != instance and state.healthy and not state.draining
+            if name != instance and state.healthy and not state.leaving
         ]
 
-        def elsewhere(model: str | None) -> bool:
-            return any(model is None or model in state.models for state in others)
+        def elsewhere(model: str | None, stream: bool = False) -> bool:
+            return any(
+                (model is None or model in state.models)
+                and not (stream and state.draining and state.config.migration == "off")
+                for state in others
+            )
 
         hung = [
             s
             for s in self.streams_on(instance)
-            if s.timing.quiet_s() >= HUNG_AFTER_S and elsewhere(s.request.model)
+            if s.timing.quiet_s() >= HUNG_AFTER_S and elsewhere(s.request.model, stream=True)
         ]
         for stream in hung:
             if stream.claimed:

@@ -220,12 +220,17 @@ class Waiting:
     instance while it lasts, ended by `Waits.give_up` with `InstanceStopped`.
     A stream's wait spans its reads, and counts from the last bytes `heard`.
     Once the answer is whole (`whole_in`), the wait for the end of its body is
-    bounded, and the block is left quietly when it is over."""
+    bounded, and the block is left quietly when it is over. `fallback`: its
+    caller has somewhere to go back to (a move's continuation: the stream goes
+    on where it is), so it may be given up wherever its model is served."""
 
-    __slots__ = ("_deadline", "_waits", "instance", "model", "since", "whole")
+    __slots__ = ("_deadline", "_waits", "fallback", "instance", "model", "since", "whole")
 
-    def __init__(self, waits: Waits, instance: str, model: str | None) -> None:
+    def __init__(
+        self, waits: Waits, instance: str, model: str | None, fallback: bool = False
+    ) -> None:
         self._waits, self.instance, self.model = waits, instance, model
+        self.fallback = fallback
         self._deadline = asyncio.timeout(None)
         self.since = 0.0
         self.whole = False
@@ -281,18 +286,20 @@ class Waits:
         self.clock = clock
         self.on: dict[str, set[Waiting]] = {}
 
-    def __call__(self, instance: str, model: str | None = None) -> Waiting:
-        return Waiting(self, instance, model)
+    def __call__(self, instance: str, model: str | None = None, fallback: bool = False) -> Waiting:
+        return Waiting(self, instance, model, fallback)
 
     def give_up(
         self, instance: str, waited_s: float, elsewhere: Callable[[str | None], bool]
     ) -> int:
         """End the waits on `instance` that began `waited_s` ago or more, for a
-        model that can go `elsewhere`; how many. Each is ended once: it leaves
-        the register now, not when its task runs."""
+        model that can go `elsewhere` (or with a `fallback`); how many. Each is
+        ended once: it leaves the register now, not when its task runs."""
         waiting = self.on.get(instance, set())
         now = self.clock()
-        stale = [w for w in waiting if now - w.since >= waited_s and elsewhere(w.model)]
+        stale = [
+            w for w in waiting if now - w.since >= waited_s and (w.fallback or elsewhere(w.model))
+        ]
         for wait in stale:
             waiting.discard(wait)
             wait.give_up()
@@ -435,11 +442,13 @@ class Upstreams:
         headers: Mapping[str, str] | None = None,
         params: Mapping[str, str] | None = None,
         stages: TTFTStages | None = None,
+        fallback: bool = False,
     ) -> aiohttp.ClientResponse:
         """Send the call's request. A connect failure closes the call, marks the
         instance unreachable and is raised (one of `sse.CONNECT_ERRORS`); any
         other failure closes the call and is raised. `stages` (a client's first
-        call) is marked as the call starts and has its connection."""
+        call) is marked as the call starts and has its connection. `fallback`:
+        the caller can do without the call (see `Waiting`)."""
         config = self.cluster.instances[call.instance].config
         auth = config.auth_headers()
         if auth:  # the instance's own credentials replace the client's
@@ -452,7 +461,7 @@ class Upstreams:
         url = self.url(call.instance) + path
         try:
             secure = await tls_of(config)
-            async with self.waits(call.instance, call.entry.model):
+            async with self.waits(call.instance, call.entry.model, fallback):
                 sent = self.clock()
                 try:
                     call.response = await self.session.request(

@@ -566,6 +566,46 @@ def test_requests_on_a_frozen_instance_with_nowhere_else_to_go_wait_for_it(
     assert results == [" tok" * 5] * 2
 
 
+def test_a_drain_move_to_an_instance_that_freezes_is_given_up_and_the_stream_stays(
+    standins: Any, ferry: Any
+) -> None:
+    """A drain's move whose destination froze as it was handed the stream waited
+    on it, the stream stalled, until the destination thawed (or the idle
+    timeout): no other instance took the model, the source draining. The source
+    goes on, so the continuation is given up once the freeze shows, and the
+    stream ends where it was."""
+    sites = standins(2, itl_s=0.02)
+    proxy = ferry(
+        [site.url for _, site in sites],
+        instances_migration="lite",
+        admin_token="t",
+        scheduler={
+            "scrape_interval_s": 0.05,
+            "scrape_timeout_s": 0.2,
+            "unhealthy_after_failures": 2,
+        },
+    )
+    wait_until(lambda: proxy.view("i0").healthy and proxy.view("i1").healthy)
+    texts: list[str] = []
+    stream = api(proxy.url).completions.create(
+        model="standin", prompt="x", max_tokens=50, stream=True
+    )
+    started = time.monotonic()
+    for chunk in stream:
+        texts.append(chunk.choices[0].text)
+        if len(texts) == 3:
+            name, _ = _busy(sites)
+            dest = next(s for n, (s, _) in enumerate(sites) if f"i{n}" != name)
+            dest.headers_delay_s = 6.0  # it takes the continuation, and answers nothing
+            _drain(proxy, name)
+            time.sleep(0.2)
+            freeze(dest, 6.0)
+    assert "".join(texts) == " tok" * 50
+    assert time.monotonic() - started < 4.5  # 1 s of tokens and a 1 s wait, not 6
+    text = metrics(proxy.url)
+    assert 'ferry_migrations_total{outcome="destination_failed",reason="drain"} 1.0' in text
+
+
 @pytest.mark.parametrize("migration", ["off", "lite"])
 def test_a_stream_still_waiting_for_its_first_token_on_a_frozen_instance_goes_elsewhere(
     standins: Any, ferry: Any, migration: str
@@ -1269,6 +1309,7 @@ def test_a_stream_whose_move_is_submitted_is_not_planned_again(standins: Any, fe
     proxy = ferry(
         [site.url for _, site in sites],
         instances_migration="lite",
+        admin_token="t",
         scheduler={"policy": "round_robin", "migration_prewarm": False},
     )
     migrator = proxy.site.app[MIGRATOR]
