@@ -297,10 +297,15 @@ class Migrator:
         counts (a failed call or a broken stream is taken there where no other
         is left; a stream only with migration on), one being removed does not;
         a move's continuation is given up wherever (its stream goes on)."""
+        cluster = self.cluster
         others = [
             state
-            for name, state in self.cluster.instances.items()
-            if name != instance and state.healthy and not state.leaving
+            for name, state in cluster.instances.items()
+            if name != instance
+            and state.healthy
+            and not state.leaving
+            # (Ejected, a draining one takes nothing: no rescue goes there.)
+            and not (state.draining and cluster.ejected_for(name))
         ]
 
         def elsewhere(model: str | None, stream: bool = False) -> bool:

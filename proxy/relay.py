@@ -816,7 +816,7 @@ class Relay:
             return False
         prompt, longest, generated, seen = token_ids.scan(data)
         if prompt is not None:
-            prompt = prompts.add(prompt, longest)
+            prompt = prompts.add(prompt, longest, data)
         token = generated > 0
         if not seen:  # an engine that reports no token ids: estimate them
             prompt, generated, token = token_ids.estimate(data, call.entry.generated_tokens)

@@ -28,6 +28,7 @@ _IDS = re.compile(rb'"(prompt_token_ids|token_ids)"\s*:\s*\[([^\]\n]*)\]')
 _GENERATED_IDS = re.compile(rb'"token_ids"\s*:\s*\[[^\]\n]*\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids"\s*:\s*\[[^\]\n]*\]')
 _PROMPT_KEY = b'"prompt_token_ids"'
+_INDEX = re.compile(rb'"index"\s*:\s*(\d+)')  # a choice's (in a chunk that reports prompt ids)
 # OpenAI's rule of thumb for English: about 4 characters a token. Only engines
 # that report no ids are counted this way; a wrong guess shifts their block
 # count, not which requests they hold.
@@ -84,19 +85,24 @@ class PromptCount:
     stream in its first chunk): the `n` choices of one prompt the same ones, a
     batch's prompts (a completion's list of them) each their own; the count is
     the sum over the prompts. Until every choice has reported (a stream), the
-    longest prompt seen stands for the rest."""
+    longest prompt seen stands for the rest. A stream chunk of choices that
+    reported already (a server that repeats the ids on every chunk) adds none."""
 
-    __slots__ = ("per_prompt", "reported", "longest")
+    __slots__ = ("per_prompt", "reported", "longest", "choices")
 
     def __init__(self, body: Mapping[str, Any] | None) -> None:
         n = body.get("n") if body is not None else None
         self.per_prompt = n if type(n) is int and n > 0 else 1
         self.reported = self.longest = 0
+        self.choices: set[bytes] = set()  # the `index` of each that reported
 
-    def add(self, reported: int, longest: int) -> int:
-        """Take in what `scan` found of the prompt ids; the count so far."""
-        self.reported += reported
-        self.longest = max(self.longest, longest)
+    def add(self, reported: int, longest: int, data: bytes = b"") -> int:
+        """Take in what `scan` found of the prompt ids in `data`; the count so far."""
+        choices = set(_INDEX.findall(data))
+        if not choices or not choices <= self.choices:
+            self.choices |= choices
+            self.reported += reported
+            self.longest = max(self.longest, longest)
         return max(self.longest, -(-self.reported // self.per_prompt))
 
 

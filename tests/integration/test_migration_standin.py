@@ -566,14 +566,15 @@ def test_requests_on_a_frozen_instance_with_nowhere_else_to_go_wait_for_it(
     assert results == [" tok" * 5] * 2
 
 
-def test_a_drain_move_to_an_instance_that_freezes_is_given_up_and_the_stream_stays(
-    standins: Any, ferry: Any
+@pytest.mark.parametrize("leave", ["drain", "remove"])
+def test_a_move_to_an_instance_that_freezes_is_given_up_and_the_stream_stays(
+    standins: Any, ferry: Any, leave: str
 ) -> None:
-    """A drain's move whose destination froze as it was handed the stream waited
-    on it, the stream stalled, until the destination thawed (or the idle
-    timeout): no other instance took the model, the source draining. The source
-    goes on, so the continuation is given up once the freeze shows, and the
-    stream ends where it was."""
+    """A drain's or a removal's move whose destination froze as it was handed
+    the stream waited on it, the stream stalled, until the destination thawed
+    (or the idle timeout): no other instance took the model, the source leaving.
+    The source goes on, so the continuation is given up once the freeze shows,
+    and the stream ends where it was."""
     sites = standins(2, itl_s=0.02)
     proxy = ferry(
         [site.url for _, site in sites],
@@ -597,13 +598,68 @@ def test_a_drain_move_to_an_instance_that_freezes_is_given_up_and_the_stream_sta
             name, _ = _busy(sites)
             dest = next(s for n, (s, _) in enumerate(sites) if f"i{n}" != name)
             dest.headers_delay_s = 6.0  # it takes the continuation, and answers nothing
-            _drain(proxy, name)
+            if leave == "drain":
+                _drain(proxy, name)
+            else:
+                _admin(proxy, f"/admin/instances/{name}?migrate=true", method="DELETE")
             time.sleep(0.2)
             freeze(dest, 6.0)
     assert "".join(texts) == " tok" * 50
     assert time.monotonic() - started < 4.5  # 1 s of tokens and a 1 s wait, not 6
     text = metrics(proxy.url)
     assert 'ferry_migrations_total{outcome="destination_failed",reason="drain"} 1.0' in text
+
+
+@pytest.mark.parametrize("migration", ["off", "lite"])
+def test_requests_on_a_frozen_instance_wait_where_the_other_is_drained_and_ejected(
+    standins: Any, ferry: Any, migration: str
+) -> None:
+    """A draining instance takes what a frozen one cannot answer, where nothing
+    else is left; an ejected one takes nothing, so the frozen instance's calls
+    wait for its thaw, as they did before draining instances counted."""
+    (frozen, a), (flaky, b) = standins(2, itl_s=0.01)
+    proxy = ferry(
+        [a.url, b.url],
+        instances_migration=migration,
+        admin_token="t",
+        scheduler={
+            "policy": "round_robin",
+            "scrape_interval_s": 0.05,
+            "scrape_timeout_s": 0.2,
+            "unhealthy_after_failures": 2,
+            "eject_after_failures": 2,
+            "eject_base_s": 60.0,
+        },
+    )
+    wait_until(lambda: proxy.view("i0").healthy and proxy.view("i1").healthy)
+    flaky.fail_status = 500
+    client = api(proxy.url)
+    for _ in range(4):  # each answered: i1 fails its share, i0 answers them
+        client.completions.create(model="standin", prompt="hi", max_tokens=2)
+    wait_until(lambda: proxy.view("i1").ejected)
+    flaky.fail_status = None
+    _drain(proxy, "i1")
+    frozen.ttft_s = 3.0  # answers once thawed
+    results: list[str] = []
+
+    def ask(stream: bool) -> None:
+        if stream:
+            chunks = client.completions.create(
+                model="standin", prompt="hi", max_tokens=5, stream=True
+            )
+            results.append("".join(c.choices[0].text for c in chunks))
+        else:
+            answer = client.completions.create(model="standin", prompt="hi", max_tokens=5)
+            results.append(answer.choices[0].text)
+
+    askers = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    for asker in askers:
+        asker.start()
+    time.sleep(0.2)
+    freeze(frozen, 2.5)  # past HUNG_AFTER_S: the scrapes say it froze
+    for asker in askers:
+        asker.join(15)
+    assert results == [" tok" * 5] * 2
 
 
 @pytest.mark.parametrize("migration", ["off", "lite"])

@@ -764,9 +764,13 @@ def test_the_last_instance_serving_a_model_is_not_ejected(standins: Any, ferry: 
     )
     urllib.request.urlopen(drain, timeout=5).close()
     for _ in range(4):
-        status, _, _ = post(proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}')
-        assert status == 502
-    assert proxy.view("i0").dispatchable  # failing, but the only one
+        status, _, headers = post(
+            proxy.url + "/v1/completions", b'{"model":"standin","prompt":"x"}'
+        )
+        # i0 fails each; the draining i1 answers it, as nothing else is left
+        assert status == 200 and headers["x-ferry-instance"] == "i1"
+    assert len(bad.seen_bodies) == 4 and other.served == 4
+    assert proxy.view("i0").dispatchable  # failing, but the only one new requests go to
     undrain = urllib.request.Request(
         proxy.url + "/admin/instances/i1/undrain", data=b"", headers={"Authorization": "Bearer t"}
     )

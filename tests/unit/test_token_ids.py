@@ -97,3 +97,8 @@ def test_a_batch_counts_each_prompt_and_n_choices_one() -> None:
     batch = token_ids.PromptCount({"n": 2, "prompt": ["a b c", "d e"]})
     assert [batch.add(*r) for r in ((3, 3), (3, 3), (2, 2), (2, 2))] == [3, 3, 4, 5]
     assert token_ids.PromptCount({"n": "2"}).per_prompt == 1  # (vLLM refuses it first)
+    # A server that repeats a choice's prompt ids on each of its chunks: once.
+    repeated = token_ids.PromptCount({})
+    chunk = b'{"choices":[{"index":0,"text":"a","prompt_token_ids":[1,2,3],"token_ids":[7]}]}'
+    assert [repeated.add(3, 3, chunk) for _ in range(4)] == [3, 3, 3, 3]
+    assert repeated.reported == 3
