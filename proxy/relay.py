@@ -197,7 +197,9 @@ class Relay:
                 tag = uuid.uuid4().hex
                 params = {**(upstream_body.get("kv_transfer_params") or {}), wire.TAG: tag}
                 upstream_body = {**upstream_body, "kv_transfer_params": params}
-            data = raw if upstream_body is None else await _encoded(upstream_body, len(raw))
+            # Billed before the first await: an instance with nothing billed can
+            # be removed meanwhile (a large body is encoded in a thread), and
+            # the call then went to a name no longer there.
             call = self.upstreams.begin(
                 name,
                 model or "",
@@ -207,6 +209,11 @@ class Relay:
                 cached,
                 watched=stream and body is not None,
             )
+            try:
+                data = raw if upstream_body is None else await _encoded(upstream_body, len(raw))
+            except BaseException:
+                call.close()
+                raise
             try:
                 upstream = await self.upstreams.send(
                     call,

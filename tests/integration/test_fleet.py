@@ -775,6 +775,42 @@ def test_a_request_its_instance_failed_is_answered_by_a_draining_one_if_none_els
     assert streamed.text.endswith("data: [DONE]\n\n") and draining.served == 2
 
 
+def test_an_instance_removed_while_a_request_to_it_is_encoded_waits_for_it(
+    standins: Any, ferry: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large body is encoded in a thread after its instance is chosen: billed
+    only after that, the instance could be removed meanwhile (nothing in flight
+    on it), and the request was a 500 (a KeyError) whose bill stayed on the
+    name for good, a later removal never done. Billed at once, the removal
+    waits for it."""
+    from proxy import relay
+
+    encoded = relay._encoded
+
+    async def slowly(body: dict[str, Any], size: int) -> bytes:
+        await asyncio.sleep(0.5)
+        return await encoded(body, size)
+
+    monkeypatch.setattr(relay, "_encoded", slowly)
+    [(standin, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url], admin_token=TOKEN)
+    wait_until(lambda: rows(proxy.url)["i0"]["healthy"])
+    answers: list[httpx.Response] = []
+    body = {"model": "standin", "prompt": "x", "max_tokens": 2}
+    asker = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+        )
+    )
+    asker.start()
+    wait_until(lambda: proxy.view("i0").inflight == 1, timeout=2)  # billed, being encoded
+    assert send(proxy.url + "/admin/instances/i0", "DELETE")[0] == 202
+    asker.join(10)
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["choices"][0]["text"] == " tok" * 2
+    wait_until(lambda: "i0" not in rows(proxy.url))  # and then removed
+
+
 def test_a_runtime_address_is_not_read_from_ferrys_environment(
     standins: Any, ferry: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
