@@ -812,14 +812,27 @@ _FRAMING_HEADERS = frozenset(
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
+# A header line past 8 KiB is refused by most servers (aiohttp's at 8190 bytes,
+# nginx's by default; uvicorn's h11 takes 16 KiB of headers in all): every call
+# with such a value would fail, and read as the client's fault (a 400).
+MAX_HEADER_VALUE_BYTES = 8000
+
+
 def _check_header_value(value: str, where: str) -> None:
     """A value sent in a header: no control characters (aiohttp refuses to send
-    them, so every call to the instance would fail)."""
+    them, so every call to the instance would fail), nor longer than servers
+    take a header line."""
     bad = next((c for c in value if (ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F), None)
     if bad is not None:
         raise ConfigError(
             f"{where}: must not contain control characters (found {bad!r};"
             " a secret read from a file with its trailing newline?)"
+        )
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_HEADER_VALUE_BYTES:
+        raise ConfigError(
+            f"{where}: {size} bytes, over {MAX_HEADER_VALUE_BYTES} (servers refuse a header"
+            " line past 8 KiB)"
         )
 
 

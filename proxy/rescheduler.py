@@ -79,9 +79,12 @@ class Rescheduler:
             self._task = asyncio.create_task(self._run(), name="rescheduler")
 
     def retune(self, settings: MigrationSettings, interval_s: float) -> None:
-        """New settings from the next tick on (a reload); 0 stops rebalancing."""
+        """New settings from the next tick on (a reload); 0 stops rebalancing.
+        A new interval starts at once (a wait of the old one, 600 s, held a
+        shorter one off until it was over)."""
+        changed = interval_s != self.interval_s
         self.settings, self.interval_s = settings, interval_s
-        if interval_s <= 0 and self._task is not None:
+        if (changed or interval_s <= 0) and self._task is not None:
             self._task.cancel()  # between ticks: tick() never awaits
             self._task = None
         self.start()

@@ -14,6 +14,7 @@ of a few lines (see `adapters.vllm`), a few hundred microseconds per scrape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -72,11 +73,16 @@ class Scraper:
         # first is the newest at least QUEUE_SHOWS_AFTER_S old (see `_reached_id`).
         self._marks: dict[str, deque[tuple[float, int]]] = {}
         self._short_of_files = ShortageLog(log, clock)
+        self._retuned = asyncio.Event()  # set (and replaced) by each `retune`
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
-        """New intervals (a reload), used from each loop's next round."""
+        """New intervals (a reload), in effect at once: each loop's pause under
+        way ends, and it looks again (a pause of the old, longer interval held
+        a shorter one off until it was over)."""
         self.interval_s, self.models_refresh_s = interval_s, models_refresh_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._retuned.set()
+        self._retuned = asyncio.Event()
 
     def start(self) -> None:
         for name in self.cluster.instances:
@@ -343,22 +349,27 @@ class Scraper:
             log.exception("handling unhealthy %s failed", name)
 
     async def _run(self, name: str) -> None:
-        next_models, config = 0.0, None
+        models_read: float | None = None  # when its models were last read (None: due)
+        config = None
         while True:
             started = self.clock()
             state = self.cluster.instances[name]
             if state.config is not config:  # changed at runtime: look again now
                 if config is not None:  # perhaps another engine: ask it by name again
                     state.metrics_path = None
-                next_models, config = 0.0, state.config
+                models_read, config = None, state.config
             stale, state.models_stale = state.models_stale, False
-            if await self.look(name, with_models=stale or started >= next_models):
-                next_models = started + self.models_refresh_s
+            due = models_read is None or started >= models_read + self.models_refresh_s
+            if await self.look(name, with_models=stale or due):
+                models_read = started
             elif not state.healthy:
                 # Down, perhaps restarting: what comes back may serve other models.
-                next_models = 0.0
+                models_read = None
             elapsed = self.clock() - started
-            await asyncio.sleep(max(0.0, self.interval_s - elapsed))
+            retuned = self._retuned
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, self.interval_s - elapsed)):
+                    await retuned.wait()
 
 
 def _describe(exc: BaseException) -> str:

@@ -119,6 +119,8 @@ def test_add_patch_and_remove_with_streams_in_flight(standins: Any, ferry: Any) 
     assert code == 400 and err["error"]["message"].startswith("instance.migration:")
     code, err = send(proxy.url + "/admin/instances/i0", "PATCH", {"headers": {"X-Team": "a\nb"}})
     assert code == 400 and err["error"]["message"].startswith("instance.headers.X-Team:")
+    code, err = send(proxy.url + "/admin/instances/i0", "PATCH", {"api_key": "k" * 200_000})
+    assert code == 400 and "instance.api_key: 200000 bytes, over 8000" in err["error"]["message"]
     assert send(proxy.url + "/admin/instances/nope", "PATCH", {})[0] == 404
 
     # Remove without moving: 202, draining at once, gone once its streams end.
@@ -247,6 +249,35 @@ def test_reload_applies_the_file_and_refuses_a_bad_one(
         code, summary = send(proxy.url + "/admin/reload", "POST")
         assert code == 200 and summary["added"] == ["b2"] and summary["removed"] == ["b"]
         wait_until(lambda: set(rows(proxy.url)) == {"b2"})
+    finally:
+        proxy.close()
+
+
+def test_a_reload_to_a_shorter_scrape_interval_applies_at_once(
+    standins: Any, loop_thread: Any, tmp_path: Path
+) -> None:
+    """Each instance's loop slept the interval it had: a reload from 30 s to
+    50 ms left the instance unlooked-at (its health, its load) until the 30 s
+    were over."""
+    [(standin, site)] = standins(1)
+    path = tmp_path / "ferry.yaml"
+
+    def write(interval_s: float) -> None:
+        scheduler = {"scrape_interval_s": interval_s}
+        instances = [{"name": "a", "url": site.url}]
+        path.write_text(
+            json.dumps({"instances": instances, "scheduler": scheduler, "admin_token": TOKEN})
+        )
+
+    write(30.0)
+    proxy = Ferry(loop_thread, load_config(path), load=lambda: load_config(path))
+    try:
+        wait_until(lambda: rows(proxy.url)["a"]["healthy"])
+        looks = len(standin.metrics_reads)
+        write(0.05)
+        code, summary = send(proxy.url + "/admin/reload", "POST")
+        assert code == 200 and summary["scheduler_changed"]
+        wait_until(lambda: len(standin.metrics_reads) >= looks + 5, timeout=3)
     finally:
         proxy.close()
 

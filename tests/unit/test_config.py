@@ -345,6 +345,14 @@ def test_client_keys_from_yaml_or_environment() -> None:
             r"^instances\[0\]\.api_key: must not contain control characters",
         ),
         (
+            base(instances=[{"name": "a", "url": "http://h:1", "api_key": "k" * 200_000}]),
+            r"^instances\[0\]\.api_key: 200000 bytes, over 8000",
+        ),
+        (
+            base(instances=[{"name": "a", "url": "http://h:1", "headers": {"X-T": "é" * 4001}}]),
+            r"^instances\[0\]\.headers\.X-T: 8002 bytes, over 8000",
+        ),
+        (
             base(server={"upstream_idle_timeout_s": math.nan}),
             r"^server\.upstream_idle_timeout_s: must be a finite",
         ),

@@ -208,3 +208,33 @@ def test_a_scrape_while_redis_fails_does_not_wait_on_it() -> None:
     assert len(asked) == 1 and b"ferry_requests_total 3.0" in merged
     sharing._failing = True
     assert asyncio.run(sharing.merged_metrics(own)) == merged and len(asked) == 1
+
+
+def test_a_shorter_interval_from_a_reload_starts_at_once() -> None:
+    """A reload from a long interval to a short one waited out the long one
+    (rebalancing held off for up to 10 minutes): the new interval starts now."""
+    import asyncio
+
+    async def run() -> int:
+        cluster = make_cluster()
+        rescheduler = Rescheduler(
+            cluster,
+            Migrator(cluster, {}),
+            MigrationSettings(),
+            interval_s=600.0,  # type: ignore[arg-type]
+        )
+        ticks = 0
+
+        def tick() -> None:
+            nonlocal ticks
+            ticks += 1
+
+        rescheduler.tick = tick  # type: ignore[method-assign]
+        rescheduler.start()
+        await asyncio.sleep(0.05)
+        rescheduler.retune(MigrationSettings(), 0.01)
+        await asyncio.sleep(0.2)
+        await rescheduler.stop()
+        return ticks
+
+    assert asyncio.run(run()) >= 5
