@@ -76,13 +76,16 @@ class Scraper:
         self._retuned = asyncio.Event()  # set (and replaced) by each `retune`
 
     def retune(self, interval_s: float, timeout_s: float, models_refresh_s: float) -> None:
-        """New intervals (a reload), in effect at once: each loop's pause under
-        way ends, and it looks again (a pause of the old, longer interval held
-        a shorter one off until it was over)."""
+        """New intervals (a reload, or any fleet change), in effect at once: a
+        new scrape interval ends each loop's pause under way, and it looks
+        again (a pause of the old, longer interval held a shorter one off
+        until it was over)."""
+        changed = interval_s != self.interval_s
         self.interval_s, self.models_refresh_s = interval_s, models_refresh_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._retuned.set()
-        self._retuned = asyncio.Event()
+        if changed:  # (not otherwise: every loop would look at once, in step from then on)
+            self._retuned.set()
+            self._retuned = asyncio.Event()
 
     def start(self) -> None:
         for name in self.cluster.instances:

@@ -274,6 +274,11 @@ def test_a_reload_to_a_shorter_scrape_interval_applies_at_once(
     try:
         wait_until(lambda: rows(proxy.url)["a"]["healthy"])
         looks = len(standin.metrics_reads)
+        for zone in ("b", "c"):  # a change that leaves the interval: no look sooner
+            changed = {"labels": {"zone": zone}}
+            assert send(proxy.url + "/admin/instances/a", "PATCH", changed)[0] == 200
+        time.sleep(0.3)
+        assert len(standin.metrics_reads) == looks
         write(0.05)
         code, summary = send(proxy.url + "/admin/reload", "POST")
         assert code == 200 and summary["scheduler_changed"]
