@@ -541,29 +541,7 @@ def test_requests_on_a_frozen_instance_with_nowhere_else_to_go_wait_for_it(
         ),
         timeout=5,
     )
-    frozen.ttft_s = 3.0  # answers once thawed
-    client = api(proxy.url)
-    results: list[str] = []
-
-    def ask(stream: bool) -> None:
-        if stream:
-            chunks = client.completions.create(
-                model="standin", prompt="hi", max_tokens=5, stream=True
-            )
-            results.append("".join(c.choices[0].text for c in chunks))
-        else:
-            answer = client.completions.create(model="standin", prompt="hi", max_tokens=5)
-            results.append(answer.choices[0].text)
-
-    askers = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
-    for asker in askers:
-        asker.start()
-    time.sleep(0.2)
-    freeze(frozen, 2.5)  # past HUNG_AFTER_S: the scrapes say it froze
-    wait_until(lambda: not proxy.view("i0").healthy, timeout=5)
-    for asker in askers:
-        asker.join(15)
-    assert results == [" tok" * 5] * 2
+    assert _answers_through_a_freeze(proxy, frozen) == [" tok" * 5] * 2
 
 
 @pytest.mark.parametrize("leave", ["drain", "remove"])
@@ -639,7 +617,14 @@ def test_requests_on_a_frozen_instance_wait_where_the_other_is_drained_and_eject
     wait_until(lambda: proxy.view("i1").ejected)
     flaky.fail_status = None
     _drain(proxy, "i1")
+    assert _answers_through_a_freeze(proxy, frozen) == [" tok" * 5] * 2
+
+
+def _answers_through_a_freeze(proxy: Any, frozen: Any) -> list[str]:
+    """A whole answer and a stream asked of `frozen` (i0), which then freezes
+    past HUNG_AFTER_S and answers once thawed: what each got."""
     frozen.ttft_s = 3.0  # answers once thawed
+    client = api(proxy.url)
     results: list[str] = []
 
     def ask(stream: bool) -> None:
@@ -656,10 +641,11 @@ def test_requests_on_a_frozen_instance_wait_where_the_other_is_drained_and_eject
     for asker in askers:
         asker.start()
     time.sleep(0.2)
-    freeze(frozen, 2.5)  # past HUNG_AFTER_S: the scrapes say it froze
+    freeze(frozen, 2.5)  # the scrapes say it froze
+    wait_until(lambda: not proxy.view("i0").healthy, timeout=5)
     for asker in askers:
         asker.join(15)
-    assert results == [" tok" * 5] * 2
+    return results
 
 
 @pytest.mark.parametrize("migration", ["off", "lite"])
