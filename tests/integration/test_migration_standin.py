@@ -1103,15 +1103,7 @@ def test_a_source_lost_after_its_last_token_still_gives_the_usage(
         instances_migration="lite",
         scheduler={"policy": "round_robin"},
     )
-    chunks = list(
-        api(proxy.url).completions.create(
-            model="standin",
-            prompt="x",
-            max_tokens=4,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = _streamed_with_usage(proxy, 4)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * 4
     usage = [c.usage for c in chunks if c.usage]
     assert len(usage) == 1
@@ -1970,15 +1962,7 @@ def test_a_usage_sent_as_other_servers_send_it_reaches_the_client_once_and_whole
         instances_migration="lite",
         scheduler={"policy": "round_robin"},
     )
-    chunks = list(
-        api(proxy.url).completions.create(
-            model="standin",
-            prompt="x",
-            max_tokens=12,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = _streamed_with_usage(proxy, 12)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * 12
     usage = [
         (u.prompt_tokens, u.completion_tokens, u.total_tokens) for c in chunks if (u := c.usage)
@@ -1986,6 +1970,19 @@ def test_a_usage_sent_as_other_servers_send_it_reaches_the_client_once_and_whole
     assert usage == [(3, 12, 15)]
     moves = 'ferry_migrations_total{outcome="ok",reason="failover"} 1.0'
     assert (moves in metrics(proxy.url)) == moved
+
+
+def _streamed_with_usage(proxy: Any, max_tokens: int) -> list[Any]:
+    """The chunks of a streamed completion through `proxy` that asks for its usage."""
+    return list(
+        api(proxy.url).completions.create(
+            model="standin",
+            prompt="x",
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
 
 
 @pytest.mark.parametrize("moved", [False, True], ids=["unmoved", "moved"])
