@@ -44,7 +44,9 @@ def keyed(standins: Any, ferry: Any) -> tuple[Any, Any]:
         headers={"Authorization": "Bearer admin"},
     )
     assert patch.status_code == 200
-    wait_until(lambda: proxy.view("i0").healthy)
+    # Its models too: a look begun before the patch reads them with no key (a
+    # 401) and its load with the key, healthy with no models yet (a 503).
+    wait_until(lambda: proxy.view("i0").healthy and proxy.view("i0").models)
     return engine, proxy
 
 
