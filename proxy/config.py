@@ -509,7 +509,7 @@ def check_redis_url(url: Any, where: str) -> None:
     if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"{where}: must be a redis://, rediss:// or unix:// URL (got {shown!r})")
     # redis-py reads the path as the database number and quietly uses 0 for anything else.
-    if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+    if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdecimal():
         raise ConfigError(
             f"{where}: the path names the database by number, as in redis://host:6379/0"
             f" (got {parts.path!r})"

@@ -111,7 +111,7 @@ def server_fault(error: Any) -> bool:
     """Whether a streamed error event is the server's fault (a 5xx code, or no
     code at all), not the request's."""
     code = error.get("code") if isinstance(error, dict) else None
-    if isinstance(code, str) and code.isdigit():
+    if isinstance(code, str) and code.isdecimal():  # (isdigit takes "²": int() does not)
         code = int(code)
     return not isinstance(code, int) or code >= 500
 

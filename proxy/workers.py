@@ -276,7 +276,7 @@ def reload_every_worker() -> bool:
     reload through the admin API reaches one worker: the others must follow,
     or they would serve another fleet."""
     parent = os.environ.get(SUPERVISOR, "")
-    if not parent.isdigit() or int(parent) != os.getppid():
+    if not parent.isdecimal() or int(parent) != os.getppid():
         return False
     os.kill(int(parent), signal.SIGHUP)
     return True

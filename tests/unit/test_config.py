@@ -293,6 +293,10 @@ def test_client_keys_from_yaml_or_environment() -> None:
             base(redis_url="redis://h:6379/abc"),
             r"^redis_url: the path names the database by number",
         ),
+        (  # digits to str.isdigit, not to int()
+            base(redis_url="redis://h:6379/\u00b2"),
+            r"^redis_url: the path names the database by number",
+        ),
         # redis-py refused it as the process started: a traceback, exit 1.
         (
             base(redis_url="redis://:s3cret@h:6379/0?socket_timeout=abc"),
