@@ -328,7 +328,7 @@ class StandIn:
         if not stream:
             await asyncio.sleep(self.ttft_s + self.itl_s * n)
             return web.json_response(self._response(rid, "completed", TOKEN_TEXT * n, n))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp = self._event_stream()
         await asyncio.sleep(self.headers_delay_s)
         await resp.prepare(request)
         events = 0
@@ -462,13 +462,16 @@ class StandIn:
             self.running -= 1
             self._live.discard(transport)  # type: ignore[arg-type]
 
+    def _event_stream(self) -> web.StreamResponse:
+        headers = {"Content-Type": "text/event-stream"}
+        if not self.gzip_stream:
+            return web.StreamResponse(headers=headers)
+        return _GzipStream(headers={**headers, "Content-Encoding": "gzip"})
+
     async def _stream(
         self, request: web.Request, chat: bool, n: int, ids: bool, usage: bool, choices: int = 1
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        if self.gzip_stream:
-            resp = _GzipStream(headers={"Content-Type": "text/event-stream"})
-            resp.headers["Content-Encoding"] = "gzip"
+        resp = self._event_stream()
         await asyncio.sleep(self.headers_delay_s)
         await resp.prepare(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-standin-{self.served}"

@@ -728,6 +728,9 @@ class Relay:
                                 raise ErrorFirst(failed)
                             events = relay is not _as_is  # a pass-through's are as they come
                             passed = answer_headers(upstream)
+                            encoding = upstream.headers.get("Content-Encoding")
+                            if not events and encoding is not None and writable(encoding):
+                                passed["Content-Encoding"] = encoding  # its bytes go as they came
                             response = await sse.open_response(
                                 request, call.instance, events, passed
                             )

@@ -133,6 +133,24 @@ def test_a_streamed_response_arrives_as_it_is_made(
     wait_until(lambda: proxy.view("i0").inflight == 0)
 
 
+def test_a_passed_through_stream_compressed_against_the_ask_keeps_its_encoding(
+    standins: Any, ferry: Any
+) -> None:
+    """A passed-through stream (a Responses one) goes on byte for byte: one an
+    instance gzipped though asked for identity reached the client as gzip
+    labelled plain text, unreadable. Its Content-Encoding goes with it."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.gzip_stream = True
+    proxy = ferry([site.url])
+    with client(proxy) as api:
+        events = list(
+            api.responses.create(model="standin", input="x", max_output_tokens=3, stream=True)
+        )
+    assert [e.delta for e in events if e.type == "response.output_text.delta"] == [" tok"] * 3
+    assert events[-1].type == "response.completed"
+    wait_until(lambda: proxy.view("i0").inflight == 0)
+
+
 def test_a_passed_through_stream_that_breaks_ends_with_an_error_event(
     standins: Any, ferry: Any
 ) -> None:
