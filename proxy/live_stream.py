@@ -441,22 +441,29 @@ class LiveStream:
         if not whole:
             return b"", None
         splicer = self.splicer
+        movable = splicer.unmovable is None
         out: list[bytes] = []
+        ended = None
         for event in whole.split(b"\n\n")[:-1]:
             fed = splicer.feed(event)
             self._account(fed)
             if fed.stopped_by_source or fed.broken:
                 self._events.clear()
+                ended = "stopped"
                 if fed.broken:
                     log.info("stream %s: %s gave it up", self.request.name, self.instance)
                     self._broke = "the stream ended with a server error"
                     self._gave_up = True
-                    return b"".join(out), "broken"
-                return b"".join(out), "stopped"
+                    ended = "broken"
+                break
             out.append(fed.data)
             if fed.finished:
                 break
-        return b"".join(out), "done" if splicer.finished else None
+        if movable and splicer.unmovable is not None:  # (it began to reason, say)
+            # Counted as a stream that could not move from the start is (relay.py).
+            self.metrics.non_migratable.labels(splicer.unmovable).inc()
+            log.info("stream %s cannot move from here on: %s", self.request.name, splicer.unmovable)
+        return b"".join(out), ended or ("done" if splicer.finished else None)
 
     def _account(self, fed: Fed) -> None:
         ledger = self.call.cluster.ledger

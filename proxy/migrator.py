@@ -205,7 +205,8 @@ class Migrator:
         self._drain_round_guarded()
         if self._evacuation is None or self._evacuation.done():
             self._evacuation = asyncio.create_task(self._evacuate(), name="drain")
-        streams = len(self.streams_on(instance)) if self._moves_off(instance) else 0
+        movable = [s for s in self.streams_on(instance) if s.splicer.unmovable is None]
+        streams = len(movable) if self._moves_off(instance) else 0
         partners = [n for n in self.cluster.instances if n != instance and self._moves_off(n)]
         if streams and not partners:
             # A move needs migration on at both ends (the destination runs the

@@ -1415,13 +1415,16 @@ def test_a_reasoning_stream_stays_and_says_why_it_cannot_resume(standins: Any, f
             chunks.append(chunk)
             if len(chunks) == 3:
                 name, source = _busy(sites)
-                _drain(proxy, name)
+                # It stays: the drain said it would move, and nothing said why not.
+                drained = _admin(proxy, f"/admin/instances/{name}/drain?migrate=true")
+                assert drained["migrating"] == 0, drained
                 source.kill()  # and its stream breaks
     assert 3 <= len(chunks) < 20
     assert all(c.choices[0].delta.content is None for c in chunks)  # thoughts, never content
     assert all(s.seen_bodies[-1].get("messages") for s, _ in sites if s.seen_bodies)
     text = metrics(proxy.url)
     assert 'outcome="not_migratable",reason="failover"} 1.0' in text
+    assert 'ferry_non_migratable_requests_total{reason="reasoning"} 1.0' in text
 
 
 def test_a_moved_stream_without_a_budget_keeps_the_one_it_had(standins: Any, ferry: Any) -> None:
