@@ -438,7 +438,10 @@ class Splicer:
 
     def _usage(self, final: bool) -> dict[str, Any]:
         counts = usage(len(self.prompt_ids or ()), len(self.generated))
-        return {**counts, **self._usage_extras.get(final, {})}
+        # vLLM's last usage has its chunks' fields: the source's chunks, if it
+        # sent none of its own before the cut, say what they are.
+        extras = self._usage_extras.get(final, self._usage_extras.get(False, {}))
+        return {**counts, **extras}
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         assert self.origin is not None
