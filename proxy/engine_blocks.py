@@ -96,8 +96,11 @@ class LazyChain:
 @dataclass(slots=True)
 class EngineBlocks:
     """One engine's cached blocks. `synced`: a subscriber is connected and has
-    caught up; `complete`: every batch since the engine's cache was empty was
-    applied (the set is the engine's, not a subset)."""
+    caught up; `heard`: the engine has spoken vLLM's KV events since (a batch
+    decoded, or its replay answered), so that a publisher of something else is
+    never taken for one that has nothing cached; `precise`: both. `complete`:
+    every batch since the engine's cache was empty was applied (the set is the
+    engine's, not a subset)."""
 
     format: KVEventsFormat
     held: dict[EngineHash, int] = field(default_factory=dict)  # engine hash -> Ferry's key
@@ -109,6 +112,7 @@ class EngineBlocks:
     reached: int = 0  # the furthest next_seq of this engine process (kept across resets)
     replay_floor: int | None = None  # seqs in [floor, next_seq) are a replay's overlap
     synced: bool = False
+    heard: bool = False
     complete: bool = False
     gaps: int = 0
     lost_gaps: int = 0
@@ -126,7 +130,12 @@ class EngineBlocks:
         self._clear()
         self.block_size, self.hashing, self.seed = 0, "unknown", None
         self.next_seq = self.replay_floor = None
-        self.synced = self.complete = False
+        self.synced = self.heard = self.complete = False
+
+    @property
+    def precise(self) -> bool:
+        """Whether what it holds is the engine's own account (the index reads it)."""
+        return self.synced and self.heard
 
     def receive(self, seq: int, events: Sequence[KVEvent]) -> int | None:
         """One live batch; returns the seq to replay from when it opens a gap
@@ -187,7 +196,7 @@ class EngineBlocks:
         empty replay from 0 is an engine that never published: its cache is empty."""
         if self.next_seq == 0:
             self.complete = True
-        self.synced = True
+        self.synced = self.heard = True
 
     def restarted_while_away(self, reached_before: int) -> bool:
         """After a reconnection's replay: did the counter start again below what
@@ -212,6 +221,7 @@ class EngineBlocks:
         self.synced, self.complete = True, False
 
     def _apply(self, seq: int, events: Sequence[KVEvent]) -> None:
+        self.heard = True
         if seq == 0:
             self.complete = True  # the engine's first batch: its cache was empty before
         self.next_seq = seq + 1
@@ -308,6 +318,7 @@ class EngineBlocks:
             "block_size": self.block_size or None,
             "hashing": self.hashing,
             "synced": self.synced,
+            "heard": self.heard,
             "complete": self.complete,
             "next_seq": self.next_seq,
             "gaps": self.gaps,

@@ -39,6 +39,10 @@ from proxy.faults import Faults
 log = logging.getLogger("ferry.kv_events")
 
 
+class UnreadableBatch(Exception):
+    """A batch the engine's format does not decode: followed on from the next."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Endpoints:
     events: str
@@ -93,6 +97,7 @@ class KVEvents:
         poller.register(monitor, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
         faults = Faults(log, f"a kv events batch of {name}")
+        unreadable = Faults(log, f"reading kv events of {name}")
         try:
             try:
                 sub.connect(endpoints.events)
@@ -119,9 +124,11 @@ class KVEvents:
                             raise KVEventsDecodeError(f"{len(frames)} frames, not 3")
                         seq = int.from_bytes(frames[1], "big")
                         await self._batch(name, engine, fmt, endpoints, seq, frames[2])
+                except UnreadableBatch as exc:
+                    unreadable.failed(exc)
                 except (KVEventsDecodeError, zmq.ZMQError) as exc:
                     # Start over: the next batch replays everything from seq 0.
-                    log.warning("kv events of %s: %s; resyncing", name, exc)
+                    unreadable.failed(exc)
                     engine.reset()
                 except Exception as exc:  # noqa: BLE001 - the follower must outlive any batch
                     # Events no check foresaw (another publisher's, a bug): what the
@@ -130,6 +137,7 @@ class KVEvents:
                     engine.reset()
                 else:
                     faults.ok()
+                    unreadable.ok()
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
@@ -167,9 +175,10 @@ class KVEvents:
         try:
             events: list[KVEvent] = fmt.decode(payload)
         except KVEventsDecodeError as exc:
-            log.warning("kv events of %s: batch %d unreadable (%s); resyncing", name, seq, exc)
-            engine.lost(seq + 1)
-            return
+            engine.lost(seq + 1)  # followed on from the next one, incomplete
+            # (The same words each time: another publisher's messages are logged
+            # once a minute, the decoder's reason in the traceback.)
+            raise UnreadableBatch(f"a batch of {name} is unreadable") from exc
         start = engine.receive(seq, events)
         if start is not None:
             log.info("kv events of %s: gap before %d, replaying from %d", name, seq, start)

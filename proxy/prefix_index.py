@@ -311,7 +311,7 @@ class PrefixIndex:
                 # blocks and Ferry does not: its blocks would credit the same
                 # ids of another tenant or the base model. The text index,
                 # keyed by both, says then.
-                if engine.synced and not key.salted and key.model not in engine.adapters:
+                if engine.precise and not key.salted and key.model not in engine.adapters:
                     cached.pop(name, None)
                     n = engine.cached_tokens(key.token_ids, memo)
                     if n:
@@ -425,7 +425,7 @@ class PrefixIndex:
         memo: dict[object, LazyChain] = {}
         for name in names:
             engine = self.engines.get(name)
-            if engine is not None and engine.synced:
+            if engine is not None and engine.precise:
                 n = engine.cached_tokens(token_ids, memo)
                 if n:
                     out[name] = n
@@ -443,7 +443,7 @@ class PrefixIndex:
         if not self.enabled:
             return "off"
         engine = self.engines.get(name)
-        if engine is not None and engine.synced:
+        if engine is not None and engine.precise:
             return "precise"
         entry = self.instances.get(name)
         return entry.mode if entry is not None else "approximate"

@@ -235,10 +235,46 @@ def test_sync_follows_the_fleet(
     raw = {"name": "b", "url": "http://127.0.0.1:9", "kv_events": f"tcp://127.0.0.1:{ports[0]}"}
     f.loop.call(f.cluster.add, parse_instance(raw, "instance", {}))
     f.loop.call(f.events.sync)
-    wait_until(lambda: f.loop.call(f.cluster.prefixes.mode, "b") == "precise", 10)
+    # Precise once it hears from the engine (a subscription takes a moment to land).
+    deadline = time.monotonic() + 10
+    while f.loop.call(f.cluster.prefixes.mode, "b") != "precise":
+        assert time.monotonic() < deadline, "b never became precise"
+        pub.publish(batch(stored(PROMPTS[1])))
+        time.sleep(0.05)
     # Removed: no longer followed, and its record is gone.
     f.loop.call(f.cluster.remove, "a")
     f.loop.call(f.events.sync)
     assert set(f.cluster.prefixes.engines) == {"b"}
-    pub.publish(batch(stored(PROMPTS[1])))
-    wait_until(lambda: f.loop.call(f.cluster.prefixes.engines["b"].describe)["blocks"] == 3)
+    pub.publish(batch(stored(PROMPTS[2])))
+    wait_until(lambda: f.loop.call(f.cluster.prefixes.engines["b"].describe)["blocks"] == 6)
+
+
+def test_a_publisher_that_is_not_vllms_leaves_the_instance_approximate(
+    follower: Callable[..., Follower], ports: tuple[int, int]
+) -> None:
+    """A `kv_events` endpoint where some other ZMQ publisher sends (three frames,
+    but no KVEventBatch in them) was taken for an engine that has nothing
+    cached: the instance showed as precise, and its requests lost the credit
+    of the text index. It stays approximate until a batch of vLLM's decodes."""
+    import msgspec
+    import zmq
+
+    events, _ = ports
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{events}")
+    f = follower(events, None)  # no replay: followed from the connection on
+    try:
+        seq = itertools.count()
+        deadline = time.monotonic() + 10
+        while f.state()["lost_gaps"] < 3 and time.monotonic() < deadline:
+            pub.send_multipart([b"", next(seq).to_bytes(8, "big"), b"\x93not a batch"])
+            time.sleep(0.05)
+        assert f.state()["lost_gaps"] >= 3  # it read them, and could not decode them
+        assert f.loop.call(f.cluster.prefixes.mode, "a") == "approximate"
+        payload = msgspec.msgpack.encode(batch(stored(PROMPTS[0])))
+        pub.send_multipart([b"", next(seq).to_bytes(8, "big"), payload])
+        wait_until(lambda: f.loop.call(f.cluster.prefixes.mode, "a") == "precise")
+    finally:
+        pub.close(linger=0)
+        context.term()
