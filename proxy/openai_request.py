@@ -30,9 +30,10 @@ MAX_SHOWN = 100  # characters of a client's header that an error shows
 _DISPOSITION = re.compile(rb"(?im)^content-disposition:([^\r\n]*)")
 _PARAMETER = re.compile(rb';\s*([^\s=;]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;\s]*)')
 
-# Characters per token when a prompt arrives as text. Byte-level BPE vocabularies
-# average 3-4; the estimate only lasts until the engine reports the exact count.
-CHARS_PER_TOKEN = 3
+# Bytes of UTF-8 per token when a prompt arrives as text: 3 characters of English
+# (byte-level BPE vocabularies average 3-4), a Chinese character (a token or
+# two). The estimate only lasts until the engine reports the exact count.
+BYTES_PER_TOKEN = 3
 # Nesting levels a body may have. JSON Schemas in `tools` and `response_format`
 # nest tens of levels; json's C parser and encoder recurse once per level and hit
 # Python's stack limit (1000 frames, shared with the handler's) near 980.
@@ -340,9 +341,21 @@ def _deeper_than(limit: int, value: Any) -> bool:
     return False
 
 
+def utf8_size(text: str) -> int:
+    """The bytes of `text` in UTF-8 (a lone surrogate, which JSON may carry, as 3)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def text_tokens(text: str) -> int:
+    """A text's tokens, estimated: a token every 3 bytes of UTF-8. By bytes, not
+    characters: a Chinese character or an emoji is a token or more, where 3
+    characters of English are one."""
+    return utf8_size(text) // BYTES_PER_TOKEN
+
+
 def _prompt_tokens(prompt: Any) -> int:
     if isinstance(prompt, str):
-        return len(prompt) // CHARS_PER_TOKEN
+        return text_tokens(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
     if isinstance(prompt, list):  # a batch of prompts: the request holds them all
@@ -352,7 +365,7 @@ def _prompt_tokens(prompt: Any) -> int:
 
 def _text_tokens(content: Any) -> int:
     if isinstance(content, str):
-        return len(content) // CHARS_PER_TOKEN
+        return text_tokens(content)
     if isinstance(content, list):  # content parts
         return sum(_text_tokens(p.get("text")) for p in content if isinstance(p, dict))
     return 0

@@ -10,11 +10,13 @@ Two keys, because Ferry has no token ids when it places a request:
 - **text chunks** (what dispatch reads): the prompt text (a prompt of token ids
   as the ids' text), or the chat messages rendered `role NUL content SOH`, cut
   into chunks of `block_size * CHARS_PER_TOKEN` characters (the 3 characters a
-  token the prompt's estimate counts) and hashed in a chain, like vllm-router's
-  `cache_aware` approximate tree over the request text. A chunk stands for
-  `block_size` tokens. Approximations: the chat template's tokens are not
-  counted, and a chunk boundary is not a block boundary, so the cached length
-  in tokens is matched chunks * block_size, capped at the request's estimate
+  token the prompt's estimate counts in English) and hashed in a chain, like
+  vllm-router's `cache_aware` approximate tree over the request text. A chunk
+  stands for `block_size` tokens, times its text's bytes of UTF-8 a character
+  (the estimate counts bytes: a Chinese character is a token). Approximations:
+  the chat template's tokens are not counted, and a chunk boundary is not a
+  block boundary, so the cached length in tokens is matched chunks *
+  block_size (* that weight), capped at the request's estimate
   and cut to whole blocks of the instance's engine (vLLM reuses whole blocks
   only). Inserted when a request is placed (before the engine has it), as
   vllm-router does.
@@ -53,10 +55,12 @@ from adapters.kv_events import KVEventsFormat
 from proxy import openai_request
 from proxy.engine_blocks import EngineBlocks, LazyChain, token_block_hashes
 
-# A text chunk of `block_size` tokens is this many characters: the ratio the
-# prompt's own estimate uses (proxy/openai_request.py), so a prompt cached whole
-# is credited its whole estimate (at 4, three quarters of it).
-CHARS_PER_TOKEN = openai_request.CHARS_PER_TOKEN
+# A text chunk of `block_size` tokens is this many characters of ASCII: the ratio
+# the prompt's own estimate uses (proxy/openai_request.py), so a prompt cached
+# whole is credited its whole estimate (at 4, three quarters of it). A chunk of
+# other text stands for as many more tokens as its characters take more bytes
+# (`PrefixKey.weight`).
+CHARS_PER_TOKEN = openai_request.BYTES_PER_TOKEN
 DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
 MAX_SESSION_CHARS = 256  # a session named longer is kept by its digest
 # A prompt's chunks hashed at most (128k tokens at 16 a block): longer ones are
@@ -191,6 +195,9 @@ class BlockLRU:
     def __iter__(self) -> Iterator[int]:
         return (h for h in self._blocks if not isinstance(h, _Taken))
 
+    def __contains__(self, h: object) -> bool:
+        return h in self._blocks
+
     def insert(self, hashes: Iterable[int]) -> list[int]:
         """Hold `hashes` (most recent last); returns the hashes evicted for room."""
         blocks = self._blocks
@@ -252,6 +259,9 @@ class PrefixKey:
     token_ids: tuple[int, ...] | None = None
     model: str | None = None
     salted: bool = False  # a `cache_salt`: the engine's first block hashes it in
+    # The tokens a chunk stands for, in `block_size`s: its text's bytes of UTF-8
+    # a character (1 for English, 3 for Chinese), as the prompt's estimate counts.
+    weight: float = 1.0
 
 
 @dataclass(slots=True)
@@ -295,7 +305,8 @@ class PrefixIndex:
         model = body.get("model") if body is not None else None
         model = model if isinstance(model, str) else None
         salted = body is not None and body.get("cache_salt") is not None
-        return PrefixKey(tuple(chunks), prompt_tokens, session, ids, model, salted)
+        weight = openai_request.utf8_size(text) / len(text) if text else 1.0
+        return PrefixKey(tuple(chunks), prompt_tokens, session, ids, model, salted, weight)
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int]:
         """Cached prompt tokens of `key` on each instance that has any (absent: 0):
@@ -350,7 +361,8 @@ class PrefixIndex:
         ids = _ids_text(key.token_ids) if key.token_ids is not None else None
         out = {}
         for name, m in matched.items():
-            tokens = min(cap, m * size if ids is None else _whole_ids(ids, m * self.chunk_chars))
+            chunked = int(m * size * key.weight)
+            tokens = min(cap, chunked if ids is None else _whole_ids(ids, m * self.chunk_chars))
             entry = self.instances.get(name)
             if entry is not None and entry.block_size > 1:  # whole engine blocks only
                 tokens -= tokens % entry.block_size
@@ -373,7 +385,7 @@ class PrefixIndex:
         entry = self._entry(name, capacity_blocks, block_size or self.block_size)
         # No more than the cache holds: a match runs from the first chunk, so of
         # a prompt longer than the cache only its start can ever be found.
-        chunks = key.chunks[: entry.text.capacity]
+        chunks = key.chunks[: max(1, int(entry.text.capacity / key.weight))]
         holders = self.holders
         for h in chunks:
             held = holders.get(h)
@@ -384,7 +396,12 @@ class PrefixIndex:
         # The first chunk last, the most recent: an engine evicts a prefix's tail
         # before its start (vLLM frees a request's blocks tail first), and a
         # match that misses its first chunk finds nothing of the rest.
+        # A chunk of other text than English stands for more tokens: the room
+        # its new chunks take past one block each goes as a generation's does.
+        fresh = sum(h not in entry.text for h in chunks) if key.weight > 1 else 0
         self._drop(name, entry.text.insert(reversed(chunks)))
+        if fresh:
+            self._drop(name, entry.text.take(int(fresh * (key.weight - 1))))
         if key.session:
             self.sessions[key.session] = name
             self.sessions.move_to_end(key.session)

@@ -771,10 +771,9 @@ class Relay:
         token of prompt; its body's bytes, a chat's template and its budget: a
         token is a byte or more) may or may not fit the context of an instance
         of `model`, so that its count decides. The estimate of its prompt (a
-        token every 3 characters of its text) undercounts text that is not
-        English prose (Chinese: a token a character or more) and a chat's
-        template: placed on it alone, a request went where vLLM cut its budget
-        short, with no error."""
+        token every 3 bytes of its text) undercounts a small vocabulary and a
+        chat's template: placed on it alone, a request went where vLLM cut its
+        budget short, with no error."""
         lengths, shortest = self.cluster.contexts(model)
         if bound <= shortest:  # (the common case: it fits every one)
             return False

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.openai_request import CHARS_PER_TOKEN
+from proxy.openai_request import BYTES_PER_TOKEN
 from tests.helpers import Ferry, Site, Sites, wait_until
 from tests.integration.openai_standin import OpenAIStandIn
 
@@ -96,7 +96,7 @@ def test_the_ledger_estimates_tokens_from_the_text(generic: Any, ferry: Any) -> 
 
     # The prompt is Ferry's estimate at dispatch (no ids to correct it); each " tok"
     # (4 characters) counts one generated token, so the request's blocks grow.
-    assert entry().prompt_tokens == 40 // CHARS_PER_TOKEN and not entry().prompt_exact
+    assert entry().prompt_tokens == 40 // BYTES_PER_TOKEN and not entry().prompt_exact
     assert entry().generated_tokens >= 20
     wait_until(lambda: entry().generated_tokens >= 40)
     ledger = proxy.cluster.ledger

@@ -21,6 +21,24 @@ from proxy.openai_request import (
 from proxy.policy import Priority
 
 
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [
+        ("abcdefghi", 3),  # English: 3 characters a token
+        ("今天天气很好", 6),  # Chinese: a character a token (3 bytes of UTF-8 each)
+        ("😀😀😀", 4),  # emoji: 4 bytes each
+        ("\ud800\ud800", 2),  # lone surrogates (JSON may carry them): 3 bytes each
+    ],
+)
+def test_a_text_prompt_is_estimated_by_its_bytes(prompt: str, tokens: int) -> None:
+    for body in (
+        {"model": "m", "prompt": prompt},
+        {"model": "m", "messages": [{"role": "user", "content": prompt}]},
+    ):
+        endpoint = "chat" if "messages" in body else "completions"
+        assert parse(json.dumps(body).encode(), endpoint, None).prompt_estimate == tokens
+
+
 def test_parses_completions_and_chat() -> None:
     req = parse(b'{"model": "m", "prompt": "abcdefghi"}', "completions", None)
     assert (req.model, req.prompt_estimate, req.priority) == ("m", 3, Priority.NORMAL)

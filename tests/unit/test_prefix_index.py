@@ -393,3 +393,34 @@ def test_a_token_id_prompt_is_credited_the_ids_it_shares_no_more(
     assert credit.get("x", 0) <= shared
     if shared >= 48 and digits == 1 and block_size == 1:  # 2 characters an id: a chunk is 24
         assert credit["x"] >= shared - 24
+
+
+def test_a_chinese_prompt_cached_whole_is_credited_as_an_english_one_is() -> None:
+    """Chunks stood for `block_size` tokens and prompts were estimated at 3
+    characters a token, in characters: a Chinese prompt (a token a character or
+    more) of 230 characters was estimated at 76 tokens, credited less than one
+    engine block of 128, so its repeats went anywhere. Both count bytes now."""
+    import json
+
+    from proxy.openai_request import parse
+
+    index = PrefixIndex(block_size=16)
+    body = {"model": "m", "prompt": "今天天气很好我们去公园散步吧" * 16 + "再见"}  # 226 characters
+    estimate = parse(json.dumps(body).encode(), "completions", None).prompt_estimate
+    assert estimate == 226
+    index.record("a", index.key(body, estimate), capacity_blocks=15, block_size=128)
+    assert index.cached_tokens(index.key(body, estimate)) == {"a": 128}  # a whole block
+    # Its chunks take the room of the tokens they stand for: three times an English one's.
+    assert index.describe("a")["text_blocks"] == 226 // 48
+
+
+def test_a_chinese_prompt_longer_than_the_cache_is_kept_by_its_start() -> None:
+    index = PrefixIndex(block_size=16)  # chunks of 48 characters
+    body = {"prompt": "天" * 48 * 50}  # 50 chunks of 48 tokens: 2,400 tokens
+    index.record("a", index.key(body, 2400), capacity_blocks=15, block_size=128)  # 1,920
+    # The room of 120 English chunks holds 40 of these, three blocks each.
+    assert index.describe("a")["text_blocks"] == 40
+    assert index.cached_tokens(index.key(body, 2400)) == {"a": 1920}
+    english = index.key({"prompt": "".join(f"{i:03d}" for i in range(16 * 80))}, 1280)
+    index.record("a", english, capacity_blocks=15, block_size=128)
+    assert index.cached_tokens(index.key(body, 2400)) == {}  # 80 chunks pushed it out
