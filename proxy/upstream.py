@@ -66,6 +66,14 @@ def connector(**options: Any) -> aiohttp.TCPConnector:
 
 
 class _ResponseHandler(ResponseHandler):
+    def is_connected(self) -> bool:
+        # Asked of a pooled connection before it is taken again: one on which
+        # bytes came while it sat idle (an instance that wrote a second answer
+        # after a whole one) is not. Taken, those bytes would be read as the
+        # next call's answer, another client's, and every answer after as the
+        # one before's. (nginx closes a kept-alive upstream connection so too.)
+        return super().is_connected() and not self._buffer and not self._tail
+
     def set_exception(self, exc: BaseException, *cause: BaseException) -> None:
         body = self._payload
         super().set_exception(exc, *cause)

@@ -1,0 +1,117 @@
+"""Bytes an instance sends on a kept-alive connection while no request is
+waiting on it (a buggy or hostile server writing a second answer after the
+first was whole) must not become the answer to the next request that reuses
+the connection: that request may be another client's. nginx closes a cached
+upstream connection that receives anything while idle. A raw socket server
+plays the instance (not vLLM)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+MODEL = "standin"
+METRICS = (
+    f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0.0\n'
+    f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 0.0\n'
+    f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.0\n'
+    'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+).encode()
+
+
+def _answer(body: bytes, kind: str = "application/json") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (
+        kind.encode(), len(body)) + body  # fmt: skip
+
+
+def _completion(text: str) -> bytes:
+    return json.dumps({
+        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }).encode()  # fmt: skip
+
+
+class LateWriter:
+    """Answers well, except that after the first completion it answers, it
+    writes a second, unasked-for answer on the same connection 0.3 s later."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.poisoned = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                buf = buf[length:]
+                path = head.split(b" ")[1]
+                if path.startswith(b"/v1/models"):
+                    models = {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+                    conn.sendall(_answer(json.dumps(models).encode()))
+                elif path.startswith(b"/metrics"):
+                    conn.sendall(_answer(METRICS, "text/plain"))
+                elif path.startswith(b"/health"):
+                    conn.sendall(_answer(b""))
+                elif path.startswith(b"/v1/"):
+                    conn.sendall(_answer(_completion("real answer")))
+                    if not self.poisoned:
+                        self.poisoned = True
+                        time.sleep(0.3)
+                        conn.sendall(_answer(_completion("SMUGGLED")))
+                else:
+                    conn.sendall(_answer(b""))
+
+
+@pytest.mark.parametrize("engine", ["openai", "vllm"])
+def test_bytes_an_instance_sends_on_an_idle_connection_answer_no_one(
+    ferry: Any, engine: str
+) -> None:
+    upstream = LateWriter()
+    proxy = ferry([f"http://127.0.0.1:{upstream.port}"], instances_engine=engine)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    try:
+        first = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+        assert first.status_code == 200, first.text
+        assert first.json()["choices"][0]["text"] == "real answer"
+        time.sleep(0.6)  # the unasked-for answer has come, on a connection idle in the pool
+        texts = []
+        for _ in range(10):  # another client's requests
+            answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+            texts.append((answer.status_code, answer.text[:200]))
+    finally:
+        upstream.sock.close()
+    # Each answer is a completion of its own: not the unasked-for one, nor the
+    # answer to some other call (a look at /v1/models or /metrics) on that connection.
+    assert all(t == (200, texts[0][1]) and "real answer" in t[1] for t in texts), texts
