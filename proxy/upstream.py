@@ -21,6 +21,7 @@ tries another instance; a stream under way ends with an error event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import logging
@@ -31,7 +32,7 @@ import resource
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -360,6 +361,19 @@ def writable(*texts: str) -> bool:
     return not any(_FORBIDDEN_IN_HEADERS.search(text) for text in texts)
 
 
+@contextlib.asynccontextmanager
+async def _headers_within(seconds: float | None) -> AsyncIterator[None]:
+    """Give up an answer whose headers take over `seconds` (a ServerTimeoutError,
+    as aiohttp's own read timeout)."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError as exc:
+        if isinstance(exc, aiohttp.ClientError):  # aiohttp's own: as it is
+            raise
+        raise aiohttp.ServerTimeoutError(f"no whole headers in {seconds:g} s") from exc
+
+
 async def read_whole(response: aiohttp.ClientResponse, limit: int) -> bytes:
     """A whole answer's body; sse.AnswerTooLarge past `limit` bytes, said or read."""
     if (response.content_length or 0) > limit:
@@ -467,9 +481,15 @@ class Upstreams:
             stages.send()
         timeout = self.stream_timeout if stream else self.whole_timeout
         url = self.url(call.instance) + path
+        # A stream's headers come at once (the engine's server answers before it
+        # generates): ones that trickle in a byte at a time, each restarting the
+        # read timer, are given up as a stream that says nothing is.
+        deadline = timeout.sock_read if stream else None
         try:
             secure = await tls_of(config)
-            async with self.waits(call.instance, call.entry.model, fallback):
+            async with self.waits(call.instance, call.entry.model, fallback), _headers_within(
+                deadline
+            ):
                 sent = self.clock()
                 try:
                     call.response = await self.session.request(

@@ -1,9 +1,11 @@
-"""Bytes an instance sends on a kept-alive connection while no request is
-waiting on it (a buggy or hostile server writing a second answer after the
-first was whole) must not become the answer to the next request that reuses
-the connection: that request may be another client's. nginx closes a cached
-upstream connection that receives anything while idle. A raw socket server
-plays the instance (not vLLM)."""
+"""Instances that break HTTP in ways no engine should, played by raw socket
+servers (not vLLM): what they send must not reach another client, nor hold one.
+
+Bytes an instance sends on a kept-alive connection while no request is waiting
+on it (a buggy or hostile server writing a second answer after the first was
+whole) must not become the answer to the next request that reuses the
+connection: that request may be another client's. nginx closes a cached
+upstream connection that receives anything while idle."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.helpers import wait_until
 
 MODEL = "standin"
 METRICS = (
@@ -115,3 +119,70 @@ def test_bytes_an_instance_sends_on_an_idle_connection_answer_no_one(
     # Each answer is a completion of its own: not the unasked-for one, nor the
     # answer to some other call (a look at /v1/models or /metrics) on that connection.
     assert all(t == (200, texts[0][1]) and "real answer" in t[1] for t in texts), texts
+
+
+class SlowHeaders:
+    """Answers /v1/models and /metrics well; a completion's status line, then
+    one byte of header every 0.3 s, never finished (a slowloris upstream)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    head += data
+                path = head.split(b" ")[1]
+                if path.startswith(b"/v1/models"):
+                    models = {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+                    conn.sendall(_answer(json.dumps(models).encode()))
+                elif path.startswith(b"/metrics"):
+                    conn.sendall(_answer(METRICS, "text/plain"))
+                elif path.startswith(b"/v1/"):
+                    try:
+                        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+                        for _ in range(200):
+                            time.sleep(0.3)
+                            conn.sendall(b"X")
+                    except OSError:
+                        return
+                    return
+                else:
+                    conn.sendall(_answer(b""))
+
+
+def test_a_streams_headers_that_never_end_are_given_up(ferry: Any) -> None:
+    """Headers trickling in a byte at a time never end: each byte restarted
+    aiohttp's read timer, so the client (and the instance's bill) waited for
+    ever. A stream's are given up after upstream_idle_timeout_s; a whole
+    answer's come with its body, after its generation, and wait as it does."""
+    upstream = SlowHeaders()
+    proxy = ferry(
+        [f"http://127.0.0.1:{upstream.port}"],
+        server={"upstream_idle_timeout_s": 1.0, "upstream_read_timeout_s": 2.0},
+    )
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "stream": True}
+    try:
+        answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=6)
+    finally:
+        upstream.sock.close()
+    assert answer.status_code == 503, answer.text
+    assert "failed before answering: no data within" in answer.json()["error"]["message"]
+    wait_until(lambda: proxy.view("i0").inflight == 0)
