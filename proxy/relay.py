@@ -664,6 +664,7 @@ class Relay:
             lambda: ending.done,
             lambda: ending.fault,
             keep_alive,
+            lambda: b"" if ending.said_done else sse.DONE,
         )
 
     async def _pipe(
@@ -676,6 +677,7 @@ class Relay:
         complete: Callable[[], bool] | None = None,
         fault: Callable[[], str | None] | None = None,
         keep_alive: sse.KeepAliveWatch | None = None,
+        owed: Callable[[], bytes] | None = None,
     ) -> tuple[web.StreamResponse, str]:
         """Write what `relay` makes of the upstream's bytes to the client as they
         come. A body that ends before `complete()` says it may (an instance that
@@ -689,7 +691,8 @@ class Relay:
         names a server error in what was read (an error event, an abort), the
         call failed: before any byte went out it is tried elsewhere
         (`ErrorFirst`); after, its bytes go on as they came and its outcome is
-        `stream_broken`."""
+        `stream_broken`. A stream that broke after its end is ended with what
+        `owed()` says its client lacks (its [DONE])."""
         response: web.StreamResponse | None = None
         whole = True  # what the client has ends with a whole event
         content = upstream.content
@@ -747,7 +750,8 @@ class Relay:
             if response is None:
                 raise NothingRelayed(_describe(exc)) from exc
             if complete is not None and complete():  # it broke after the end: no matter
-                return response, await _ended(response)
+                ended = await sse.finish(response, owed() if owed is not None else None)
+                return response, "ok" if ended else "client_disconnect"
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
             end = cut + sse.error_event(502, message, "upstream_error")
@@ -907,7 +911,9 @@ class StreamEnd:
     choices) that follows them. Some OpenAI-compatible servers send no [DONE].
     Substring searches on the bytes: half a regex's cost per chunk."""
 
-    __slots__ = ("chat", "choices", "done", "fault", "finishes", "wants_usage", "_usage")
+    __slots__ = (
+        "chat", "choices", "done", "fault", "finishes", "said_done", "wants_usage", "_usage"
+    )  # fmt: skip
 
     def __init__(
         self, choices: int, wants_usage: bool, chat: bool = False, continuous: bool = False
@@ -918,6 +924,7 @@ class StreamEnd:
         self._usage = _USAGE_ALONE if continuous else _USAGE
         self.finishes = 0
         self.done = False
+        self.said_done = False  # its [DONE] came (some servers end without one)
         # A server error the stream reported (an error event, which the relay
         # looks for among events without ids, or an abort): the instance
         # failed it, whatever came after.
@@ -942,7 +949,7 @@ class StreamEnd:
         if finishes and self.fault is None and any(a in events for a in _ABORTS):
             self.fault = 'the engine gave the request up (finish_reason "abort")'
         if _done_in(events):
-            self.done = True
+            self.done = self.said_done = True
             return
         self.finishes += finishes
         if self.finishes >= self.choices:

@@ -487,8 +487,9 @@ class Upstreams:
         deadline = timeout.sock_read if stream else None
         try:
             secure = await tls_of(config)
-            async with self.waits(call.instance, call.entry.model, fallback), _headers_within(
-                deadline
+            async with (
+                self.waits(call.instance, call.entry.model, fallback),
+                _headers_within(deadline),
             ):
                 sent = self.clock()
                 try:

@@ -200,6 +200,24 @@ def test_a_stream_its_instance_ends_early_ends_with_an_error_event(
     wait_until(lambda: proxy.view("i0").inflight == 0)
 
 
+def test_a_stream_that_breaks_after_its_finish_still_ends_with_done(
+    standins: Any, ferry: Any
+) -> None:
+    """An instance that dies after a stream's last token, before its [DONE]: the
+    client has the whole stream, and is sent the [DONE] (it was not: a client
+    that waits for one waited), as a movable stream's is."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    standin.break_after = 4  # its connection dropped after the 4th, last, token
+    proxy = ferry([site.url])
+    body = {"model": "standin", "prompt": "x", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body) as answer:
+        events = [e for e in answer.read().decode().split("\n\n") if e]
+    assert len(events) == 5 and events[-1] == "data: [DONE]", events
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"]
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_requests_total{instance="i0",outcome="ok"} 1.0' in metrics
+
+
 def test_a_finished_stream_without_done_is_whole(standins: Any, ferry: Any) -> None:
     """Some OpenAI-compatible servers end a stream after its finish reason without
     [DONE]: that stream is whole, not cut short."""
