@@ -42,16 +42,14 @@ def _completion(text: str) -> bytes:
     }).encode()  # fmt: skip
 
 
-class LateWriter:
-    """Answers well, except that after the first completion it answers, it
-    writes a second, unasked-for answer on the same connection 0.3 s later."""
+class RawServer:
+    """An HTTP/1.1 server on a raw socket, a thread per connection (`_serve`)."""
 
     def __init__(self) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
-        self.poisoned = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -63,6 +61,8 @@ class LateWriter:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """Answer the requests on `conn` in turn: the engine's own pages well,
+        a completion as `complete` does (False: the connection is done)."""
         buf = b""
         with conn:
             while True:
@@ -86,16 +86,28 @@ class LateWriter:
                     conn.sendall(_answer(json.dumps(models).encode()))
                 elif path.startswith(b"/metrics"):
                     conn.sendall(_answer(METRICS, "text/plain"))
-                elif path.startswith(b"/health"):
+                elif not path.startswith(b"/v1/"):
                     conn.sendall(_answer(b""))
-                elif path.startswith(b"/v1/"):
-                    conn.sendall(_answer(_completion("real answer")))
-                    if not self.poisoned:
-                        self.poisoned = True
-                        time.sleep(0.3)
-                        conn.sendall(_answer(_completion("SMUGGLED")))
-                else:
-                    conn.sendall(_answer(b""))
+                elif not self.complete(conn):
+                    return
+
+    def complete(self, conn: socket.socket) -> bool:
+        raise NotImplementedError
+
+
+class LateWriter(RawServer):
+    """Answers well, except that after the first completion it answers, it
+    writes a second, unasked-for answer on the same connection 0.3 s later."""
+
+    poisoned = False
+
+    def complete(self, conn: socket.socket) -> bool:
+        conn.sendall(_answer(_completion("real answer")))
+        if not self.poisoned:
+            self.poisoned = True
+            time.sleep(0.3)
+            conn.sendall(_answer(_completion("SMUGGLED")))
+        return True
 
 
 @pytest.mark.parametrize("engine", ["openai", "vllm"])
@@ -121,51 +133,19 @@ def test_bytes_an_instance_sends_on_an_idle_connection_answer_no_one(
     assert all(t == (200, texts[0][1]) and "real answer" in t[1] for t in texts), texts
 
 
-class SlowHeaders:
-    """Answers /v1/models and /metrics well; a completion's status line, then
-    one byte of header every 0.3 s, never finished (a slowloris upstream)."""
+class SlowHeaders(RawServer):
+    """A completion's status line, then one byte of header every 0.3 s, never
+    finished (a slowloris upstream)."""
 
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:  # closed: the test is over
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    head += data
-                path = head.split(b" ")[1]
-                if path.startswith(b"/v1/models"):
-                    models = {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
-                    conn.sendall(_answer(json.dumps(models).encode()))
-                elif path.startswith(b"/metrics"):
-                    conn.sendall(_answer(METRICS, "text/plain"))
-                elif path.startswith(b"/v1/"):
-                    try:
-                        conn.sendall(b"HTTP/1.1 200 OK\r\n")
-                        for _ in range(200):
-                            time.sleep(0.3)
-                            conn.sendall(b"X")
-                    except OSError:
-                        return
-                    return
-                else:
-                    conn.sendall(_answer(b""))
+    def complete(self, conn: socket.socket) -> bool:
+        try:
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            for _ in range(200):
+                time.sleep(0.3)
+                conn.sendall(b"X")
+        except OSError:
+            pass
+        return False
 
 
 def test_a_streams_headers_that_never_end_are_given_up(ferry: Any) -> None:
