@@ -347,7 +347,10 @@ class Migrator:
         candidates = self.candidates(chosen.name)
         victims = make_room_victims(chosen, blocks_needed, candidates, elsewhere)
         for victim in victims:
-            self.submit(self.streams[victim], None, "priority")
+            # No pre-warm: the high-priority request waits here for the room, and
+            # a pre-warm holds the cut-over up to PREWARM_WAIT_S (on a full
+            # destination, which is where a victim goes, all of it).
+            self.submit(self.streams[victim], None, "priority", prewarm=False)
         return bool(victims)
 
     async def stop(self) -> None:

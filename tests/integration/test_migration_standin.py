@@ -136,11 +136,7 @@ def test_a_high_priority_request_makes_room_by_moving_a_lower_one(
 ) -> None:
     # Two small instances (10 KV blocks of 16 tokens); each runs one normal stream.
     sites = standins(2, itl_s=0.02, kv_blocks=10)
-    proxy = ferry(
-        [s.url for _, s in sites],
-        instances_migration="lite",
-        scheduler={"migration_prewarm": False},
-    )
+    proxy = ferry([s.url for _, s in sites], instances_migration="lite")
     normal: list[list[str]] = [[], []]
 
     def background(n: int) -> None:
@@ -171,6 +167,10 @@ def test_a_high_priority_request_makes_room_by_moving_a_lower_one(
         t.join(30)
     assert ["".join(chunks) for chunks in normal] == [" tok" * 60] * 2  # both intact
     assert 'ferry_migrations_total{outcome="ok",reason="priority"} 1.0' in metrics(proxy.url)
+    # Moved without a pre-warm: on a full destination it held the high one's room
+    # for its whole second.
+    bodies = [b for s, _ in sites for b in s.seen_bodies]
+    assert not [b for b in bodies if b.get("max_tokens") == 1], bodies
 
 
 def test_a_broken_stream_resumes_on_a_draining_instance_when_none_else_is_left(
