@@ -106,22 +106,28 @@ class PassThrough:
     stream: bool  # the body asks for a stream (an idle timeout applies)
 
 
+def priority_of(header: str | None) -> Priority:
+    """The priority the `x-ferry-priority` header says (its values joined by
+    commas, as a header sent twice reads: RFC 9110 5.3), normal if none; one
+    priority however often it is said, two are refused."""
+    if header is None:
+        return Priority.NORMAL
+    try:
+        said = {Priority.parse(value) for value in header.split(",")}
+    except ValueError as exc:
+        raise BadRequest(f"header {PRIORITY_HEADER}: {exc}") from None
+    if len(said) > 1:
+        names = ", ".join(sorted(p.name.lower() for p in said))
+        raise BadRequest(f"header {PRIORITY_HEADER}: one priority, not several ({names})")
+    (priority,) = said
+    return priority
+
+
 def parse(
     raw: bytes, endpoint: str, priority_header: str | None, content_type: str = JSON
 ) -> OpenAIRequest:
     """`endpoint` is "completions" or "chat"; `content_type` the header as sent."""
-    priority = Priority.NORMAL
-    if priority_header is not None:
-        # The header sent twice reads as its values joined by commas (RFC 9110
-        # 5.3): one priority however often it is said, two are refused.
-        try:
-            said = {Priority.parse(value) for value in priority_header.split(",")}
-        except ValueError as exc:
-            raise BadRequest(f"header {PRIORITY_HEADER}: {exc}") from None
-        if len(said) > 1:
-            names = ", ".join(sorted(p.name.lower() for p in said))
-            raise BadRequest(f"header {PRIORITY_HEADER}: one priority, not several ({names})")
-        (priority,) = said
+    priority = priority_of(priority_header)
     if content_type.split(";", 1)[0].strip().lower() != JSON:
         # 400, as vLLM answers it (the `openai` client's BadRequestError), not 415.
         shown = f"'{content_type[:MAX_SHOWN]}'" if content_type else "none"

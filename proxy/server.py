@@ -62,7 +62,7 @@ from proxy.kv_migration import FullModeSettings, KVMigrator
 from proxy.metrics import FerryMetrics
 from proxy.migrator import Migrator
 from proxy.placement import Placement
-from proxy.policy import Priority, UsageSettings, make_policy
+from proxy.policy import UsageSettings, make_policy
 from proxy.policy.migration import MigrationSettings
 from proxy.policy.policies import DispatchPolicy
 from proxy.relay import Relay
@@ -567,6 +567,10 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
     if request.path.startswith(_ENGINE_ADMIN):
         return error_response(404, "the engine's administration routes are not passed through")
     try:
+        # (A Responses call generates as a chat does: its priority counts too.)
+        priority = openai_request.priority_of(
+            _joined(request.headers.getall(openai_request.PRIORITY_HEADER, []))
+        )
         raw = await _body(request)
         boundary = None
         if request.content_type == openai_request.MULTIPART:
@@ -587,7 +591,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         None,
         raw,
         model=model,
-        priority=Priority.NORMAL,
+        priority=priority,
         prompt_estimate=0,
         arrived=arrived,
         stream=body.stream,

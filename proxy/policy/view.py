@@ -24,7 +24,8 @@ class Priority(enum.IntEnum):
                 raise KeyError(word)
             return cls[word.upper()]
         except KeyError:
-            raise ValueError(f"priority must be one of high, normal, low (got {text!r})") from None
+            shown = text if len(text) <= 100 else text[:100] + "..."  # (a header of 64 KiB)
+            raise ValueError(f"priority must be one of high, normal, low (got {shown!r})") from None
 
 
 _NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -171,6 +172,21 @@ def test_a_client_that_leaves_before_a_whole_answer_is_counted(standins: Any, fe
         ("/v1/completions", b'{"model": "nope", "prompt": "x"}', {}, 404, "model"),
         (
             "/v1/completions",
+            b'{"model": "standin", "prompt": "x"}',
+            {"x-ferry-priority": "now"},
+            400,
+            None,
+        ),
+        # Passed through unread (a Responses call, /tokenize): the header is read.
+        (
+            "/v1/responses",
+            b'{"model": "standin", "input": "x"}',
+            {"x-ferry-priority": "now"},
+            400,
+            None,
+        ),
+        (
+            "/tokenize",
             b'{"model": "standin", "prompt": "x"}',
             {"x-ferry-priority": "now"},
             400,
@@ -841,3 +857,28 @@ def test_a_priority_header_sent_twice_reads_as_its_values_joined(standins: Any, 
         answers.append(httpx.post(proxy.url + "/v1/completions", content=body, headers=headers))
     assert [a.status_code for a in answers] == [200, 400, 400]
     assert "not several" in answers[1].json()["error"]["message"]
+
+
+def test_a_responses_call_is_placed_by_its_priority(
+    standins: Any, ferry: Any, loop_thread: Any
+) -> None:
+    """A Responses call, passed through unread, was placed as normal whatever
+    its `x-ferry-priority` said, and a bad one was taken: it generates as a chat
+    does, and is billed (headroom, room made) by its priority."""
+    [(standin, site)] = standins(1, itl_s=0.001)
+    gate = asyncio.Event()  # the stand-in holds the rest of its stream until this is set
+    standin.responses_gate = gate
+    proxy = ferry([site.url])
+    body = {"model": "standin", "input": "x", "max_output_tokens": 3, "stream": True}
+    headers = {"x-ferry-priority": "high"}
+    with httpx.stream("POST", proxy.url + "/v1/responses", json=body, headers=headers) as answer:
+        lines = answer.iter_lines()
+        next(lines)  # under way
+        try:
+            assert proxy.loop.call(proxy.cluster.ledger.high_priority, "i0") == 1
+        finally:
+            loop_thread.call(gate.set)
+        assert "response.completed" in "".join(lines)
+    long = {"x-ferry-priority": "x" * 5000}
+    refused = httpx.post(proxy.url + "/v1/responses", json=body, headers=long)
+    assert refused.status_code == 400 and len(refused.text) < 500  # the value shown cut short
