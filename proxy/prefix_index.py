@@ -9,14 +9,13 @@ from the scrape), and answers how long a new request's cached prefix is on each.
 Two keys, because Ferry has no token ids when it places a request:
 - **text chunks** (what dispatch reads): the prompt text (a prompt of token ids
   as the ids' text), or the chat messages rendered `role NUL content SOH`, cut
-  into chunks of `block_size * CHARS_PER_TOKEN` characters (the 3 characters a
-  token the prompt's estimate counts in English) and hashed in a chain, like
-  vllm-router's `cache_aware` approximate tree over the request text. A chunk
-  stands for `block_size` tokens, times its text's bytes of UTF-8 a character
-  (the estimate counts bytes: a Chinese character is a token). Approximations:
-  the chat template's tokens are not counted, and a chunk boundary is not a
-  block boundary, so the cached length in tokens is matched chunks *
-  block_size (* that weight), capped at the request's estimate
+  into chunks of `block_size * BYTES_PER_TOKEN` bytes of UTF-8 (the 3 bytes a
+  token the prompt's estimate counts: 3 characters of English, a Chinese
+  character) and hashed in a chain, like vllm-router's `cache_aware` approximate
+  tree over the request text. A chunk stands for `block_size` tokens.
+  Approximations: the chat template's tokens are not counted, and a chunk
+  boundary is not a block boundary, so the cached length in tokens is matched
+  chunks * block_size, capped at the request's estimate
   and cut to whole blocks of the instance's engine (vLLM reuses whole blocks
   only). Inserted when a request is placed (before the engine has it), as
   vllm-router does.
@@ -55,12 +54,10 @@ from adapters.kv_events import KVEventsFormat
 from proxy import openai_request
 from proxy.engine_blocks import EngineBlocks, LazyChain, token_block_hashes
 
-# A text chunk of `block_size` tokens is this many characters of ASCII: the ratio
-# the prompt's own estimate uses (proxy/openai_request.py), so a prompt cached
-# whole is credited its whole estimate (at 4, three quarters of it). A chunk of
-# other text stands for as many more tokens as its characters take more bytes
-# (`PrefixKey.weight`).
-CHARS_PER_TOKEN = openai_request.BYTES_PER_TOKEN
+# A text chunk of `block_size` tokens is this many bytes of UTF-8: the ratio the
+# prompt's own estimate uses (proxy/openai_request.py), so a prompt cached whole
+# is credited its whole estimate (at 4, three quarters of it), in any script.
+BYTES_PER_TOKEN = openai_request.BYTES_PER_TOKEN
 DEFAULT_CAPACITY_BLOCKS = 4096  # until the engine's cache size is known
 MAX_SESSION_CHARS = 256  # a session named longer is kept by its digest
 # A prompt's chunks hashed at most (128k tokens at 16 a block): longer ones are
@@ -71,14 +68,14 @@ _SEED = 0x5EED
 
 
 def text_chunk_hashes(
-    text: str, chunk_chars: int, seed: int = _SEED, limit: int = MAX_PROMPT_CHUNKS
+    text: str | bytes, chunk_size: int, seed: int = _SEED, limit: int = MAX_PROMPT_CHUNKS
 ) -> list[int]:
-    """Chained hashes of the full `chunk_chars`-character chunks of `text`, the
-    first `limit` of them."""
+    """Chained hashes of the full `chunk_size`-long chunks of `text`, the first
+    `limit` of them."""
     hashes, prev = [], seed
-    end = min(len(text), limit * chunk_chars) - chunk_chars + 1
-    for start in range(0, end, chunk_chars):
-        prev = hash((prev, text[start : start + chunk_chars]))
+    end = min(len(text), limit * chunk_size) - chunk_size + 1
+    for start in range(0, end, chunk_size):
+        prev = hash((prev, text[start : start + chunk_size]))
         hashes.append(prev)
     return hashes
 
@@ -124,7 +121,7 @@ def prompt_text(body: Mapping[str, Any] | None, limit: int | None = None) -> str
     if isinstance(prompt, str):
         return prompt
     # As many ids as `limit` is tokens.
-    ids = prompt_ids(body, None if limit is None else limit // CHARS_PER_TOKEN)
+    ids = prompt_ids(body, None if limit is None else limit // BYTES_PER_TOKEN)
     return _ids_text(ids) if ids is not None else ""
 
 
@@ -195,9 +192,6 @@ class BlockLRU:
     def __iter__(self) -> Iterator[int]:
         return (h for h in self._blocks if not isinstance(h, _Taken))
 
-    def __contains__(self, h: object) -> bool:
-        return h in self._blocks
-
     def insert(self, hashes: Iterable[int]) -> list[int]:
         """Hold `hashes` (most recent last); returns the hashes evicted for room."""
         blocks = self._blocks
@@ -250,7 +244,7 @@ class BlockLRU:
 @dataclass(frozen=True, slots=True)
 class PrefixKey:
     """What dispatch knows of a request's prefix: its text chunk hashes (for a
-    chunk of `chunk_chars`), its estimated prompt tokens, its session, and its
+    chunk of `chunk_size` bytes), its estimated prompt tokens, its session, and its
     token ids when the client sent them."""
 
     chunks: tuple[int, ...]
@@ -259,9 +253,6 @@ class PrefixKey:
     token_ids: tuple[int, ...] | None = None
     model: str | None = None
     salted: bool = False  # a `cache_salt`: the engine's first block hashes it in
-    # The tokens a chunk stands for, in `block_size`s: its text's bytes of UTF-8
-    # a character (1 for English, 3 for Chinese), as the prompt's estimate counts.
-    weight: float = 1.0
 
 
 @dataclass(slots=True)
@@ -276,7 +267,7 @@ class InstancePrefixes:
 class PrefixIndex:
     """Every instance's prefix index, plus the last instance of each session.
 
-    `block_size` sets the chunk: `block_size * CHARS_PER_TOKEN` characters (every
+    `block_size` sets the chunk: `block_size * BYTES_PER_TOKEN` bytes (every
     instance is keyed with one chunk size so one request hashes once).
     """
 
@@ -292,21 +283,25 @@ class PrefixIndex:
     engines: dict[str, EngineBlocks] = field(default_factory=dict)
 
     @property
-    def chunk_chars(self) -> int:
-        return self.block_size * CHARS_PER_TOKEN
+    def chunk_size(self) -> int:
+        return self.block_size * BYTES_PER_TOKEN
 
     def key(
         self, body: Mapping[str, Any] | None, prompt_tokens: int, session: str | None = None
     ) -> PrefixKey:
         ids = prompt_ids(body, MAX_PROMPT_CHUNKS * self.block_size)
         # (Ids read once: `prompt_text` would read them again.)
-        text = _ids_text(ids) if ids else prompt_text(body, MAX_PROMPT_CHUNKS * self.chunk_chars)
-        chunks = text_chunk_hashes(text, self.chunk_chars, _namespace(body))
+        if ids:
+            keyed: str | bytes = _ids_text(ids)  # (ASCII: a character is a byte)
+        else:
+            # (At least as many bytes as characters: the text read is enough.)
+            text = prompt_text(body, MAX_PROMPT_CHUNKS * self.chunk_size)
+            keyed = text.encode("utf-8", "surrogatepass")
+        chunks = text_chunk_hashes(keyed, self.chunk_size, _namespace(body))
         model = body.get("model") if body is not None else None
         model = model if isinstance(model, str) else None
         salted = body is not None and body.get("cache_salt") is not None
-        weight = openai_request.utf8_size(text) / len(text) if text else 1.0
-        return PrefixKey(tuple(chunks), prompt_tokens, session, ids, model, salted, weight)
+        return PrefixKey(tuple(chunks), prompt_tokens, session, ids, model, salted)
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int]:
         """Cached prompt tokens of `key` on each instance that has any (absent: 0):
@@ -361,8 +356,7 @@ class PrefixIndex:
         ids = _ids_text(key.token_ids) if key.token_ids is not None else None
         out = {}
         for name, m in matched.items():
-            chunked = int(m * size * key.weight)
-            tokens = min(cap, chunked if ids is None else _whole_ids(ids, m * self.chunk_chars))
+            tokens = min(cap, m * size if ids is None else _whole_ids(ids, m * self.chunk_size))
             entry = self.instances.get(name)
             if entry is not None and entry.block_size > 1:  # whole engine blocks only
                 tokens -= tokens % entry.block_size
@@ -385,7 +379,7 @@ class PrefixIndex:
         entry = self._entry(name, capacity_blocks, block_size or self.block_size)
         # No more than the cache holds: a match runs from the first chunk, so of
         # a prompt longer than the cache only its start can ever be found.
-        chunks = key.chunks[: max(1, int(entry.text.capacity / key.weight))]
+        chunks = key.chunks[: entry.text.capacity]
         holders = self.holders
         for h in chunks:
             held = holders.get(h)
@@ -396,12 +390,7 @@ class PrefixIndex:
         # The first chunk last, the most recent: an engine evicts a prefix's tail
         # before its start (vLLM frees a request's blocks tail first), and a
         # match that misses its first chunk finds nothing of the rest.
-        # A chunk of other text than English stands for more tokens: the room
-        # its new chunks take past one block each goes as a generation's does.
-        fresh = sum(h not in entry.text for h in chunks) if key.weight > 1 else 0
         self._drop(name, entry.text.insert(reversed(chunks)))
-        if fresh:
-            self._drop(name, entry.text.take(int(fresh * (key.weight - 1))))
         if key.session:
             self.sessions[key.session] = name
             self.sessions.move_to_end(key.session)

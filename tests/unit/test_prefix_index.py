@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -155,7 +157,7 @@ def test_a_huge_prompt_is_keyed_by_its_start() -> None:
     500,000 chunks held it for a second. Past MAX_PROMPT_CHUNKS a prompt is
     keyed by its start, whatever its shape, and two that share it match."""
     index = PrefixIndex(block_size=4)  # 12-character chunks
-    chars = MAX_PROMPT_CHUNKS * index.chunk_chars
+    chars = MAX_PROMPT_CHUNKS * index.chunk_size
     text = "".join(f"{n:015d}-" for n in range(MAX_PROMPT_CHUNKS + 100))
     ids = list(range(MAX_PROMPT_CHUNKS * 4 + 400))
     bodies = [
@@ -396,31 +398,83 @@ def test_a_token_id_prompt_is_credited_the_ids_it_shares_no_more(
 
 
 def test_a_chinese_prompt_cached_whole_is_credited_as_an_english_one_is() -> None:
-    """Chunks stood for `block_size` tokens and prompts were estimated at 3
-    characters a token, in characters: a Chinese prompt (a token a character or
-    more) of 230 characters was estimated at 76 tokens, credited less than one
-    engine block of 128, so its repeats went anywhere. Both count bytes now."""
+    """Prompts were estimated at 3 characters a token and chunked by characters:
+    a Chinese prompt (a token a character or more) of 226 characters read as 75
+    tokens, credited less than one engine block of 128, so its repeats went
+    anywhere. Both count bytes of UTF-8 now."""
+    index = PrefixIndex(block_size=16)
+    body = {"model": "m", "prompt": "今天天气很好我们去公园散步吧" * 16 + "再见"}  # 226 characters
+    estimate = _estimate(body, "completions")
+    assert estimate == 226
+    index.record("a", index.key(body, estimate), capacity_blocks=15, block_size=128)
+    assert index.cached_tokens(index.key(body, estimate)) == {"a": 128}  # a whole block
+    assert index.describe("a")["text_blocks"] == 226 * 3 // 48  # chunks of 16 tokens
+
+
+ENGLISH_SYSTEM = "".join(f"rule {i:04d}: be brief. " for i in range(240))  # 4,800 chars
+CHINESE_SYSTEM = "今天天气很好我们去公园散步吧" * 22  # 308 characters: ~308 tokens
+
+
+def _chat(system: str, user: str) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
+
+
+def _estimate(body: dict[str, Any], endpoint: str = "chat") -> int:
     import json
 
     from proxy.openai_request import parse
 
+    return parse(json.dumps(body).encode(), endpoint, None).prompt_estimate
+
+
+def test_a_shared_english_start_is_credited_as_english_whatever_follows() -> None:
+    """(A review's case: one weight for a whole prompt credited the English start
+    it shared by its Chinese question's bytes a character, 34% too many.)"""
     index = PrefixIndex(block_size=16)
-    body = {"model": "m", "prompt": "今天天气很好我们去公园散步吧" * 16 + "再见"}  # 226 characters
-    estimate = parse(json.dumps(body).encode(), "completions", None).prompt_estimate
-    assert estimate == 226
-    index.record("a", index.key(body, estimate), capacity_blocks=15, block_size=128)
-    assert index.cached_tokens(index.key(body, estimate)) == {"a": 128}  # a whole block
-    # Its chunks take the room of the tokens they stand for: three times an English one's.
-    assert index.describe("a")["text_blocks"] == 226 // 48
+    first = _chat(ENGLISH_SYSTEM, "What is the weather like today? " * 3)
+    index.record("a", index.key(first, _estimate(first)), capacity_blocks=10_000, block_size=16)
+    second = _chat(ENGLISH_SYSTEM, "今天天气怎么样" * 150)  # 1,050 characters of Chinese
+    credit = index.cached_tokens(index.key(second, _estimate(second))).get("a", 0)
+    assert len(ENGLISH_SYSTEM) // 3 - 32 <= credit <= len(ENGLISH_SYSTEM) // 3 + 16
 
 
-def test_a_chinese_prompt_longer_than_the_cache_is_kept_by_its_start() -> None:
-    index = PrefixIndex(block_size=16)  # chunks of 48 characters
-    body = {"prompt": "天" * 48 * 50}  # 50 chunks of 48 tokens: 2,400 tokens
-    index.record("a", index.key(body, 2400), capacity_blocks=15, block_size=128)  # 1,920
-    # The room of 120 English chunks holds 40 of these, three blocks each.
-    assert index.describe("a")["text_blocks"] == 40
-    assert index.cached_tokens(index.key(body, 2400)) == {"a": 1920}
-    english = index.key({"prompt": "".join(f"{i:03d}" for i in range(16 * 80))}, 1280)
-    index.record("a", english, capacity_blocks=15, block_size=128)
-    assert index.cached_tokens(index.key(body, 2400)) == {}  # 80 chunks pushed it out
+def test_a_shared_chinese_start_is_credited_before_an_english_question() -> None:
+    index = PrefixIndex(block_size=16)
+    first = _chat(CHINESE_SYSTEM, "Tell me about parks in Beijing. " * 200)
+    index.record("a", index.key(first, _estimate(first)), capacity_blocks=100, block_size=128)
+    second = _chat(CHINESE_SYSTEM, "Tell me about lakes in Hangzhou. " * 200)
+    # ~308 tokens shared: two whole blocks of 128.
+    assert index.cached_tokens(index.key(second, _estimate(second))) == {"a": 256}
+
+
+def test_a_hot_chinese_prompt_keeps_the_room_its_tokens_take() -> None:
+    """A Chinese prompt recorded again and again (a hot system prompt) takes the
+    room of its tokens for as long as it is held: the index holds no more
+    prompts than the engine's cache can."""
+    index = PrefixIndex(block_size=16)
+    hot = {"model": "m", "prompt": "天" * 48 * 20}  # 960 tokens
+    englishes = [
+        {"model": "m", "prompt": "".join(f"{n:02d}{i:04d}" for i in range(8 * 10))[:480]}
+        for n in range(30)
+    ]  # 160 tokens each
+    for body in englishes:
+        index.record("a", index.key(hot, 960), capacity_blocks=15, block_size=128)  # 1,920
+        index.record("a", index.key(body, 160), capacity_blocks=15, block_size=128)
+    assert index.cached_tokens(index.key(hot, 961)).get("a") == 896  # (whole 128s of 960)
+    credited = [b for b in englishes if index.cached_tokens(index.key(b, 161)).get("a")]
+    assert len(credited) <= 6, len(credited)  # 1,920 - 960 tokens: 6 prompts of 160
+
+
+def test_a_chinese_prompt_loses_its_tail_first() -> None:
+    """A cache of 1,920 tokens holding a Chinese prompt's 1,920, then sent 640
+    tokens of English, still holds the prompt's first 1,280 (an engine frees a
+    prefix's tail first)."""
+    index = PrefixIndex(block_size=16)
+    chinese = {"model": "m", "prompt": "天" * 48 * 40}  # 1,920 tokens
+    index.record("a", index.key(chinese, 1920), capacity_blocks=15, block_size=128)
+    english = {"model": "m", "prompt": "".join(f"{i:03d}" for i in range(16 * 40))}  # 640
+    index.record("a", index.key(english, 640), capacity_blocks=15, block_size=128)
+    assert index.cached_tokens(index.key(chinese, 1921)).get("a", 0) >= 1024
