@@ -691,8 +691,8 @@ class Relay:
         names a server error in what was read (an error event, an abort), the
         call failed: before any byte went out it is tried elsewhere
         (`ErrorFirst`); after, its bytes go on as they came and its outcome is
-        `stream_broken`. A stream that broke after its end is ended with what
-        `owed()` says its client lacks (its [DONE])."""
+        `stream_broken`. A stream whole by `complete()` is ended with what
+        `owed()` says its client lacks (its [DONE]), however its body ended."""
         response: web.StreamResponse | None = None
         whole = True  # what the client has ends with a whole event
         content = upstream.content
@@ -750,8 +750,7 @@ class Relay:
             if response is None:
                 raise NothingRelayed(_describe(exc)) from exc
             if complete is not None and complete():  # it broke after the end: no matter
-                ended = await sse.finish(response, owed() if owed is not None else None)
-                return response, "ok" if ended else "client_disconnect"
+                return response, await _ended(response, owed)
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
             end = cut + sse.error_event(502, message, "upstream_error")
@@ -767,7 +766,8 @@ class Relay:
             response = await sse.open_response(
                 request, call.instance, True, answer_headers(upstream)
             )
-        outcome = await _ended(response)
+        finished = complete is not None and complete()
+        outcome = await _ended(response, owed if finished else None)
         return response, "stream_broken" if fault is not None and fault() else outcome
 
     def _may_outreach(self, model: str, least: int, bound: int) -> bool:
@@ -1056,9 +1056,10 @@ def _note_end(
     record.prompt_tokens, record.completion_tokens = prompt, completion
 
 
-async def _ended(response: web.StreamResponse) -> str:
-    """End a whole stream: its outcome, "ok" unless the client missed its end."""
-    return "ok" if await sse.finish(response) else "client_disconnect"
+async def _ended(response: web.StreamResponse, owed: Callable[[], bytes] | None = None) -> str:
+    """End a whole stream, with what `owed()` says its client lacks (a [DONE] its
+    instance did not send): its outcome, "ok" unless the client missed its end."""
+    return "ok" if await sse.finish(response, owed() if owed else None) else "client_disconnect"
 
 
 def _retryable(upstream: aiohttp.ClientResponse, outcome: str) -> bool:

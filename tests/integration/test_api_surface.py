@@ -200,14 +200,19 @@ def test_a_stream_its_instance_ends_early_ends_with_an_error_event(
     wait_until(lambda: proxy.view("i0").inflight == 0)
 
 
-def test_a_stream_that_breaks_after_its_finish_still_ends_with_done(
-    standins: Any, ferry: Any
+@pytest.mark.parametrize("end", ["broken", "silent"])
+def test_a_stream_whose_instance_fails_after_its_finish_still_ends_with_done(
+    standins: Any, ferry: Any, end: str
 ) -> None:
-    """An instance that dies after a stream's last token, before its [DONE]: the
-    client has the whole stream, and is sent the [DONE] (it was not: a client
-    that waits for one waited), as a movable stream's is."""
+    """An instance that dies after a stream's last token, before its [DONE] (or
+    goes silent, its socket open): the client has the whole stream, and is sent
+    the [DONE] (it was not: a client that waits for one waited), as a movable
+    stream's is."""
     [(standin, site)] = standins(1, itl_s=0.001)
-    standin.break_after = 4  # its connection dropped after the 4th, last, token
+    if end == "broken":
+        standin.break_after = 4  # its connection dropped after the 4th, last, token
+    else:
+        standin.send_done, standin.hold_open_s = False, 2.0  # past the body-end grace
     proxy = ferry([site.url])
     body = {"model": "standin", "prompt": "x", "max_tokens": 4, "stream": True}
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body) as answer:
