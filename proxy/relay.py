@@ -645,7 +645,7 @@ class Relay:
                     seen = True
                 elif ending.fault is None:  # no ids: an error event is one such
                     ending.fault = _error_in(event)
-            if not ending.done:
+            if not ending.said_done:
                 ending.read(whole)
             if not seen or wants_ids:
                 return whole
@@ -944,6 +944,9 @@ class StreamEnd:
 
     def read(self, events: bytes) -> None:
         """Take in whole events (each one's blank line included)."""
+        if self.done:  # (a finish reason for every choice): only its [DONE] is looked for
+            self.said_done = _done_in(events)
+            return
         # An abort first: vLLM's [DONE] follows it, often in the same read.
         finishes = events.count(b'"finish_reason":"') + events.count(b'"finish_reason": "')
         if finishes and self.fault is None and any(a in events for a in _ABORTS):
