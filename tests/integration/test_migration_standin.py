@@ -1856,15 +1856,7 @@ def test_a_source_lost_after_its_last_token_with_no_resume_left_still_ends_whole
         scheduler={"policy": "round_robin", "migration_max_resumes": resumes},
     )
     tokens = 2 * (resumes + 1) if resumes else 4
-    chunks = list(
-        api(proxy.url).completions.create(
-            model="standin",
-            prompt="x",
-            max_tokens=tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = _streamed_with_usage(proxy, tokens)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * tokens
     assert [c.usage.completion_tokens for c in chunks if c.usage] == [tokens]
 
