@@ -294,9 +294,10 @@ class PrefixIndex:
         if ids:
             keyed: str | bytes = _ids_text(ids)  # (ASCII: a character is a byte)
         else:
-            # (At least as many bytes as characters: the text read is enough.)
-            text = prompt_text(body, MAX_PROMPT_CHUNKS * self.chunk_size)
-            keyed = text.encode("utf-8", "surrogatepass")
+            # A character is a byte or more: as many characters as the chunks
+            # hashed take in bytes are enough (a prompt of 32 MB is not copied whole).
+            limit = MAX_PROMPT_CHUNKS * self.chunk_size
+            keyed = prompt_text(body, limit)[:limit].encode("utf-8", "surrogatepass")
         chunks = text_chunk_hashes(keyed, self.chunk_size, _namespace(body))
         model = body.get("model") if body is not None else None
         model = model if isinstance(model, str) else None
