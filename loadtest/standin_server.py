@@ -6,7 +6,8 @@ count is real: the requests it is serving right now), so the proxy's whole path
 (dispatch, ledger, SSE relay, scraping) runs against it. Use it where real vLLM
 cannot run or would be the bottleneck: measuring the proxy's own overhead, or
 many instances at once. It also answers the rest of vLLM's surface in outline
-(`/v1/responses`, streamed or whole; `/v1/embeddings`; `/tokenize`,
+(`/v1/responses` and Anthropic's `/v1/messages`, streamed or whole;
+`/v1/embeddings`; `/tokenize`,
 `/detokenize`; pooling and scoring routes, which say which route and model
 answered), and refuses bad bodies with a 4xx as vLLM does.
 
@@ -145,6 +146,7 @@ class StandIn:
         app.router.add_post("/invocations", self._generate)  # SageMaker's, as vLLM serves it
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/messages", self._messages)
         app.router.add_post("/v1/audio/transcriptions", self._transcribe)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
@@ -187,7 +189,7 @@ class StandIn:
         if not isinstance(body, dict):
             _refuse(400, "request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.model:
+        if model and model != self.model:  # (vLLM takes "" for its own, as none named)
             _refuse(404, f"The model `{model}` does not exist.", param="model")
         return body
 
@@ -356,6 +358,56 @@ class StandIn:
         await send(
             "response.completed", response=self._response(rid, "completed", TOKEN_TEXT * n, n)
         )
+        await resp.write_eof()
+        return resp
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API in outline, as vLLM serves it: `max_tokens`
+        tokens of " tok", streamed in its named events or whole."""
+        body = await self._body(request)
+        self._refuse_if_told()
+        n = _tokens(body, "max_tokens")
+        self.served += 1
+        message = {
+            "id": f"msg_standin{self.served}",
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": self.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": len(PROMPT_IDS), "output_tokens": 0},
+        }
+        if not body.get("stream"):
+            await asyncio.sleep(self.ttft_s + self.itl_s * n)
+            message["content"] = [{"type": "text", "text": TOKEN_TEXT * n}]
+            message["stop_reason"] = "max_tokens"
+            message["usage"] = {"input_tokens": len(PROMPT_IDS), "output_tokens": n}
+            return web.json_response(message)
+        resp = self._event_stream()
+        await resp.prepare(request)
+
+        async def send(kind: str, **fields: Any) -> None:
+            data = json.dumps({"type": kind, **fields})
+            await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+
+        await send("message_start", message=message)
+        await send("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        await asyncio.sleep(self.ttft_s)
+        for i in range(n):
+            if i:
+                await asyncio.sleep(self.itl_s)
+            if self.break_after is not None and i == self.break_after:
+                assert request.transport is not None
+                request.transport.abort()  # an instance dying mid-stream
+                return resp
+            await send(
+                "content_block_delta", index=0, delta={"type": "text_delta", "text": TOKEN_TEXT}
+            )
+        await send("content_block_stop", index=0)
+        usage = {"output_tokens": n}
+        await send("message_delta", delta={"stop_reason": "max_tokens"}, usage=usage)
+        await send("message_stop")
         await resp.write_eof()
         return resp
 

@@ -1,4 +1,5 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}};
+on Anthropic's Messages route, in Anthropic's: {"type": "error", "error": {"type", "message"}}."""
 
 from __future__ import annotations
 
@@ -32,6 +33,25 @@ _TYPES = {
 }
 
 
+# Anthropic's error types by status (its API's documented ones, which its SDKs
+# and clients read: `overloaded_error` is the one to retry later).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+# vLLM's Anthropic Messages routes (`/v1/messages`, `/v1/messages/count_tokens`).
+MESSAGES_PATH = "/v1/messages"
+# A response that is Ferry's own error (not an instance's answer): its message.
+OWN_ERROR = web.ResponseKey("ferry_own_error", str)
+
+
 def error_body(
     status: int, message: str, *, code: str | None = None, param: str | None = None
 ) -> dict[str, object]:
@@ -54,12 +74,35 @@ def error_response(
     param: str | None = None,
     headers: LooseHeaders | None = None,
 ) -> web.Response:
-    return web.Response(
+    response = web.Response(
         status=status,
         body=json.dumps(error_body(status, message, code=code, param=param)),
         content_type="application/json",
         headers=headers,
     )
+    response[OWN_ERROR] = message
+    return response
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, object]:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_route(path: str) -> bool:
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+@web.middleware
+async def anthropic_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Ferry's own errors on the Messages routes in Anthropic's shape, as vLLM
+    answers its own there: Anthropic's clients read `error.message` and
+    `error.type` from it. (An instance's answers pass as they came.)"""
+    response = await handler(request)
+    if anthropic_route(request.path) and (message := response.get(OWN_ERROR)) is not None:
+        assert isinstance(response, web.Response)
+        response.body = json.dumps(anthropic_error_body(response.status, message))
+    return response
 
 
 @web.middleware

@@ -29,7 +29,7 @@ from aiohttp import web
 from migration_shim import wire
 from proxy import access_log, client_auth, continuation, sse, tap, token_ids
 from proxy.cluster import Cluster
-from proxy.errors import error_response
+from proxy.errors import anthropic_route, error_response
 from proxy.live_stream import LiveStream, Request
 from proxy.metrics import INSTANCE_FAILURES, FerryMetrics
 from proxy.migrator import Migrator
@@ -389,7 +389,17 @@ class Relay:
                     retried.append(name)
                 else:
                     poison = self._judge(retried, outcome) or (live is not None and live.poison)
-                    self._count(name, outcome, error or outcome, blame=not poison)
+                    # A stream that cannot move, given up by its engine's error
+                    # event: the engine still answers (one that died fails the
+                    # next calls at once, and its health check), and the request
+                    # may be what it fails on (vLLM fails some sampling options
+                    # mid-stream): one client must not eject instances.
+                    said = (
+                        outcome == "stream_broken"
+                        and ending is not None
+                        and ending.fault is not None
+                    )
+                    self._count(name, outcome, error or outcome, blame=not (poison or said))
                 _note_end(record, outcome, timing, call, live)
         assert failed is not None  # every attempt that does not return sets it
         self._judge(retried, "no_instance")
@@ -753,7 +763,11 @@ class Relay:
                 return response, await _ended(response, owed)
             message = f"instance {call.instance} broke the stream: {_describe(exc)}"
             cut = b"" if whole else b"\n\n"  # end the event the break cut in half
-            end = cut + sse.error_event(502, message, "upstream_error")
+            end = cut + (
+                sse.anthropic_error_event(502, message)
+                if anthropic_route(request.path)
+                else sse.error_event(502, message, "upstream_error")
+            )
             # Then [DONE], as vLLM ends a stream it fails (a passed-through stream,
             # such as a Responses one, is not OpenAI's chunks: none there).
             await sse.finish(response, end + sse.DONE if complete is not None else end)

@@ -53,6 +53,7 @@ from proxy.errors import (
     MAX_HEADER_LINE_BYTES,
     MAX_REQUEST_LINE_BYTES,
     OpenAIErrorsRunner,
+    anthropic_errors,
     error_response,
     openai_errors,
 )
@@ -135,6 +136,7 @@ def build_app(
         client_max_size=config.server.max_body_bytes,
         middlewares=[
             observe,
+            anthropic_errors,
             _request_limits(config.server.max_body_bytes),
             openai_errors,
             keyed,
@@ -578,7 +580,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         body = await _read(
             raw, openai_request.parse_passthrough, raw, request.content_type, boundary
         )
-        model = body.model
+        model = body.model or None  # vLLM reads `"model": ""` as none named
         if model is None and request.method == "POST":
             # The engine answers a call that names no model with its first one:
             # where the instances' first models differ, that is a draw.

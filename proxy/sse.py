@@ -19,7 +19,7 @@ from aiohttp import HttpVersion11, web
 from multidict import CIMultiDict
 
 from proxy import tap
-from proxy.errors import error_body
+from proxy.errors import anthropic_error_body, error_body
 from proxy.metrics import FerryMetrics
 from proxy.ttft_stages import TTFTStages
 
@@ -103,6 +103,14 @@ def event(obj: Any) -> bytes:
 def error_event(status: int, message: str, code: str) -> bytes:
     """The event that ends a stream Ferry cannot finish (vLLM's own carry a code too)."""
     return event(error_body(status, message, code=code))
+
+
+def anthropic_error_event(status: int, message: str) -> bytes:
+    """The event that ends an Anthropic Messages stream Ferry cannot finish, named
+    `error` as vLLM names the one that ends a Messages stream it fails: the
+    `anthropic` SDK raises on it, and skips an unnamed one (a cut answer would
+    read as whole)."""
+    return b"event: error\n" + event(anthropic_error_body(status, message))
 
 
 class AnswerTooLarge(aiohttp.ClientPayloadError):

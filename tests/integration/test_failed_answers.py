@@ -64,6 +64,24 @@ def test_a_server_error_mid_stream_counts_against_its_instance(standins: Any, fe
     assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in metrics(proxy)
 
 
+def test_streams_an_engine_gives_up_mid_way_eject_no_instance(standins: Any, ferry: Any) -> None:
+    """vLLM gives up some requests mid-stream with a server error event and
+    serves the rest (its own bug with `n`, `echo` and `logprobs` together): such
+    a stream, one that cannot move, was held against its instance, and a client
+    repeating it ejected healthy instances. A dead engine still is ejected: it
+    fails the next streams at their first event (the first test above)."""
+    (first, a), (second, b) = standins(2, itl_s=0.001)
+    first.error_after = second.error_after = 2
+    proxy = ferry([a.url, b.url], scheduler={"policy": "round_robin"})
+    for _ in range(12):  # past eject_after_failures (5) on each
+        answer = httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": True})
+        assert answer.text.count(" tok") == 2 and '"error"' in answer.text
+    page = metrics(proxy)
+    assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 6.0' in page
+    assert 'ferry_ejections_total{instance="i0"} 0.0' in page
+    assert not proxy.view("i0").ejected and not proxy.view("i1").ejected
+
+
 def test_a_request_an_error_event_refuses_is_the_clients_answer(standins: Any, ferry: Any) -> None:
     """An error event with a 4xx code is the request's fault: it goes to the
     client, and no other instance is tried."""
