@@ -113,6 +113,10 @@ class Cluster:
         # model -> (each instance's context for it where its card says, the
         # shortest): read per request, changed only when a card or the fleet does.
         self._contexts: dict[str, tuple[dict[str, int], int]] = {}
+        # The cache sizes, in tokens, of the engines that publish one, and their
+        # mean: the size an engine that publishes none is ranked by (`_build`).
+        self._capacities: dict[str, int] = {}
+        self._assumed_tokens = 0
         # Other Ferry processes' in-flight totals by instance (proxy/peer_load.py),
         # and whether there are any (proxy/sharing.py sets it).
         self.peer_load: dict[str, InstanceLoad] = {}
@@ -225,6 +229,7 @@ class Cluster:
         self.ledger.forget(name)
         self.prefixes.forget(name)
         self._ejected.pop(name, None)
+        self._note_capacity(name)
         del self._views[self._index.pop(name)]
         self._index = {other: i for i, other in enumerate(self.instances)}
         self._stale.discard(name)
@@ -242,6 +247,7 @@ class Cluster:
             state.ejection = Ejection()
             self._ejected.pop(config.name, None)
             self.prefixes.forget(config.name)  # a new server's cache starts empty
+            self._note_capacity(config.name)
         state.config, state.server = config, config.server
         self._invalidate(config.name)
 
@@ -273,6 +279,7 @@ class Cluster:
         reached it before the look (their answers' starts are read off its queue)."""
         state = self.instances[name]
         state.snapshot, state.snapshot_at = snapshot, now
+        self._note_capacity(name)
         self._up(name, state)
         self.ledger.set_block_size(name, snapshot.block_size)
         in_order = snapshot.engines == 1 and not state.config.engine_priority
@@ -387,6 +394,24 @@ class Cluster:
     def _invalidate(self, name: str) -> None:
         self._stale.add(name)
 
+    def _note_capacity(self, name: str) -> None:
+        """Keep `_capacities` and their mean as `name`'s engine says its cache
+        size (or no longer does); the views of engines that say none follow."""
+        state = self.instances.get(name)
+        snap = state.snapshot if state is not None else None
+        tokens = snap.kv_blocks_total * (snap.block_size or 16) if snap is not None else 0
+        if self._capacities.get(name, 0) == max(tokens, 0):
+            return
+        if tokens > 0:
+            self._capacities[name] = tokens
+        else:
+            self._capacities.pop(name, None)
+        known = self._capacities
+        mean = sum(known.values()) // len(known) if known else 0
+        if mean != self._assumed_tokens:
+            self._assumed_tokens = mean
+            self._stale.update(n for n in self.instances if n not in known)
+
     def _build(self, state: InstanceState) -> InstanceView:
         snap = state.snapshot
         name = state.name
@@ -394,9 +419,11 @@ class Cluster:
         peers = self.peer_load.get(name)
         if peers is not None:
             load += peers
+        block_size = snap.block_size if snap and snap.block_size else 16
         return instance_view(
             name,
             capacity_blocks=snap.kv_blocks_total if snap else 0,
+            assumed_capacity_blocks=self._assumed_tokens // block_size,
             real_blocks=state.external_blocks + load.blocks,
             high_priority_requests=load.high,
             batch=load.inflight + state.external_requests,
@@ -409,7 +436,7 @@ class Cluster:
             # first token, movable or not: streams it preempted, most likely.
             engine_preempted=max(0, snap.waiting - load.waiting) if snap else 0,
             queued_tokens=load.queued_tokens,
-            block_size=snap.block_size if snap and snap.block_size else 16,
+            block_size=block_size,
             healthy=state.healthy and name not in self._ejected,
             draining=state.draining,
             models=state.models,

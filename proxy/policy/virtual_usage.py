@@ -162,23 +162,31 @@ def instance_view(
     draining: bool = False,
     models: frozenset[str] = frozenset(),
     ejected: bool = False,
+    assumed_capacity_blocks: int = 0,
 ) -> InstanceView:
     """One instance's view from its totals: the proxy (ledger + scrape) and the
-    simulator build their views with this, so both rank instances alike."""
+    simulator build their views with this, so both rank instances alike.
+
+    An engine that publishes no cache size (`capacity_blocks` 0) is ranked as if
+    it had `assumed_capacity_blocks` (the proxy's: the mean size of the fleet's
+    engines that publish one) where that is known: ranked by its requests alone
+    (-B), beside engines ranked by free blocks per request, it took nothing
+    while any of them had a block free. Its view's capacity stays unknown."""
+    ranked = capacity_blocks if capacity_blocks > 0 else assumed_capacity_blocks
     virtual = instance_virtual_usage(
         real_blocks,
         high_priority_requests,
         settings,
         for_high=False,
-        capacity_blocks=capacity_blocks,
+        capacity_blocks=ranked,
     )
     virtual_high = instance_virtual_usage(
         real_blocks, high_priority_requests, settings, for_high=True
     )
     return InstanceView(
         name=name,
-        freeness=instance_freeness(capacity_blocks, virtual, batch, draining=draining),
-        freeness_high=instance_freeness(capacity_blocks, virtual_high, batch, draining=draining),
+        freeness=instance_freeness(ranked, virtual, batch, draining=draining),
+        freeness_high=instance_freeness(ranked, virtual_high, batch, draining=draining),
         inflight=inflight,
         capacity_blocks=capacity_blocks,
         virtual_blocks=virtual,

@@ -328,3 +328,22 @@ def test_an_instance_back_from_an_outage_has_nothing_credited() -> None:
     assert cluster.prefixes.cached_tokens(key) == {"a": 64}  # (no traffic while down)
     cluster.record_scrape("a", snapshot(), now=2.0)
     assert cluster.prefixes.cached_tokens(key) == {}
+
+
+def test_an_engine_that_publishes_no_cache_size_takes_its_share_beside_one_that_does() -> None:
+    """An `engine: openai` server (no cache size: ranked by its requests alone,
+    -B) beside a vLLM one (free blocks per request) took nothing while the vLLM
+    one had a block free. It is ranked as if its cache were the mean of those
+    that publish one; with none published, by requests alone."""
+    cluster = make_cluster("vllm", "other")
+    cluster.record_scrape("other", dataclasses.replace(snapshot(), kv_blocks_total=0), now=0.0)
+    assert cluster.instance_view("other").capacity_blocks == 0  # still unknown
+    policy, rng = make_policy("llumnix"), random.Random(0)
+    placed = []
+    for _ in range(20):
+        chosen = dispatch(policy, DispatchRequest("m", prompt_tokens=64), cluster.view(), rng)
+        cluster.ledger.add(chosen.name, "m", Priority.NORMAL, 64, now=0.0)
+        placed.append(chosen.name)
+    assert placed.count("other") == 10
+    cluster.remove("vllm")  # none publishes one: fewest requests first
+    assert cluster.instance_view("other").freeness == -10.0
