@@ -165,7 +165,11 @@ def _finish(record: AccessRecord, metrics: FerryMetrics, enabled: bool) -> None:
             metrics.prompt_tokens.labels(*labels).inc(record.prompt_tokens)
         if record.completion_tokens:
             metrics.generation_tokens.labels(*labels).inc(record.completion_tokens)
-    if enabled and record.path not in QUIET_PATHS and log.isEnabledFor(logging.INFO):
+    if record.path in QUIET_PATHS:
+        return
+    if record.status is not None:
+        metrics.answered(record.status)
+    if enabled and log.isEnabledFor(logging.INFO):
         log.info(record.line())
 
 

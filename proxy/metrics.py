@@ -153,6 +153,15 @@ class FerryMetrics:
             ["instance", "outcome"],
             registry=r,
         )
+        self.responses = Counter(
+            "ferry_responses",
+            "Answers to clients by HTTP status (499: the client left first), Ferry's own"
+            " refusals included (no instance, an unknown model, a bad body); health checks"
+            " and scrapes left out.",
+            ["code"],
+            registry=r,
+        )
+        self._responses: dict[int, Counter] = {}  # status -> its child, made once
         # Histograms observed for every request or token are LoopHistograms: an
         # observation with labels costs 0.5 us against prometheus_client's 3.8 us,
         # about 14 us a request over these four (of ~0.9 ms a request in all).
@@ -399,6 +408,13 @@ class FerryMetrics:
         self.sharing_peers = Gauge(
             "ferry_sharing_peers", "The other processes whose load this one reads.", registry=r
         )
+
+    def answered(self, status: int) -> None:
+        """Count an answer to a client (`ferry_responses_total`)."""
+        child = self._responses.get(status)
+        if child is None:
+            child = self._responses[status] = self.responses.labels(str(status))
+        child.inc()
 
     def model_label(self, model: str | None, served: frozenset[str]) -> str:
         """The `model` label: bounded by the models the instances serve."""

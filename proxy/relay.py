@@ -36,6 +36,7 @@ from proxy.migrator import Migrator
 from proxy.openai_request import OFF_LOOP_BYTES, PRIORITY_HEADER
 from proxy.placement import Placement
 from proxy.policy import DispatchRequest, NoCandidate, Priority
+from proxy.policy.view import shown
 from proxy.policy.virtual_usage import request_blocks
 from proxy.splicer import Splicer, only_ids, server_fault
 from proxy.ttft_stages import TTFTStages
@@ -119,7 +120,7 @@ class Relay:
         `arrived` and `parsed` (monotonic seconds) bound the TTFT's first stage."""
         stream = stream if body is None else bool(body.get("stream"))
         record = access_log.record_of(request)
-        record.model, record.priority = model, priority.name.lower()
+        record.model, record.priority = model and shown(model), priority.name.lower()
         via = request.headers.getall("Via", [])
         if any(self.hop in hop for hop in via):
             message = "the request came back to Ferry: an instance's URL leads to Ferry itself"
@@ -167,6 +168,7 @@ class Relay:
                     if failed is not None:
                         self._judge(retried, "no_instance")
                         return failed
+                    record.outcome = "model_not_found" if exc.model_unknown else "no_instance"
                     if exc.model_unknown:
                         return error_response(
                             404, exc.reason, code="model_not_found", param="model"

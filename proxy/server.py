@@ -66,6 +66,7 @@ from proxy.placement import Placement
 from proxy.policy import UsageSettings, make_policy
 from proxy.policy.migration import MigrationSettings
 from proxy.policy.policies import DispatchPolicy
+from proxy.policy.view import shown
 from proxy.relay import Relay
 from proxy.rescheduler import Rescheduler
 from proxy.scraper import Scraper
@@ -644,7 +645,7 @@ async def _model(request: web.Request) -> web.Response:
     card = _model_cards(request.app[CLUSTER]).get(model)
     if card is None:
         return error_response(
-            404, f"model {model!r} is not served here", code="model_not_found", param="model"
+            404, f"model {shown(model)!r} is not served here", code="model_not_found", param="model"
         )
     return web.json_response(card)
 

@@ -24,7 +24,7 @@ from proxy.policy.policies import (
     Random,
     RoundRobin,
 )
-from proxy.policy.view import ClusterView, DispatchRequest, InstanceView
+from proxy.policy.view import ClusterView, DispatchRequest, InstanceView, shown
 
 
 class NoCandidate(LookupError):
@@ -100,20 +100,21 @@ def dispatch(
 def _why_none(request: DispatchRequest, view: ClusterView) -> tuple[str, bool]:
     model = request.model
     serving = [v for v in view.instances if model is None or model in v.models]
+    named = None if model is None else shown(model)
     if not serving and model is not None:
         # An instance Ferry has not read the models of yet (starting up, or never
         # reached) may serve it: not known yet is not unknown (a 503, not a 404).
         unread = [v.name for v in view.instances if not v.models]
         if unread:
-            shown = ", ".join(unread[:5]) + (", ..." if len(unread) > 5 else "")
+            listed = ", ".join(unread[:5]) + (", ..." if len(unread) > 5 else "")
             return (
-                f"model {model!r} is not served by the instances seen so far; "
-                f"{len(unread)} not reached yet ({shown})",
+                f"model {named!r} is not served by the instances seen so far; "
+                f"{len(unread)} not reached yet ({listed})",
                 False,
             )
         known = sorted({m for v in view.instances for m in v.models})
-        return f"model {request.model!r} is not served here; available: {known}", True
-    what = "any model" if model is None else f"model {model!r}"
+        return f"model {named!r} is not served here; available: {known}", True
+    what = "any model" if model is None else f"model {named!r}"
     if all(not v.healthy for v in serving):
         return f"no healthy instance serves {what}", False
     if all(v.draining or not v.healthy for v in serving):

@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 
+def shown(text: str, limit: int = 256) -> str:
+    """A client's string as a message or a log line shows it: its start, where it
+    is long (a 32 MB model name made a 96 MB error and log line, on the loop)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class Priority(enum.IntEnum):
     """Request priority, from the `x-ferry-priority` header. Higher is more urgent."""
 
@@ -24,8 +30,8 @@ class Priority(enum.IntEnum):
                 raise KeyError(word)
             return cls[word.upper()]
         except KeyError:
-            shown = text if len(text) <= 100 else text[:100] + "..."  # (a header of 64 KiB)
-            raise ValueError(f"priority must be one of high, normal, low (got {shown!r})") from None
+            got = shown(text, 100)  # (a header of 64 KiB)
+            raise ValueError(f"priority must be one of high, normal, low (got {got!r})") from None
 
 
 _NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})

@@ -122,6 +122,34 @@ def test_every_answer_has_a_request_id(
     assert [x["status"] for x in lines] == [200, 200, 404, 400, 404]
     assert lines[0]["completion_tokens"] == 3 and lines[0]["instance"] == "i0"
     assert lines[2]["instance"] is None and lines[2]["request_id"] == "mine-1"
+    assert [x["outcome"] for x in lines] == ["ok", "ok", "model_not_found", None, None]
+
+
+def test_answers_ferry_gives_itself_are_counted(standins: Any, ferry: Any) -> None:
+    """With no instance left to take them, requests were answered 503 and no
+    metric moved: an outage read as no traffic on the dashboard."""
+    [(_, a)] = standins(1, itl_s=0.001)
+    proxy = ferry([a.url], admin_token="a")
+    body = {"model": "standin", "prompt": "hi", "max_tokens": 3}
+    post(proxy.url + "/v1/completions", body).close()
+    drain = urllib.request.Request(
+        proxy.url + "/admin/instances/i0/drain", b"", {"Authorization": "Bearer a"}
+    )
+    urllib.request.urlopen(drain, timeout=5).close()
+    for data in (body, body, {"model": "nope", "prompt": "x"}, {"model": 5}):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(proxy.url + "/v1/completions", data)
+        err.value.close()
+    with pytest.raises(urllib.error.HTTPError) as err:  # (a probe: left out)
+        urllib.request.urlopen(proxy.url + "/health", timeout=5)
+    err.value.close()
+    page = urllib.request.urlopen(proxy.url + "/metrics", timeout=5).read().decode()
+    counted = {
+        line.split('"')[1]: float(line.split()[-1])
+        for line in page.splitlines()
+        if line.startswith("ferry_responses_total{")
+    }
+    assert counted == {"200": 2.0, "503": 2.0, "404": 1.0, "400": 1.0}  # (the drain's 200 too)
 
 
 def test_probes_and_scrapes_stay_out_of_the_access_log(
@@ -263,3 +291,31 @@ def test_what_a_client_names_cannot_forge_a_line_of_ferrys_log(
     assert not [line for line in lines if "FORGED" in line and "not migratable" not in line]
     (line,) = [line for line in lines if "not migratable" in line]
     assert "zz\\x0a2026-12-06" in line and "FORGED\\x1b[2J\\u2028" in line
+
+
+def test_a_clients_long_model_name_is_cut_in_errors_and_the_log(
+    standins: Any, ferry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model name of 16 M characters made a 96 MB 404 and a 96 MB log line
+    (1.3 s of other clients' stall on the loop for two of them)."""
+    caplog.set_level(logging.INFO, logger="ferry.access")
+    [(_, a)] = standins(1)
+    proxy = ferry([a.url], server={"access_log": True})
+    model = "é" * 200_000
+    for path, data in (
+        ("/v1/completions", {"model": model, "prompt": "x"}),
+        ("/v1/embeddings", {"model": model, "input": "x"}),
+        ("/v1/models/" + "m" * 20_000, None),  # (the path itself is in the log line)
+    ):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            if data is None:
+                urllib.request.urlopen(proxy.url + path, timeout=10)
+            else:
+                post(proxy.url + path, data)
+        with err.value as answer:
+            assert answer.code == 404
+            message = json.load(answer)["error"]["message"]
+        assert len(message) < 400 and "...'" in message, message[:500]
+    wait_until(lambda: len(access_lines(caplog)) == 3)
+    for line in access_lines(caplog)[:2]:
+        assert len(json.dumps(line)) < 4000 and line["outcome"] == "model_not_found"
