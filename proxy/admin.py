@@ -46,6 +46,8 @@ class SharingStatus:
     describe: Callable[[], dict[str, Any]] = _alone
     # Why a fleet change made here now would not reach the other processes; None: it would.
     unshared: Callable[[], str | None] = lambda: None
+    # A round with the others now: the changes made here sent, theirs applied here.
+    settle: Callable[[], Awaitable[None]] | None = None
     # This process's /metrics with its peers' merged in; None: alone.
     merged_metrics: Callable[[bytes], Awaitable[bytes]] | None = None
 
@@ -140,10 +142,22 @@ def add_routes(
                 return error_response(
                     503, message, code="sharing_unavailable", headers={"Retry-After": "1"}
                 )
+            settle = status.settle if shared else None
             try:
-                return await change(request)
+                try:
+                    answer = await change(request)
+                except FleetError as exc:
+                    if exc.status != 404 or settle is None:
+                        raise
+                    # Added through another process a moment ago, perhaps, and
+                    # not heard of here yet: asked again once the fleet log is read.
+                    await settle()
+                    answer = await change(request)
             except FleetError as exc:
                 return error_response(exc.status, str(exc), code=exc.code, headers=exc.headers)
+            if settle is not None:
+                await settle()  # answered once every process can see it
+            return answer
 
         return handler
 

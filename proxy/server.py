@@ -425,6 +425,7 @@ async def _shared_view(
         app[SHARING].describe = sharing.describe
         app[SHARING].merged_metrics = sharing.merged_metrics
         app[SHARING].unshared = sharing.unshared
+        app[SHARING].settle = sharing.settle
         app[METRICS].share(sharing.health)
         shown = redacted(config.redis_url)
         log.info("sharing the cluster view through %s as %s", shown, sharing.name)

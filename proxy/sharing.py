@@ -102,6 +102,7 @@ METRICS_TTL_S = 3 * METRICS_EVERY_S  # a dead process's counters leave the sum a
 # A peer whose instance table differs from this one's this long is told of in
 # the log: shorter differences are a fleet change or a reload on its way.
 FLEET_MISMATCH_S = 5.0
+SETTLE_TIMEOUT_S = 2.0  # the longest an admin change waits for its round (`Sharing.settle`)
 
 # Take the lease when nobody holds it, renew it when we do: atomically, so two
 # processes never both believe they hold it. A process that does not rebalance
@@ -242,6 +243,8 @@ class Sharing:
         self._failing = False
         self._faults = Faults(log, "a sharing round")
         self._task: asyncio.Task[None] | None = None
+        # One round at a time: the loop's, or one an admin change asks for (`settle`).
+        self._rounds = asyncio.Lock()
         self._listener: asyncio.Task[None] | None = None
         # Count changes made here (dispatches, releases), and those not yet announced.
         self._seq = 0
@@ -320,6 +323,19 @@ class Sharing:
         is unreachable), or None."""
         return "Redis is unreachable from this process" if self._failing else None
 
+    async def settle(self) -> None:
+        """A round now, under SETTLE_TIMEOUT_S: the fleet changes made here go into
+        the fleet log, and the others' made so far are applied here. An admin
+        change waits for it, so that its answer means every process will see it
+        and a change that follows it through another process finds what it made
+        (a removal right after an add through another worker was a 404 a third of
+        the time). Redis failing or slow: the change goes with a later round."""
+        try:
+            async with asyncio.timeout(SETTLE_TIMEOUT_S), self._rounds:
+                await self.round()
+        except Exception as exc:  # noqa: BLE001 - Redis, a timeout, a round's fault: the loop's
+            log.debug("a fleet change waits for a later round: %s", exc)
+
     def _announce(self, op: dict[str, Any]) -> None:
         """A fleet change made here: the peers get it next round."""
         name = op_instance(op)
@@ -340,7 +356,8 @@ class Sharing:
         while not cancelling():
             await asyncio.sleep(self.settings.publish_interval_s)
             try:
-                await self.round()
+                async with self._rounds:
+                    await self.round()
             except (RedisError, OSError) as exc:
                 self._went_wrong(exc)
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any one round

@@ -221,6 +221,14 @@ def test_each_process_sees_the_others_load_and_fleet_changes_apply_everywhere(
     # One that starts later reads the removal and, having no i2, has nothing to say.
     [c] = ferries(1)
     assert "i2" not in c.rows() and "not applied here" not in c.log.read_text()
+    # A change through one process right after an add through another finds the
+    # instance (a script's add, drain, remove: the drain was a 404 a third of
+    # the time, and the instance stayed for good).
+    for n in range(5):
+        a.admin("/admin/instances", "POST", {"name": f"x{n}", "url": f"{extra.url}/{n}"})
+        b.admin(f"/admin/instances/x{n}/drain", "POST")
+        b.admin(f"/admin/instances/x{n}", "DELETE")
+    wait_until(lambda: not {"x0", "x4"} & (a.rows().keys() | c.rows().keys()), timeout=10)
 
     for s in (streams, late):
         s.join()
