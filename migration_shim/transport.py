@@ -133,10 +133,23 @@ class BlockSender:
         return True
 
     def _send(self, job: BlockCopy) -> None:
-        sock = self._socket(job.dest)
         header = {"type": "block", "mig": job.mig_id, "index": job.index}
-        wire.send_frame(sock, {**header, "crc": wire.checksum(job.payload)}, job.payload)
-        reply, _ = wire.recv_frame(sock)
+        while True:
+            reused = job.dest in self._sockets
+            sock = self._socket(job.dest)
+            try:
+                wire.send_frame(sock, {**header, "crc": wire.checksum(job.payload)}, job.payload)
+                reply, _ = wire.recv_frame(sock)
+                break
+            except TimeoutError:
+                raise
+            except (OSError, ConnectionError):
+                # A connection kept from an earlier migration may lead to a
+                # process that is gone (the destination restarted on its port):
+                # try once more on a new one. (A block sent again replaces itself.)
+                self._drop_socket(job.dest)
+                if not reused:
+                    raise
         if not reply.get("ok"):
             raise ValueError(f"destination refused block {job.index}: {reply.get('error')}")
 

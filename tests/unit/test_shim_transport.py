@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 import warnings
 
@@ -189,3 +191,43 @@ def test_a_hostile_peer_is_dropped_and_the_receiver_goes_on(frame: object) -> No
     tx = BlockSender(LAYOUT)
     tx.submit(BlockCopy("m", rx.address, 0, b"b" * 1000, 0))
     collect(tx, lambda s: s["acked"].get("m") == 1)  # type: ignore[attr-defined]
+
+
+def _receiver_process(port: int) -> subprocess.Popen[bytes]:
+    code = (
+        "import sys, time\n"
+        "from migration_shim.transport import BlockReceiver\n"
+        f"BlockReceiver('127.0.0.1', {port}, {LAYOUT!r}, lease_s=60.0, max_bytes=1 << 24)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+    return proc
+
+
+def test_a_destination_restarted_on_its_port_takes_the_next_migration() -> None:
+    """A destination instance that died and came back on the same KV port (a crash
+    and restart, a rolling update) must take the next migration sent to it. The
+    sender kept its connection to the dead process and sent the next migration's
+    first block into it: that migration failed (BrokenPipe / reset), so the move
+    was rolled back and recomputed."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    tx = BlockSender(LAYOUT)
+    first = _receiver_process(port)
+    try:
+        tx.submit(BlockCopy("m1", address, 0, b"a" * 4096, 0))
+        seen = collect(tx, lambda s: s["acked"].get("m1") == 1 or s["errors"])
+        assert seen["acked"] == {"m1": 1} and not seen["errors"]
+    finally:
+        first.kill()
+        first.wait(10)
+    second = _receiver_process(port)
+    try:
+        tx.submit(BlockCopy("m2", address, 0, b"b" * 4096, 0))
+        seen = collect(tx, lambda s: s["acked"].get("m2") == 1 or s["errors"])
+        assert seen["errors"] == {} and seen["acked"] == {"m2": 1}
+    finally:
+        second.kill()
+        second.wait(10)
