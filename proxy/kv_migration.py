@@ -175,7 +175,10 @@ class KVMigrator:
             # abort from the source still counts as a stop, and the stream resumes.
             expect_stop(False)
         finished = outcome == wire.SOURCE_FINISHED
-        self._count(reason, "source_finished" if finished else "rolled_back")
+        if result is None:  # (its source died, or broke the call: not known to go on)
+            self._count(reason, "no_answer")
+        else:
+            self._count(reason, "source_finished" if finished else "rolled_back")
         log.info("full migration of %s did not happen: %s", tag, _why(result))
         return KVOutcome(stopped=False, finished=finished)
 

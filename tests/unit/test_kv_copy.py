@@ -50,3 +50,24 @@ def test_a_copy_whose_stream_failed_over_frees_its_reservation_at_once() -> None
     assert outcome.abandoned and not outcome.stopped and outcome.load is None
     assert calls == [("dest", wire.RESERVE), ("src", wire.MIGRATE), ("dest", wire.RELEASE)]
     assert expected == [True, False]  # the source's stop is no longer looked for
+
+
+def test_a_copy_whose_source_never_answers_is_counted_as_such() -> None:
+    """A source killed mid-copy breaks the call: counted `rolled_back` (the
+    request going on at its source), though its source was dead."""
+
+    class Dead(Shims):
+        async def post_json(
+            self, instance: str, path: str, body: dict[str, Any], timeout_s: float = 10.0
+        ) -> Any:
+            self.calls.append((instance, path))
+            return None if path == wire.MIGRATE else {"ok": True}
+
+    shims = Dead()
+    kv = migrator(shims)
+    outcome = asyncio.run(kv.copy("src", "dest", "tag", 100, "drain", lambda _: None))
+    assert not outcome.stopped and not outcome.finished
+    assert shims.calls[-1] == ("dest", wire.RELEASE)
+    page = kv.metrics.text().decode()
+    assert 'ferry_kv_migrations_total{outcome="no_answer",reason="drain"} 1.0' in page
+    assert 'outcome="rolled_back"' not in page
