@@ -114,6 +114,17 @@ class Rescheduler:
         names = sources(self._view(), self.settings)
         return {n: loads for n in names if (loads := self.migrator.candidates(n))}
 
+    def _settings_now(self) -> MigrationSettings:
+        """The settings, with the recompute a move costs weighed wherever some
+        instance moves by recompute now: a `full` one whose shim is not there
+        moves in lite mode (an all-`full` fleet planned as if the KV moved
+        along, and its lite moves stalled every stream where they landed)."""
+        settings = self.settings
+        lite = any(s.migration_mode == "lite" for s in self.cluster.instances.values())
+        if lite and not settings.count_recompute:
+            return dataclasses.replace(settings, count_recompute=True)
+        return settings
+
     def _view(self) -> ClusterView:
         """The view over the migration-enabled instances."""
         placement = self.migrator.placement
@@ -131,7 +142,7 @@ class Rescheduler:
             return 0
         candidates, owners = self._pool(names)
         block_size = {n: self.cluster.block_size(n) for n in names}
-        planned = plan_migrations(view, candidates, block_size, self.settings)
+        planned = plan_migrations(view, candidates, block_size, self._settings_now())
         # Rescues take no slot (see Migrator.submit); the other moves fill what is free.
         room = self.migrator.free_slots
         plan = [m for m in planned if m.preempted]

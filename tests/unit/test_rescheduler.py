@@ -8,8 +8,9 @@ from typing import Any
 
 from proxy import placement
 from proxy.cluster import Cluster
+from proxy.config import InstanceConfig
 from proxy.peer_load import InstanceLoad
-from proxy.policy import Priority
+from proxy.policy import Priority, UsageSettings
 from proxy.policy.migration import MigrationSettings, RequestLoad
 from proxy.rescheduler import Rescheduler
 from tests.unit.test_cluster import make_cluster, snapshot
@@ -238,3 +239,18 @@ def test_a_shorter_interval_from_a_reload_starts_at_once() -> None:
         return ticks
 
     assert asyncio.run(run()) >= 5
+
+
+def test_full_instances_without_their_shim_are_planned_as_lite_ones_are() -> None:
+    """`migration: full` moves by recompute where the instance's shim is not
+    there (the README's fallback); the planner weighed no recompute for an
+    all-`full` fleet all the same, so its moves stalled every stream they met."""
+    configs = tuple(InstanceConfig(n, f"http://{n}", migration="full") for n in "ab")
+    cluster = Cluster(configs, UsageSettings(), unhealthy_after_failures=3)
+    all_full = MigrationSettings(count_recompute=False)  # what the file alone says
+    planner = Rescheduler(cluster, Migrator(cluster, {}), all_full, interval_s=1)  # type: ignore[arg-type]
+    assert planner._settings_now().count_recompute  # no shim seen: lite moves
+    cluster.instances["a"].shim = {"block_size": 16, "kv_addr": "127.0.0.1:1"}
+    assert planner._settings_now().count_recompute  # b still moves by recompute
+    cluster.instances["b"].shim = {"block_size": 16, "kv_addr": "127.0.0.1:2"}
+    assert not planner._settings_now().count_recompute
