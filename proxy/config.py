@@ -945,8 +945,11 @@ def _check_scheduler(s: SchedulerConfig) -> None:
         )
     if not 0.01 <= s.scrape_interval_s <= 60:
         raise ConfigError("scheduler.scrape_interval_s: must be between 0.01 and 60 seconds")
-    if s.scrape_timeout_s <= 0 or s.models_refresh_s <= 0:
-        raise ConfigError("scheduler.scrape_timeout_s, models_refresh_s: must be positive")
+    # (Below 10 ms no scrape comes back, and every instance reads as down.)
+    if s.scrape_timeout_s < 0.01 or s.models_refresh_s < 0.01:
+        raise ConfigError(
+            "scheduler.scrape_timeout_s, models_refresh_s: must be at least 0.01 seconds"
+        )
     if s.unhealthy_after_failures < 1:
         raise ConfigError("scheduler.unhealthy_after_failures: must be at least 1")
     if s.topk < 1:
@@ -962,11 +965,13 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     for key in ("migration_stalled_after_s", "migration_prewarm_min_recompute_s"):
         if getattr(s, key) < 0:
             raise ConfigError(f"scheduler.{key}: must not be negative")
-    if s.rebalance_interval_s < 0 or s.migration_max_concurrent < 1:
+    # (A tick every microsecond keeps the event loop busy with nothing to move.)
+    if not (s.rebalance_interval_s == 0 or s.rebalance_interval_s >= 0.01):
         raise ConfigError(
-            "scheduler.rebalance_interval_s: must not be negative;"
-            " scheduler.migration_max_concurrent: must be at least 1"
+            "scheduler.rebalance_interval_s: must be 0 (off) or at least 0.01 seconds"
         )
+    if s.migration_max_concurrent < 1:
+        raise ConfigError("scheduler.migration_max_concurrent: must be at least 1")
     if s.migration_full_max_stages < 0 or s.migration_full_last_stage_blocks < 0:
         raise ConfigError(
             "scheduler.migration_full_max_stages, scheduler.migration_full_last_stage_blocks:"

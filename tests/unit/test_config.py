@@ -365,6 +365,14 @@ def test_client_keys_from_yaml_or_environment() -> None:
             r"^scheduler\.rebalance_interval_s: must be a fin",
         ),
         (
+            base(scheduler={"rebalance_interval_s": 1e-300}),
+            r"^scheduler\.rebalance_interval_s: must be 0 \(off\) or at least 0\.01",
+        ),
+        (
+            base(scheduler={"scrape_timeout_s": 1e-300}),
+            r"^scheduler\.scrape_timeout_s, models_refresh_s: must be at least 0\.01",
+        ),
+        (
             base(server={"worker_timeout_s": 1}),
             r"^server\.worker_timeout_s: must be 0 \(never\) or between 3 and",
         ),
@@ -701,7 +709,7 @@ def test_an_admin_token_no_header_carries_as_written_is_refused(token: str) -> N
         # --workers' parent crashed on SIGTERM, past what a wait can take.
         ("server", "shutdown_grace_s", 1e10, r"shutdown_grace_s: must be between 0 and 1e\+06"),
         ("server", "shutdown_delay_s", -1, r"shutdown_grace_s: must be between 0 and"),
-        ("scheduler", "models_refresh_s", 0, r"models_refresh_s: must be positive"),
+        ("scheduler", "models_refresh_s", 0, r"models_refresh_s: must be at least 0.01 seconds"),
     ],
 )
 def test_bounds_a_client_or_an_engine_would_feel(
