@@ -315,6 +315,10 @@ class Relay:
                         record.migrations = live.moves
                 elif body is None and upstream.content_type == "text/event-stream":
                     # A pass-through event stream (a streamed /v1/responses): byte for byte.
+                    if self.cluster.instances[name].config.migration != "off":
+                        # Not OpenAI's chunks: nothing to continue from (a drain waits for it).
+                        self.metrics.non_migratable.labels("passed through").inc()
+                        log.info("request on %s not migratable: passed through", name)
                     response, outcome = await self._pipe(request, upstream, call, _as_is)
                 elif body is not None and stream and not answered_whole:
                     ending = StreamEnd.of(body, endpoint)

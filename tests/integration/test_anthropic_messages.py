@@ -111,3 +111,13 @@ def test_an_empty_model_on_a_passed_through_call_names_none(standins: Any, ferry
     ]:
         answer = httpx.post(proxy.url + path, json=body, timeout=10)
         assert answer.headers.get("x-ferry-instance") == "i0", (path, answer.text)
+
+
+def test_a_messages_stream_is_counted_as_one_that_cannot_move(standins: Any, ferry: Any) -> None:
+    """A drain waits for it (it is not OpenAI's chunks): the count says why."""
+    [(_, site)] = standins(1, itl_s=0.001)
+    proxy = ferry([site.url], instances_migration="lite")
+    with client(proxy.url).messages.stream(**ASK) as stream:
+        assert stream.get_final_text() == " tok" * 5
+    page = httpx.get(proxy.url + "/metrics").text
+    assert 'ferry_non_migratable_requests_total{reason="passed through"} 1.0' in page
