@@ -147,10 +147,11 @@ def add_routes(
                 try:
                     answer = await change(request)
                 except FleetError as exc:
-                    if exc.status != 404 or settle is None:
+                    if exc.status not in (404, 409) or settle is None:
                         raise
-                    # Added through another process a moment ago, perhaps, and
-                    # not heard of here yet: asked again once the fleet log is read.
+                    # Added (or removed) through another process a moment ago,
+                    # perhaps, and not heard of here yet: asked again once the
+                    # fleet log is read. (Neither refusal changed anything.)
                     await settle()
                     answer = await change(request)
             except FleetError as exc:

@@ -20,6 +20,7 @@ import json
 import logging
 import re
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -91,6 +92,9 @@ class Relay:
         self.clock = clock
         # Instances that could not count a prompt (`_counted`), until when they are not asked.
         self._uncounted: dict[str, float] = {}
+        # The bodies (their hashes) of streams an engine gave up mid-way with its
+        # error event, the latest GIVEN_UP_KEPT (see `_given_up_before`).
+        self._given_up: OrderedDict[int, None] = OrderedDict()
         self.retry_after = str(retry_after_s)
         self.retries = retries
         self.max_resumes = max_resumes
@@ -396,16 +400,18 @@ class Relay:
                 else:
                     poison = self._judge(retried, outcome) or (live is not None and live.poison)
                     # A stream that cannot move, given up by its engine's error
-                    # event: the engine still answers (one that died fails the
-                    # next calls at once, and its health check), and the request
-                    # may be what it fails on (vLLM fails some sampling options
-                    # mid-stream): one client must not eject instances.
+                    # event, whose body was given up so before: the request is
+                    # what the engines fail on (vLLM fails some sampling options
+                    # mid-stream), and one client repeating it must not eject
+                    # instances. An instance that gives up other requests so is
+                    # held to each.
                     said = (
                         outcome == "stream_broken"
                         and ending is not None
                         and ending.fault is not None
                     )
-                    self._count(name, outcome, error or outcome, blame=not (poison or said))
+                    repeated = said and self._given_up_before(raw)
+                    self._count(name, outcome, error or outcome, blame=not (poison or repeated))
                 _note_end(record, outcome, timing, call, live)
         assert failed is not None  # every attempt that does not return sets it
         self._judge(retried, "no_instance")
@@ -431,6 +437,17 @@ class Relay:
         if not any(length is not None and length > context for length in lengths.values()):
             return set()
         return {n for n, length in lengths.items() if length is None or length <= context}
+
+    def _given_up_before(self, raw: bytes) -> bool:
+        """Whether a stream of this very body was given up by an engine before
+        (among the latest GIVEN_UP_KEPT); it is remembered now."""
+        key = hash(raw)
+        seen = key in self._given_up
+        self._given_up[key] = None
+        self._given_up.move_to_end(key)
+        if len(self._given_up) > GIVEN_UP_KEPT:
+            self._given_up.popitem(last=False)
+        return seen
 
     def _retrying(self, record: access_log.AccessRecord, name: str, reason: str) -> None:
         """Count a call to `name` that failed before any byte reached the client
@@ -876,6 +893,7 @@ _TOKENIZE_CHAT_KEYS = (
     "chat_template_kwargs",
     "tools",
 )
+GIVEN_UP_KEPT = 1024  # bodies of streams given up by an engine, remembered (Relay._given_up)
 TOKENIZE_TIMEOUT_S = 2.0  # past it, the estimate places the request
 UNCOUNTED_S = 30.0  # an instance that could not count is not asked for so long
 # `/tokenize`'s answer begins with its count (vLLM's field order); the token ids

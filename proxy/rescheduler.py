@@ -116,11 +116,14 @@ class Rescheduler:
 
     def _settings_now(self) -> MigrationSettings:
         """The settings, with the recompute a move costs weighed wherever some
-        instance moves by recompute now: a `full` one whose shim is not there
-        moves in lite mode (an all-`full` fleet planned as if the KV moved
-        along, and its lite moves stalled every stream where they landed)."""
+        instance that takes part in moves now moves by recompute: a `full` one
+        whose shim is not there moves in lite mode (an all-`full` fleet planned
+        as if the KV moved along, and its lite moves stalled every stream where
+        they landed). One down or drained takes no part."""
         settings = self.settings
-        lite = any(s.migration_mode == "lite" for s in self.cluster.instances.values())
+        instances = self.cluster.instances
+        moving = self.migrator.placement.migration_instances()
+        lite = any(instances[name].migration_mode == "lite" for name in moving)
         if lite and not settings.count_recompute:
             return dataclasses.replace(settings, count_recompute=True)
         return settings

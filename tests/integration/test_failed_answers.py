@@ -64,12 +64,12 @@ def test_a_server_error_mid_stream_counts_against_its_instance(standins: Any, fe
     assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 1.0' in metrics(proxy)
 
 
-def test_streams_an_engine_gives_up_mid_way_eject_no_instance(standins: Any, ferry: Any) -> None:
+def test_a_request_engines_give_up_mid_stream_ejects_no_instance(standins: Any, ferry: Any) -> None:
     """vLLM gives up some requests mid-stream with a server error event and
     serves the rest (its own bug with `n`, `echo` and `logprobs` together): such
     a stream, one that cannot move, was held against its instance, and a client
-    repeating it ejected healthy instances. A dead engine still is ejected: it
-    fails the next streams at their first event (the first test above)."""
+    repeating it ejected healthy instances. A body given up before is the
+    request's doing (the next test: other requests given up so still count)."""
     (first, a), (second, b) = standins(2, itl_s=0.001)
     first.error_after = second.error_after = 2
     proxy = ferry([a.url, b.url], scheduler={"policy": "round_robin"})
@@ -80,6 +80,21 @@ def test_streams_an_engine_gives_up_mid_way_eject_no_instance(standins: Any, fer
     assert 'ferry_requests_total{instance="i0",outcome="stream_broken"} 6.0' in page
     assert 'ferry_ejections_total{instance="i0"} 0.0' in page
     assert not proxy.view("i0").ejected and not proxy.view("i1").ejected
+
+
+def test_an_instance_that_gives_up_every_stream_mid_way_is_ejected(
+    standins: Any, ferry: Any
+) -> None:
+    (sick, a), (_, b) = standins(2, itl_s=0.001)
+    sick.error_after = 2
+    proxy = ferry([a.url, b.url], scheduler={"policy": "round_robin"})
+    broken = 0
+    for n in range(40):  # each its own request
+        body = {**BODY, "prompt": f"x{n}", "stream": True}
+        broken += '"error"' in httpx.post(proxy.url + "/v1/completions", json=body).text
+    # Ejected after eject_after_failures (5) for 5 s, doubling: 5, more on a slow machine.
+    assert 5 <= broken < 10
+    assert 'ferry_ejections_total{instance="i0"} 0.0' not in metrics(proxy)
 
 
 def test_a_request_an_error_event_refuses_is_the_clients_answer(standins: Any, ferry: Any) -> None:

@@ -254,3 +254,31 @@ def test_full_instances_without_their_shim_are_planned_as_lite_ones_are() -> Non
     assert planner._settings_now().count_recompute  # b still moves by recompute
     cluster.instances["b"].shim = {"block_size": 16, "kv_addr": "127.0.0.1:2"}
     assert not planner._settings_now().count_recompute
+
+
+def planned_full(names: str) -> list[tuple[Any, str | None, str, bool]]:
+    """A running stream on busy `a` in a `migration: full` fleet of `names`,
+    where a and b are up with their shims (the stub placement's movers)."""
+    configs = tuple(InstanceConfig(n, f"http://{n}", migration="full") for n in names)
+    cluster = Cluster(configs, UsageSettings(high_priority_headroom_blocks=0.0), 3)
+    for n in "ab":
+        cluster.record_models(n, [{"id": "m"}])
+        cluster.record_scrape(n, snapshot(), now=0.0)
+        cluster.instances[n].shim = {"block_size": 16, "kv_addr": f"127.0.0.1:{ord(n)}"}
+    cluster.set_peer_load({"a": InstanceLoad(97, 6, 0, 0)})  # freeness 0.5: sheds load
+    migrator = Migrator(cluster, {"a": [RequestLoad(1, 96, Priority.NORMAL, running=True)]})
+    planner = Rescheduler(
+        cluster,
+        migrator,  # type: ignore[arg-type]
+        MigrationSettings(count_recompute=False),
+        interval_s=1,
+    )
+    planner.tick()
+    return migrator.submitted
+
+
+def test_an_instance_down_weighs_no_recompute_for_moves_between_the_others() -> None:
+    """c is `full` and down (its shim never seen): the moves between a and b,
+    whose KV moves along, were weighed as recompute, and none was made."""
+    assert [m[1] for m in planned_full("ab")] == ["b"]
+    assert [m[1] for m in planned_full("abc")] == ["b"]
