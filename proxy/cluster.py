@@ -113,10 +113,14 @@ class Cluster:
         # model -> (each instance's context for it where its card says, the
         # shortest): read per request, changed only when a card or the fleet does.
         self._contexts: dict[str, tuple[dict[str, int], int]] = {}
-        # The cache sizes, in tokens, of the engines that publish one, and their
-        # mean: the size an engine that publishes none is ranked by (`_build`).
-        self._capacities: dict[str, int] = {}
+        # The cache sizes (tokens, block size) of the engines that publish one,
+        # their mean in tokens and their median block size: the size an engine
+        # that publishes none is ranked by (`_build`), and the blocks it is
+        # billed in where it says no block size (freeness is blocks per
+        # request: in 16-token blocks beside 128-token ones it read 8x freer).
+        self._capacities: dict[str, tuple[int, int]] = {}
         self._assumed_tokens = 0
+        self._assumed_block = 0
         # Other Ferry processes' in-flight totals by instance (proxy/peer_load.py),
         # and whether there are any (proxy/sharing.py sets it).
         self.peer_load: dict[str, InstanceLoad] = {}
@@ -216,6 +220,7 @@ class Cluster:
         """A new instance; it takes no traffic until its first good scrape."""
         state = self.instances[config.name] = InstanceState(config)
         self._contexts.clear()
+        self._assume_block_size(config.name, state)
         # The others' views stand: one more built, not all of them again.
         self._index[config.name] = len(self._views)
         self._views.append(self._build(state))
@@ -270,7 +275,7 @@ class Cluster:
 
     def block_size(self, name: str) -> int:
         snap = self.instances[name].snapshot
-        return snap.block_size if snap and snap.block_size else 16
+        return snap.block_size if snap and snap.block_size else self._assumed_block or 16
 
     def record_scrape(
         self, name: str, snapshot: EngineSnapshot, now: float, reached_id: int = 0
@@ -395,22 +400,38 @@ class Cluster:
         self._stale.add(name)
 
     def _note_capacity(self, name: str) -> None:
-        """Keep `_capacities` and their mean as `name`'s engine says its cache
-        size (or no longer does); the views of engines that say none follow."""
+        """Keep `_capacities`, their mean and their median block size as `name`'s
+        engine says its cache size (or no longer does); the engines that say
+        none follow: their views, and the blocks they are billed in."""
         state = self.instances.get(name)
         snap = state.snapshot if state is not None else None
-        tokens = snap.kv_blocks_total * (snap.block_size or 16) if snap is not None else 0
-        if self._capacities.get(name, 0) == max(tokens, 0):
-            return
-        if tokens > 0:
-            self._capacities[name] = tokens
-        else:
-            self._capacities.pop(name, None)
+        size = None  # (tokens, block size)
+        if snap is not None and snap.kv_blocks_total > 0:
+            block = snap.block_size or 16
+            size = (snap.kv_blocks_total * block, block)
         known = self._capacities
-        mean = sum(known.values()) // len(known) if known else 0
-        if mean != self._assumed_tokens:
-            self._assumed_tokens = mean
-            self._stale.update(n for n in self.instances if n not in known)
+        if known.get(name) == size:
+            return
+        if size is None:
+            del known[name]
+        else:
+            known[name] = size
+        mean = sum(tokens for tokens, _ in known.values()) // len(known) if known else 0
+        blocks = sorted(block for _, block in known.values())
+        median = blocks[len(blocks) // 2] if blocks else 0
+        if (mean, median) == (self._assumed_tokens, self._assumed_block):
+            return
+        self._assumed_tokens, self._assumed_block = mean, median
+        for other, other_state in self.instances.items():
+            if other not in known:
+                self._assume_block_size(other, other_state)
+                self._stale.add(other)
+
+    def _assume_block_size(self, name: str, state: InstanceState) -> None:
+        """Bill an engine that says no block size in the fleet's (`_capacities`)."""
+        snap = state.snapshot
+        if self._assumed_block and not (snap and snap.block_size):
+            self.ledger.set_block_size(name, self._assumed_block)
 
     def _build(self, state: InstanceState) -> InstanceView:
         snap = state.snapshot
@@ -419,7 +440,7 @@ class Cluster:
         peers = self.peer_load.get(name)
         if peers is not None:
             load += peers
-        block_size = snap.block_size if snap and snap.block_size else 16
+        block_size = self.block_size(name)
         return instance_view(
             name,
             capacity_blocks=snap.kv_blocks_total if snap else 0,

@@ -25,21 +25,27 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy import sse
-from proxy.errors import error_body
+from proxy.errors import anthropic_error_body, anthropic_route, error_body
 
 log = logging.getLogger("ferry.shutdown")
 
 # How long cancelled handlers get to end their streams and close their calls.
 CUT_WAIT_S = 2.0
 CUT_MESSAGE = "Ferry shut down before this stream finished; retry it"
-_CUT_BODY = json.dumps(
-    error_body(503, "Ferry shut down before answering this request; retry it", code="shutting_down")
-).encode()
-CUT_ANSWER = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%b"
-    % (len(_CUT_BODY), _CUT_BODY)
-)
+_CUT_WHY = "Ferry shut down before answering this request; retry it"
+
+
+def _cut_answer(body: object) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%b" % (len(data), data)
+    )
+
+
+CUT_ANSWER = _cut_answer(error_body(503, _CUT_WHY, code="shutting_down"))
+# On Anthropic's Messages routes, in its shape (`overloaded_error`), as Ferry's other errors there.
+CUT_ANSWER_ANTHROPIC = _cut_answer(anthropic_error_body(503, _CUT_WHY))
 
 
 class InFlight:
@@ -93,4 +99,4 @@ def _answer_cut(request: web.Request) -> None:
     if writer.output_size or getattr(writer, "_headers_buf", None):  # (aiohttp's: held headers)
         return
     if transport is not None and not transport.is_closing():
-        transport.write(CUT_ANSWER)
+        transport.write(CUT_ANSWER_ANTHROPIC if anthropic_route(request.path) else CUT_ANSWER)

@@ -9,11 +9,16 @@ an event with no name."""
 
 from __future__ import annotations
 
+import signal
+import threading
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
+
+from tests.integration.test_shutdown import serving
 
 ASK = {"model": "standin", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -121,3 +126,19 @@ def test_a_messages_stream_is_counted_as_one_that_cannot_move(standins: Any, fer
         assert stream.get_final_text() == " tok" * 5
     page = httpx.get(proxy.url + "/metrics").text
     assert 'ferry_non_migratable_requests_total{reason="passed through"} 1.0' in page
+
+
+def test_a_whole_messages_call_cut_by_a_shutdown_is_answered_in_anthropics_shape(
+    standins: Any, tmp_path: Path
+) -> None:
+    """`ferry serve` as a process: a call sent nothing yet when the shutdown's
+    grace ends gets a 503, here in Anthropic's shape (it was OpenAI's)."""
+    [(_, site)] = standins(1, itl_s=0.05)  # 400 tokens: 20 s before its answer
+    server = {"shutdown_delay_s": 0.2, "shutdown_grace_s": 1.0}
+    config = {"instances": [{"name": "a", "url": site.url}], "server": server}
+    with serving(config, tmp_path / "ferry.yaml") as (proc, url):
+        threading.Timer(0.5, proc.send_signal, (signal.SIGTERM,)).start()
+        answer = httpx.post(url + "/v1/messages", json={**ASK, "max_tokens": 400}, timeout=30)
+        message = anthropic_error(answer, 503, "overloaded_error")
+        assert "shut down" in message and answer.headers["Retry-After"] == "1"
+        assert proc.wait(10) == 0
