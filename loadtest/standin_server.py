@@ -22,6 +22,7 @@ import gzip
 import json
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 from aiohttp import web
@@ -344,16 +345,14 @@ class StandIn:
         await send("response.created", response=self._response(rid, "in_progress", "", 0))
         await asyncio.sleep(self.ttft_s)
         item = {"item_id": f"msg_{rid}", "output_index": 0, "content_index": 0, "logprobs": []}
-        for i in range(n):
-            if i:
-                await asyncio.sleep(self.itl_s)
-            if self.break_after is not None and i == self.break_after:
-                assert request.transport is not None
-                request.transport.abort()  # an instance dying mid-stream
-                return resp
+
+        async def delta(i: int) -> None:
             await send("response.output_text.delta", delta=TOKEN_TEXT, **item)
             if i == 0 and self.responses_gate is not None:
                 await self.responses_gate.wait()
+
+        if not await self._deltas(request, n, delta):
+            return resp
         await send("response.output_text.done", text=TOKEN_TEXT * n, **item)
         await send(
             "response.completed", response=self._response(rid, "completed", TOKEN_TEXT * n, n)
@@ -394,22 +393,34 @@ class StandIn:
         await send("message_start", message=message)
         await send("content_block_start", index=0, content_block={"type": "text", "text": ""})
         await asyncio.sleep(self.ttft_s)
-        for i in range(n):
-            if i:
-                await asyncio.sleep(self.itl_s)
-            if self.break_after is not None and i == self.break_after:
-                assert request.transport is not None
-                request.transport.abort()  # an instance dying mid-stream
-                return resp
-            await send(
-                "content_block_delta", index=0, delta={"type": "text_delta", "text": TOKEN_TEXT}
-            )
+        text = {"type": "text_delta", "text": TOKEN_TEXT}
+
+        async def delta(i: int) -> None:
+            await send("content_block_delta", index=0, delta=text)
+
+        if not await self._deltas(request, n, delta):
+            return resp
         await send("content_block_stop", index=0)
         usage = {"output_tokens": n}
         await send("message_delta", delta={"stop_reason": "max_tokens"}, usage=usage)
         await send("message_stop")
         await resp.write_eof()
         return resp
+
+    async def _deltas(
+        self, request: web.Request, n: int, delta: Callable[[int], Awaitable[None]]
+    ) -> bool:
+        """Send n deltas (`delta(i)`), `itl_s` apart; False where the stand-in was
+        told to die mid-stream (`break_after`): its connection is cut."""
+        for i in range(n):
+            if i:
+                await asyncio.sleep(self.itl_s)
+            if self.break_after is not None and i == self.break_after:
+                assert request.transport is not None
+                request.transport.abort()  # an instance dying mid-stream
+                return False
+            await delta(i)
+        return True
 
     def _response(self, rid: str, status: str, text: str, n: int) -> dict[str, Any]:
         message = {

@@ -33,15 +33,22 @@ def make_cluster(*names: str, headroom: float | None = 0.0) -> Cluster:
     return cluster
 
 
+def placed(cluster: Cluster, n: int, prompt_tokens: int) -> list[str]:
+    """Where `llumnix` places n requests in a row, each billed as it goes."""
+    policy, rng = make_policy("llumnix"), random.Random(0)
+    names = []
+    for _ in range(n):
+        request = DispatchRequest("m", prompt_tokens=prompt_tokens)
+        chosen = dispatch(policy, request, cluster.view(), rng)
+        cluster.ledger.add(chosen.name, "m", Priority.NORMAL, prompt_tokens, now=0.0)
+        names.append(chosen.name)
+    return names
+
+
 def test_a_burst_between_scrapes_spreads_evenly() -> None:
     cluster = make_cluster("a", "b", "c", "d")
-    policy, rng = make_policy("llumnix"), random.Random(0)
-    placed = []
-    for _ in range(12):  # no scrape in between: only the ledger knows
-        chosen = dispatch(policy, DispatchRequest("m", prompt_tokens=64), cluster.view(), rng)
-        cluster.ledger.add(chosen.name, "m", Priority.NORMAL, 64, now=0.0)
-        placed.append(chosen.name)
-    assert sorted(placed.count(n) for n in "abcd") == [3, 3, 3, 3]
+    spread = placed(cluster, 12, 64)  # no scrape in between: only the ledger knows
+    assert sorted(spread.count(n) for n in "abcd") == [3, 3, 3, 3]
 
 
 def test_engine_load_that_bypassed_the_proxy_counts() -> None:
@@ -338,13 +345,7 @@ def test_an_engine_that_publishes_no_cache_size_takes_its_share_beside_one_that_
     cluster = make_cluster("vllm", "other")
     cluster.record_scrape("other", dataclasses.replace(snapshot(), kv_blocks_total=0), now=0.0)
     assert cluster.instance_view("other").capacity_blocks == 0  # still unknown
-    policy, rng = make_policy("llumnix"), random.Random(0)
-    placed = []
-    for _ in range(20):
-        chosen = dispatch(policy, DispatchRequest("m", prompt_tokens=64), cluster.view(), rng)
-        cluster.ledger.add(chosen.name, "m", Priority.NORMAL, 64, now=0.0)
-        placed.append(chosen.name)
-    assert placed.count("other") == 10
+    assert placed(cluster, 20, 64).count("other") == 10
     cluster.remove("vllm")  # none publishes one: fewest requests first
     assert cluster.instance_view("other").freeness == -10.0
 
@@ -368,12 +369,6 @@ def test_an_engine_that_says_no_block_size_is_billed_in_the_fleets() -> None:
     assert o.freeness == pytest.approx(v.freeness)
     for entry in list(cluster.ledger.entries("vllm")) + list(cluster.ledger.entries("other")):
         cluster.release(entry)
-    policy, rng = make_policy("llumnix"), random.Random(0)
-    placed = []
-    for _ in range(12):
-        chosen = dispatch(policy, DispatchRequest("m", prompt_tokens=200), cluster.view(), rng)
-        cluster.ledger.add(chosen.name, "m", Priority.NORMAL, 200, now=0.0)
-        placed.append(chosen.name)
-    assert placed.count("other") == 6
+    assert placed(cluster, 12, 200).count("other") == 6
     cluster.add(InstanceConfig("new", "http://new"))  # billed so from its start
     assert cluster.block_size("new") == 128
