@@ -25,10 +25,10 @@ from typing import Any
 
 from loadtest.ferry_process import wait_healthy
 from loadtest.replay import replay
-from loadtest.sim.stats import summarize
+from loadtest.sim.stats import lower, summarize
 from loadtest.tiny_model import build
 from loadtest.trace import TraceSpec, generate
-from loadtest.vllm_servers import start_vllm, wait_ready
+from loadtest.vllm_servers import start_vllm, stop_on_sigterm, wait_ready
 from migration_shim.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,9 +137,10 @@ def main() -> int:
     for kind in KINDS[2:]:
         ttft = results[best]["ttft_p99"] / results[kind]["ttft_p99"]
         decode = results[best]["decode_p99"] / results[kind]["decode_p99"]
-        print(f"{kind} vs {best}: P99 TTFT {ttft:.2f}x lower, P99 decode {decode:.2f}x lower")
+        print(f"{kind} vs {best}: P99 TTFT {lower(ttft)}, P99 decode {lower(decode)}")
     return 0
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

@@ -15,6 +15,7 @@ already cached on a tenth of the instances.
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import time
@@ -106,6 +107,8 @@ def _with_prefix(cluster: Cluster, request: DispatchRequest) -> tuple[PrefixKey,
 
 
 def main() -> int:
+    # No options: it parses them so that `--help` says what it does rather than run.
+    argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]).parse_args()
     print(f"{'policy':<16}" + "".join(f"{f'{n} inst':>22}" for n in SIZES))
     print(f"{'':<16}" + "".join(f"{'alone / +view us':>22}" for _ in SIZES))
     at_256 = {}

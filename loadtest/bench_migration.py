@@ -31,7 +31,7 @@ import openai
 
 from loadtest.ferry_process import wait_healthy
 from loadtest.tiny_model import build
-from loadtest.vllm_servers import start_vllm, wait_ready
+from loadtest.vllm_servers import start_vllm, stop_on_sigterm, wait_ready
 from migration_shim.launcher import free_port
 from proxy.config import load_config
 
@@ -223,4 +223,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

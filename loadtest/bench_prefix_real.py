@@ -62,7 +62,7 @@ from loadtest.sim.instance import SimRequest
 from loadtest.sim.stats import summarize
 from loadtest.tiny_model import build
 from loadtest.trace import TraceRequest, TraceSpec, generate
-from loadtest.vllm_servers import VLLMServer, metric, start_vllm, wait_ready
+from loadtest.vllm_servers import VLLMServer, metric, start_vllm, stop_on_sigterm, wait_ready
 from migration_shim.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -480,4 +480,5 @@ def _progress(r: Result, started: float) -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

@@ -353,7 +353,9 @@ def report(
             f"  a survivor's view before: {b['view']} in flight, {b['dead']} of them the"
             f" holder's; the survivors' own: {b['survivors']} (read one after another, under load)",
             f"  after: {a['view']} in flight, {a['dead']} the dead process's; the survivors'"
-            f" own: {a['survivors']} (no phantom load: view = survivors' own)",
+            f" own: {a['survivors']} ("
+            + ("no phantom load" if a["dead"] == 0 else "PHANTOM LOAD: the dead one's still counts")
+            + ")",
             f"  its totals gone after {_s(kill['gone_s'])} (TTL {TTL_S:g}s); the lease moved"
             f" after {_s(kill['lease_s'])} (lease TTL {LEASE_TTL_S:g}s)",
         ]

@@ -59,7 +59,7 @@ from loadtest.replay import replay
 from loadtest.sim.instance import SimRequest
 from loadtest.sim.profile import Profile, save
 from loadtest.sim.simulator import SimSettings, Simulator
-from loadtest.sim.stats import percentile, summarize
+from loadtest.sim.stats import lower, percentile, summarize
 from loadtest.trace import TraceRequest, TraceSpec, generate
 
 KINDS = ("vllm-router:round_robin", "vllm-router:power_of_two", "ferry", "ferry+lite")
@@ -221,7 +221,7 @@ def ratios(results: dict[str, dict[str, Any]], prefix: str = "") -> list[str]:
         stall = off["stall_p99"] / lite["stall_p99"]
         lines.append(
             f"{prefix}rebalancing: P99 TTFT {ttft:.2f}x that without (target <= 1.1x: "
-            f"{_met(ttft <= 1.1)}), P99 worst stall {stall:.1f}x lower (target >= 5x: "
+            f"{_met(ttft <= 1.1)}), P99 worst stall {lower(stall)} (target >= 5x lower: "
             f"{_met(stall >= 5)})"
         )
     if routers:
@@ -231,8 +231,8 @@ def ratios(results: dict[str, dict[str, Any]], prefix: str = "") -> list[str]:
                 ratio = results[best]["ttft_p99"] / results[kind]["ttft_p99"]
                 stall = results[best]["stall_p99"] / results[kind]["stall_p99"]
                 lines.append(
-                    f"{prefix}{kind} vs {best}: P99 TTFT {ratio:.1f}x lower (target >= 10x: "
-                    f"{_met(ratio >= 10)}), P99 worst stall {stall:.1f}x lower"
+                    f"{prefix}{kind} vs {best}: P99 TTFT {lower(ratio)} (target >= 10x lower:"
+                    f" {_met(ratio >= 10)}), P99 worst stall {lower(stall)}"
                 )
     return lines
 

@@ -63,7 +63,7 @@ from loadtest.replay import replay
 from loadtest.sim.stats import percentile
 from loadtest.trace import TraceRequest, TraceSpec, generate
 from loadtest.ttft_breakdown import read_stages
-from loadtest.vllm_servers import VLLMServer, wait_ready
+from loadtest.vllm_servers import VLLMServer, stop_on_sigterm, wait_ready
 from migration_shim.launcher import free_port
 from proxy.policy import POLICIES, Priority
 from proxy.ttft_stages import STAGES
@@ -375,4 +375,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

@@ -37,7 +37,7 @@ import yaml
 from adapters.vllm import parse_metrics
 from loadtest.ferry_process import ferry_command, wait_healthy
 from loadtest.tiny_model import build
-from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
+from loadtest.vllm_servers import VLLMServer, start_vllm, stop_on_sigterm, wait_ready
 from proxy.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -389,4 +389,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

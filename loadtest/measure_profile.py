@@ -40,11 +40,12 @@ from pathlib import Path
 
 import openai
 
+from adapters import MetricsParseError
 from adapters.vllm import parse_metrics
 from loadtest.replay import chunk_tokens
 from loadtest.sim import profile as profiles
 from loadtest.sim.profile import Profile
-from loadtest.vllm_servers import metric
+from loadtest.vllm_servers import metric, stop_on_sigterm
 
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 
@@ -364,19 +365,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-bytes-per-token", type=int, default=TINY_KV_BYTES_PER_TOKEN)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    profile, points, overhead = asyncio.run(
-        measure(
-            args.url,
-            args.model,
-            name=args.name,
-            batches=args.batches,
-            lengths=args.prompts,
-            max_num_seqs=args.max_num_seqs,
-            max_batched_tokens=args.max_batched_tokens,
-            kv_bytes_per_token=args.kv_bytes_per_token,
-            seed=args.seed,
+    try:
+        profile, points, overhead = asyncio.run(
+            measure(
+                args.url,
+                args.model,
+                name=args.name,
+                batches=args.batches,
+                lengths=args.prompts,
+                max_num_seqs=args.max_num_seqs,
+                max_batched_tokens=args.max_batched_tokens,
+                kv_bytes_per_token=args.kv_bytes_per_token,
+                seed=args.seed,
+            )
         )
-    )
+    except MetricsParseError as exc:  # (Ferry's own /metrics, say: no vLLM there)
+        print(f"measure_profile: {args.url} is not a vLLM server: {exc}", file=sys.stderr)
+        return 2
     print(format_report(profile, points, overhead))
     if args.out is None:
         print(json.dumps(dataclasses.asdict(profile), indent=2))
@@ -387,4 +392,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

@@ -253,4 +253,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from loadtest.vllm_servers import stop_on_sigterm
+
+    stop_on_sigterm()
     main()

@@ -13,6 +13,7 @@ engine shares.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ import psutil
 from adapters.vllm import METRICS_NARROW_PATH
 from loadtest import bench_prefix_real as real
 from loadtest.tiny_model import build
-from loadtest.vllm_servers import VLLMServer, start_vllm, wait_ready
+from loadtest.vllm_servers import VLLMServer, start_vllm, stop_on_sigterm, wait_ready
 from migration_shim.launcher import free_port
 
 CALLS = 100
@@ -44,6 +45,8 @@ def get(url: str) -> int:
 
 
 def main() -> int:
+    # No options: it parses them so that `--help` says what it does rather than run.
+    argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]).parse_args()
     model = build(real.MODEL_DIR, hidden=real.HIDDEN, layers=real.LAYERS)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     server = start_vllm(
@@ -76,4 +79,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

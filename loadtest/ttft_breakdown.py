@@ -31,7 +31,7 @@ from loadtest.replay import replay
 from loadtest.sim.instance import SimRequest
 from loadtest.tiny_model import build
 from loadtest.trace import TraceRequest, TraceSpec, generate
-from loadtest.vllm_servers import start_vllm, wait_ready
+from loadtest.vllm_servers import start_vllm, stop_on_sigterm, wait_ready
 from migration_shim.launcher import free_port
 from proxy.ttft_stages import STAGES
 
@@ -149,4 +149,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

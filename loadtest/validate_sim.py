@@ -48,7 +48,13 @@ from loadtest.sim.simulator import SimSettings, Simulator
 from loadtest.sim.stats import summarize
 from loadtest.tiny_model import build
 from loadtest.trace import TraceRequest, TraceSpec, generate
-from loadtest.vllm_servers import DEFAULT_MODEL_NAME, VLLMServer, start_vllm, wait_ready
+from loadtest.vllm_servers import (
+    DEFAULT_MODEL_NAME,
+    VLLMServer,
+    start_vllm,
+    stop_on_sigterm,
+    wait_ready,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".ferry"
@@ -270,4 +276,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

@@ -152,6 +152,13 @@ def start_vllm(
     return VLLMServer(port, process, log_path, events, replay, scheme)
 
 
+def stop_on_sigterm() -> None:
+    """Let a SIGTERM (a `timeout`, a cancelled job) end a script as Ctrl-C does,
+    through the `finally:` blocks that stop its servers: each runs in a session
+    of its own, and outlived a script killed outright (3 GB each)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def metric(url: str, line_start: str) -> float:
     """The value of the first line of `url`'s /metrics that starts with `line_start`
     (0 if none: Prometheus counters start at 0)."""

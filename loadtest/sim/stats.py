@@ -28,6 +28,13 @@ class Slo:
 DEFAULT_SLO = Slo()
 
 
+def lower(ratio: float) -> str:
+    """A ratio of theirs over ours, said the way round it goes (0.5 is "2.0x higher")."""
+    if ratio >= 1 or ratio <= 0:
+        return f"{ratio:.1f}x lower"
+    return f"{1 / ratio:.1f}x higher"
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile; NaN for no values."""
     if not values:
