@@ -405,12 +405,12 @@ class Relay:
                     # mid-stream), and one client repeating it must not eject
                     # instances. An instance that gives up other requests so is
                     # held to each.
-                    said = (
+                    repeated = (
                         outcome == "stream_broken"
                         and ending is not None
                         and ending.fault is not None
+                        and self._given_up_before(raw)
                     )
-                    repeated = said and self._given_up_before(raw)
                     self._count(name, outcome, error or outcome, blame=not (poison or repeated))
                 _note_end(record, outcome, timing, call, live)
         assert failed is not None  # every attempt that does not return sets it

@@ -114,16 +114,15 @@ class Rescheduler:
         names = sources(self._view(), self.settings)
         return {n: loads for n in names if (loads := self.migrator.candidates(n))}
 
-    def _settings_now(self) -> MigrationSettings:
+    def _settings_now(self, view: ClusterView) -> MigrationSettings:
         """The settings, with the recompute a move costs weighed wherever some
         instance that takes part in moves now moves by recompute: a `full` one
         whose shim is not there moves in lite mode (an all-`full` fleet planned
         as if the KV moved along, and its lite moves stalled every stream where
         they landed). One down or drained takes no part."""
         settings = self.settings
-        instances = self.cluster.instances
-        moving = self.migrator.placement.migration_instances()
-        lite = any(instances[name].migration_mode == "lite" for name in moving)
+        instances = self.cluster.instances  # (the view's: those taking part in moves)
+        lite = any(instances[v.name].migration_mode == "lite" for v in view.instances)
         if lite and not settings.count_recompute:
             return dataclasses.replace(settings, count_recompute=True)
         return settings
@@ -145,7 +144,7 @@ class Rescheduler:
             return 0
         candidates, owners = self._pool(names)
         block_size = {n: self.cluster.block_size(n) for n in names}
-        planned = plan_migrations(view, candidates, block_size, self._settings_now())
+        planned = plan_migrations(view, candidates, block_size, self._settings_now(view))
         # Rescues take no slot (see Migrator.submit); the other moves fill what is free.
         room = self.migrator.free_slots
         plan = [m for m in planned if m.preempted]

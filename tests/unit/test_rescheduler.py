@@ -249,11 +249,11 @@ def test_full_instances_without_their_shim_are_planned_as_lite_ones_are() -> Non
     cluster = Cluster(configs, UsageSettings(), unhealthy_after_failures=3)
     all_full = MigrationSettings(count_recompute=False)  # what the file alone says
     planner = Rescheduler(cluster, Migrator(cluster, {}), all_full, interval_s=1)  # type: ignore[arg-type]
-    assert planner._settings_now().count_recompute  # no shim seen: lite moves
+    assert planner._settings_now(planner._view()).count_recompute  # no shim seen: lite moves
     cluster.instances["a"].shim = {"block_size": 16, "kv_addr": "127.0.0.1:1"}
-    assert planner._settings_now().count_recompute  # b still moves by recompute
+    assert planner._settings_now(planner._view()).count_recompute  # b still moves by recompute
     cluster.instances["b"].shim = {"block_size": 16, "kv_addr": "127.0.0.1:2"}
-    assert not planner._settings_now().count_recompute
+    assert not planner._settings_now(planner._view()).count_recompute
 
 
 def planned_full(names: str) -> list[tuple[Any, str | None, str, bool]]:
